@@ -1,0 +1,69 @@
+//! The admin listener's service: liveness, readiness (the store answers a ping within
+//! its timeout) and Prometheus metrics. It never touches records.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use crate::metrics::{Metrics, StoreOp};
+use crate::store::{AnyStore, RecordStore};
+use crate::upstream::{ProxyBody, full};
+
+#[derive(Clone)]
+pub struct Admin {
+    store: AnyStore,
+    metrics: Arc<Metrics>,
+    timeout: Duration,
+}
+
+impl Admin {
+    pub fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration) -> Admin {
+        Admin {
+            store,
+            metrics,
+            timeout,
+        }
+    }
+
+    pub async fn handle(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        if request.method() != Method::GET && request.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
+        }
+        match request.uri().path() {
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => {
+                let started = tokio::time::Instant::now();
+                let ping = tokio::time::timeout(self.timeout, self.store.ping()).await;
+                let ok = matches!(ping, Ok(Ok(())));
+                self.metrics.store_op(StoreOp::Ping, ok, started.elapsed());
+                if ok {
+                    text(StatusCode::OK, "ready\n")
+                } else {
+                    text(StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n")
+                }
+            }
+            "/metrics" => {
+                let mut response = text(StatusCode::OK, "");
+                *response.body_mut() = full(self.metrics.encode());
+                response.headers_mut().insert(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+                );
+                response
+            }
+            _ => text(StatusCode::NOT_FOUND, "not found\n"),
+        }
+    }
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}

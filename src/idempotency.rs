@@ -1,0 +1,229 @@
+//! The idempotency rules: parsing the key, the request fingerprint, the one function
+//! that derives a record's store key, what a claim's outcome means for the request
+//! (`Decision`), and which upstream responses are recorded. Pure: no I/O here.
+
+use std::time::Duration;
+
+use http::header::GetAll;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use ring::digest;
+
+use crate::config::OnServerError;
+use crate::error::{KeyError, Rejection};
+use crate::store::{ClaimOutcome, Fingerprint, RecordState, StoreKey, StoredResponse, hex};
+
+/// The longest key accepted, in characters.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A validated idempotency key: 1 to 255 visible ASCII characters.
+#[derive(Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for IdempotencyKey {
+    /// Never prints the key itself: only a short hash, safe for logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "key#{}", short_hash(self.0.as_bytes()))
+    }
+}
+
+/// The first 12 hex digits of the SHA-256 of `bytes`: how keys appear in logs.
+pub fn short_hash(bytes: &[u8]) -> String {
+    hex(&digest::digest(&digest::SHA256, bytes).as_ref()[..6])
+}
+
+/// Reads the idempotency key from every field line of its header.
+///
+/// `Ok(None)` when the header is absent. A key is accepted bare (`abc`) or as an
+/// RFC 8941 string (`"abc"`); both name the same key. Anything else is an error:
+/// a repeated header, a list, an empty key, more than 255 characters, or any byte
+/// that is not visible ASCII.
+pub fn parse_key(values: GetAll<'_, HeaderValue>) -> Result<Option<IdempotencyKey>, KeyError> {
+    let mut values = values.iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    parse_key_value(value.as_bytes()).map(Some)
+}
+
+/// Parses one field value; see `parse_key`.
+pub fn parse_key_value(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
+    let trimmed = raw.trim_ascii();
+    let key = match trimmed.first() {
+        Some(b'"') => unquote(trimmed)?,
+        _ => {
+            if trimmed.contains(&b',') {
+                return Err(KeyError::Repeated);
+            }
+            trimmed.to_vec()
+        }
+    };
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    if !key.iter().all(|b| (0x21..=0x7e).contains(b)) {
+        return Err(KeyError::NotVisibleAscii);
+    }
+    // Only visible ASCII remains, so this cannot fail.
+    String::from_utf8(key).map(IdempotencyKey).map_err(|_| KeyError::NotVisibleAscii)
+}
+
+/// Decodes an RFC 8941 sf-string that must span the whole field value.
+fn unquote(quoted: &[u8]) -> Result<Vec<u8>, KeyError> {
+    let mut out = Vec::with_capacity(quoted.len());
+    let mut bytes = quoted[1..].iter();
+    loop {
+        match bytes.next() {
+            None => return Err(KeyError::MalformedString),
+            Some(b'\\') => match bytes.next() {
+                Some(&c @ (b'"' | b'\\')) => out.push(c),
+                _ => return Err(KeyError::MalformedString),
+            },
+            Some(b'"') => break,
+            Some(&c) if (0x20..=0x7e).contains(&c) => out.push(c),
+            Some(_) => return Err(KeyError::NotVisibleAscii),
+        }
+    }
+    match bytes.as_slice() {
+        [] => Ok(out),
+        rest if rest.trim_ascii_start().starts_with(b",") => Err(KeyError::Repeated),
+        _ => Err(KeyError::MalformedString),
+    }
+}
+
+/// Appends `bytes` with a 64-bit length before it, so concatenations cannot collide.
+fn put(context: &mut digest::Context, bytes: &[u8]) {
+    context.update(&(bytes.len() as u64).to_be_bytes());
+    context.update(bytes);
+}
+
+/// Appends every value of `name` in `headers`, with a count before them.
+fn put_header(context: &mut digest::Context, headers: &HeaderMap, name: &HeaderName) {
+    let values = headers.get_all(name);
+    context.update(&(values.iter().count() as u64).to_be_bytes());
+    for value in values {
+        put(context, value.as_bytes());
+    }
+}
+
+/// The fingerprint of a request: its method, path, query, the route's
+/// `fingerprint_headers`, and its body.
+pub fn fingerprint(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    fingerprint_headers: &[HeaderName],
+    body: &[u8],
+) -> Fingerprint {
+    let mut context = digest::Context::new(&digest::SHA256);
+    put(&mut context, method.as_str().as_bytes());
+    put(&mut context, uri.path().as_bytes());
+    match uri.query() {
+        None => context.update(&[0]),
+        Some(query) => {
+            context.update(&[1]);
+            put(&mut context, query.as_bytes());
+        }
+    }
+    context.update(&(fingerprint_headers.len() as u64).to_be_bytes());
+    for name in fingerprint_headers {
+        put(&mut context, name.as_str().as_bytes());
+        put_header(&mut context, headers, name);
+    }
+    put(&mut context, body);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(context.finish().as_ref());
+    Fingerprint(out)
+}
+
+/// The one derivation of a record's store key:
+/// `{key_prefix}:{route}:{hex(sha256(length-prefixed scope values and key))}`.
+///
+/// `scope` holds, for each of the route's `scope_headers`, all of its values. Every
+/// part is length-prefixed, so ("a:b", "c") and ("a", "b:c") never meet. Raw client
+/// bytes never appear in the result; `key_prefix` and `route` come from the config.
+pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &IdempotencyKey) -> StoreKey {
+    let mut context = digest::Context::new(&digest::SHA256);
+    context.update(&(scope.len() as u64).to_be_bytes());
+    for values in scope {
+        context.update(&(values.len() as u64).to_be_bytes());
+        for value in values {
+            put(&mut context, value);
+        }
+    }
+    put(&mut context, key.as_str().as_bytes());
+    StoreKey::from_derived(format!("{key_prefix}:{route}:{}", hex(context.finish().as_ref())))
+}
+
+/// The scope values of a request: every value of each of `scope_headers`, in order.
+pub fn scope_values<'a>(headers: &'a HeaderMap, scope_headers: &[HeaderName]) -> Vec<Vec<&'a [u8]>> {
+    scope_headers
+        .iter()
+        .map(|name| headers.get_all(name).iter().map(HeaderValue::as_bytes).collect())
+        .collect()
+}
+
+/// What the proxy does with a guarded request once its claim has answered.
+#[derive(Debug)]
+pub enum Decision {
+    /// The claim was acquired: forward the request.
+    Forward,
+    /// A response was recorded for this key and this request: replay it.
+    Replay(StoredResponse),
+    /// Answer with a problem and forward nothing.
+    Reject(Rejection),
+}
+
+/// Turns a claim's outcome into a decision for a request with `fingerprint`.
+pub fn decide(outcome: ClaimOutcome, fingerprint: Fingerprint) -> Decision {
+    let (recorded, state) = match outcome {
+        ClaimOutcome::Acquired => return Decision::Forward,
+        ClaimOutcome::Existing { fingerprint, state } => (fingerprint, state),
+    };
+    if recorded != fingerprint {
+        return Decision::Reject(Rejection::KeyReused);
+    }
+    match state {
+        RecordState::Completed(response) => Decision::Replay(response),
+        RecordState::InFlight { lease_remaining } => Decision::Reject(Rejection::InProgress {
+            retry_after: lease_remaining.max(Duration::from_secs(1)),
+        }),
+        RecordState::LeaseExpired | RecordState::Unknown(_) => Decision::Reject(Rejection::OutcomeUnknown),
+    }
+}
+
+/// What happens to a claim once the upstream has answered with a status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recording {
+    /// Record the response; every retry replays it.
+    Record,
+    /// Free the key; a retry runs again.
+    Release,
+}
+
+/// DESIGN §3: 2xx, 3xx and 4xx are recorded, except 408, 409, 425 and 429, which
+/// release the claim; a 5xx follows `on_server_error`.
+pub fn recording_for(status: StatusCode, on_server_error: OnServerError) -> Recording {
+    match status.as_u16() {
+        408 | 409 | 425 | 429 => Recording::Release,
+        500..=599 => match on_server_error {
+            OnServerError::Release => Recording::Release,
+            OnServerError::Store => Recording::Record,
+        },
+        _ => Recording::Record,
+    }
+}
+
+#[cfg(test)]
+mod tests;

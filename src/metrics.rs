@@ -1,0 +1,147 @@
+//! Prometheus metrics, in one `prometheus-client` registry. Labels carry only
+//! configured names and fixed words: never a key, a path or any other client value.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// How a request ended, as counted in `idemproxy_requests_total`.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Outcome {
+    /// Sent to the upstream, guarded or not.
+    Forwarded,
+    /// Answered from a recorded response.
+    Replayed,
+    /// 409: in progress or outcome unknown.
+    Conflict,
+    /// 422: the key was reused with a different request.
+    Mismatch,
+    /// Refused before the store: no route, a bad key, a body too large or too slow.
+    Rejected,
+    /// 503: the store failed or is full.
+    StoreError,
+    /// 502 or 504: the upstream failed.
+    UpstreamError,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub route: String,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum StoreOp {
+    Claim,
+    Complete,
+    MarkUnknown,
+    Release,
+    Ping,
+}
+
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum StoreResult {
+    Ok,
+    Error,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabels {
+    pub op: StoreOp,
+    pub result: StoreResult,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub route: String,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    store_latency: Family<StoreLabels, Histogram>,
+    upstream_latency: Family<RouteLabels, Histogram>,
+    pending_releases: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("idemproxy");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register("requests", "Requests by route and outcome", requests.clone());
+        let store_latency =
+            Family::<StoreLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 16)));
+        registry.register(
+            "store_operation_seconds",
+            "Latency of store operations",
+            store_latency.clone(),
+        );
+        let upstream_latency =
+            Family::<RouteLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 18)));
+        registry.register(
+            "upstream_seconds",
+            "Latency of upstream exchanges, to the response head",
+            upstream_latency.clone(),
+        );
+        let pending_releases = Gauge::default();
+        registry.register(
+            "pending_releases",
+            "Claims waiting for the store to come back so they can be released",
+            pending_releases.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            store_latency,
+            upstream_latency,
+            pending_releases,
+        }
+    }
+
+    pub fn request(&self, route: &str, outcome: Outcome) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    pub fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
+        let result = if ok { StoreResult::Ok } else { StoreResult::Error };
+        self.store_latency
+            .get_or_create(&StoreLabels { op, result })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn upstream(&self, route: &str, elapsed: Duration) {
+        self.upstream_latency
+            .get_or_create(&RouteLabels {
+                route: route.to_string(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    pub fn pending_releases(&self) -> &Gauge {
+        &self.pending_releases
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

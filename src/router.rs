@@ -1,0 +1,107 @@
+//! Routing: picks the route for a request by its Host and the longest matching path
+//! prefix. Pure: the router does no I/O and never looks at the body.
+
+use std::sync::Arc;
+
+use crate::config::Route;
+
+#[derive(Debug, Clone)]
+pub struct Router {
+    /// Sorted so that the first match is the best one: host-specific routes first,
+    /// then longer prefixes first.
+    routes: Arc<[Arc<Route>]>,
+}
+
+impl Router {
+    pub fn new(routes: &[Route]) -> Router {
+        let mut routes: Vec<Arc<Route>> = routes.iter().cloned().map(Arc::new).collect();
+        routes.sort_by(|a, b| {
+            b.host
+                .is_some()
+                .cmp(&a.host.is_some())
+                .then(b.path_prefix.len().cmp(&a.path_prefix.len()))
+        });
+        Router {
+            routes: routes.into(),
+        }
+    }
+
+    /// The route for `host` (without port, any case) and `path`, if one matches.
+    ///
+    /// A prefix matches at a segment boundary: `/v1/pay` matches `/v1/pay` and
+    /// `/v1/pay/x`, but not `/v1/payments`, unless the prefix itself ends in `/`.
+    pub fn route(&self, host: Option<&str>, path: &str) -> Option<&Arc<Route>> {
+        self.routes.iter().find(|route| {
+            let host_ok = match (&route.host, host) {
+                (None, _) => true,
+                (Some(want), Some(have)) => want.eq_ignore_ascii_case(have),
+                (Some(_), None) => false,
+            };
+            host_ok && prefix_matches(&route.path_prefix, path)
+        })
+    }
+}
+
+fn prefix_matches(prefix: &str, path: &str) -> bool {
+    match path.strip_prefix(prefix) {
+        None => false,
+        Some(rest) => prefix.ends_with('/') || rest.is_empty() || rest.starts_with('/') || rest.starts_with('?'),
+    }
+}
+
+/// The host part of a Host header or authority: the port and any brackets removed.
+pub fn host_without_port(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    authority.rsplit_once(':').map_or(authority, |(host, port)| {
+        if port.bytes().all(|b| b.is_ascii_digit()) { host } else { authority }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn route(name: &str, prefix: &str, host: Option<&str>) -> Route {
+        Route {
+            name: name.into(),
+            path_prefix: prefix.into(),
+            host: host.map(Into::into),
+            upstream: "http://127.0.0.1:9".parse().expect("uri"),
+            upstream_timeout: Duration::from_secs(1),
+            idempotency: None,
+        }
+    }
+
+    #[test]
+    fn longest_prefix_wins_and_host_routes_come_first() {
+        let router = Router::new(&[
+            route("root", "/", None),
+            route("v1", "/v1", None),
+            route("payments", "/v1/payments", None),
+            route("api-host", "/v1", Some("api.example.com")),
+        ]);
+        let name = |host, path| router.route(host, path).map(|r| r.name.clone());
+        assert_eq!(name(None, "/v1/payments/42").as_deref(), Some("payments"));
+        assert_eq!(name(None, "/v1/paymentsx").as_deref(), Some("v1"));
+        assert_eq!(name(None, "/v1").as_deref(), Some("v1"));
+        assert_eq!(name(None, "/other").as_deref(), Some("root"));
+        assert_eq!(name(Some("API.example.com"), "/v1/payments").as_deref(), Some("api-host"));
+    }
+
+    #[test]
+    fn no_match_is_none() {
+        let router = Router::new(&[route("v1", "/v1", None)]);
+        assert!(router.route(None, "/v2").is_none());
+        assert!(router.route(None, "/v10").is_none());
+    }
+
+    #[test]
+    fn host_port_is_stripped() {
+        assert_eq!(host_without_port("example.com:8080"), "example.com");
+        assert_eq!(host_without_port("example.com"), "example.com");
+        assert_eq!(host_without_port("[::1]:80"), "::1");
+    }
+}

@@ -1,0 +1,51 @@
+-- claim: create an in-flight record, or report the one that exists.
+--
+-- KEYS[1]  the record's store key (one hash)
+-- ARGV[1]  the claimant's owner token (32 hex chars)
+-- ARGV[2]  the request fingerprint (64 hex chars)
+-- ARGV[3]  retention, in milliseconds
+-- ARGV[4]  lease, in milliseconds
+--
+-- Returns one of
+--   {"acquired"}
+--   {"in_flight", fingerprint, lease_remaining_ms}
+--   {"lease_expired", fingerprint}
+--   {"completed", fingerprint, status, headers, body}
+--   {"unknown", fingerprint, reason}
+--
+-- Invariant: the expiry is set here, once, when the record is created (now +
+-- retention, on the store's clock); an existing record is never changed. A claim
+-- that finds its own live in-flight record counts as acquired, so retrying a claim
+-- after a timeout is safe. An expired lease reads as lease_expired, never as free.
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+
+local record = redis.call('HMGET', KEYS[1], 'state', 'owner', 'fp', 'lease', 'status', 'headers', 'body', 'reason')
+local state = record[1]
+
+if not state then
+  redis.call('HSET', KEYS[1],
+    'state', 'in_flight',
+    'owner', ARGV[1],
+    'fp', ARGV[2],
+    'lease', string.format('%.0f', now + tonumber(ARGV[4])))
+  redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', now + tonumber(ARGV[3])))
+  return {'acquired'}
+end
+
+if state == 'in_flight' then
+  local remaining = tonumber(record[4]) - now
+  if remaining <= 0 then
+    return {'lease_expired', record[3]}
+  end
+  if record[2] == ARGV[1] then
+    return {'acquired'}
+  end
+  return {'in_flight', record[3], string.format('%.0f', remaining)}
+end
+
+if state == 'completed' then
+  return {'completed', record[3], record[5], record[6], record[7]}
+end
+
+return {'unknown', record[3], record[8]}
