@@ -1,0 +1,14 @@
+//! Test support shared by every integration test: a real `redis-server` on a free
+//! port, a fake upstream that counts executions per key and can hold a request until
+//! the test releases it, the proxy started on `127.0.0.1:0`, and a plain HTTP client.
+#![allow(dead_code, unreachable_pub)]
+
+pub mod client;
+pub mod proxy;
+pub mod redis_server;
+pub mod upstream;
+
+pub use client::{TestResponse, send, send_raw};
+pub use proxy::{ProxyHandle, StoreKind, TestConfig, free_port};
+pub use redis_server::RedisServer;
+pub use upstream::Upstream;

@@ -1,0 +1,89 @@
+//! A plain HTTP/1.1 client over real sockets, one connection per request, and a raw
+//! socket sender for malformed input.
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[derive(Debug, Clone)]
+pub struct TestResponse {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl TestResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|value| value.to_str().ok())
+    }
+
+    /// The problem slug of an RFC 9457 response, after asserting its shape.
+    pub fn problem(&self) -> String {
+        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
+        assert_eq!(self.header("cache-control"), Some("no-store"), "{self:?}");
+        let body: serde_json::Value = serde_json::from_slice(&self.body).expect("problem body is JSON");
+        assert_eq!(body["status"].as_u64(), Some(u64::from(self.status.as_u16())), "{body}");
+        assert!(body["title"].is_string() && body["detail"].is_string(), "{body}");
+        let kind = body["type"].as_str().expect("problem type");
+        kind.strip_prefix("urn:idemproxy:problem:")
+            .unwrap_or_else(|| panic!("unexpected problem type {kind}"))
+            .to_string()
+    }
+
+    /// The upstream execution id echoed in the body.
+    pub fn execution(&self) -> u64 {
+        let body: serde_json::Value = serde_json::from_slice(&self.body).expect("echo body is JSON");
+        body["execution"].as_u64().expect("execution id")
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotent-replayed") == Some("true")
+    }
+}
+
+/// Sends one request on a fresh connection and reads the whole response.
+pub async fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> TestResponse {
+    try_send(addr, method, path, headers, body)
+        .await
+        .unwrap_or_else(|error| panic!("{method} {path} via {addr} failed: {error}"))
+}
+
+pub async fn try_send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<TestResponse, Box<dyn std::error::Error + Send + Sync>> {
+    let stream = TcpStream::connect(addr).await?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(connection);
+    let mut request = Request::builder().method(method).uri(path).header("host", addr.to_string());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(Bytes::copy_from_slice(body.as_bytes())))?;
+    let response = sender.send_request(request).await?;
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await?.to_bytes();
+    Ok(TestResponse {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
+
+/// Writes `bytes` on a fresh connection and returns everything read until the
+/// server closes it or `limit` passes.
+pub async fn send_raw(addr: SocketAddr, bytes: &[u8], limit: std::time::Duration) -> String {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(bytes).await.expect("write");
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(limit, stream.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}

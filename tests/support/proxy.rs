@@ -1,0 +1,136 @@
+//! Starts the proxy library on `127.0.0.1:0` from a TOML config built per test, with
+//! three routes: `payments` (guarded, key required), `orders` (guarded, key optional)
+//! and `reads` (unguarded). Any other path has no route.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+
+use idemproxy::{Config, Running};
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("find a free port")
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreKind {
+    Memory,
+    Redis(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct TestConfig {
+    pub listen: String,
+    pub admin_listen: String,
+    pub store: StoreKind,
+    pub store_timeout: String,
+    pub upstream: String,
+    pub upstream_timeout: String,
+    pub retention: String,
+    /// Extra lines in the payments route's `[route.idempotency]` table.
+    pub idempotency: String,
+    /// Extra lines in `[server]`.
+    pub server: String,
+}
+
+impl TestConfig {
+    pub fn new(store: StoreKind, upstream: &str) -> TestConfig {
+        TestConfig {
+            listen: "127.0.0.1:0".into(),
+            admin_listen: "127.0.0.1:0".into(),
+            store,
+            store_timeout: "300ms".into(),
+            upstream: upstream.into(),
+            upstream_timeout: "5s".into(),
+            retention: "1h".into(),
+            idempotency: String::new(),
+            server: String::new(),
+        }
+    }
+
+    pub fn toml(&self) -> String {
+        let store = match &self.store {
+            StoreKind::Memory => "backend = \"memory\"".to_string(),
+            StoreKind::Redis(url) => format!("backend = \"redis\"\nurl = \"{url}\""),
+        };
+        format!(
+            r#"
+[server]
+listen = "{listen}"
+{server}
+
+[admin]
+listen = "{admin}"
+
+[store]
+{store}
+timeout = "{store_timeout}"
+
+[[route]]
+name = "payments"
+path_prefix = "/v1/payments"
+upstream = "{upstream}"
+upstream_timeout = "{upstream_timeout}"
+
+[route.idempotency]
+retention = "{retention}"
+{idempotency}
+
+[[route]]
+name = "orders"
+path_prefix = "/v1/orders"
+upstream = "{upstream}"
+upstream_timeout = "{upstream_timeout}"
+
+[route.idempotency]
+required = false
+retention = "{retention}"
+
+[[route]]
+name = "reads"
+path_prefix = "/v1/reads"
+upstream = "{upstream}"
+upstream_timeout = "{upstream_timeout}"
+"#,
+            listen = self.listen,
+            server = self.server,
+            admin = self.admin_listen,
+            store_timeout = self.store_timeout,
+            upstream = self.upstream,
+            upstream_timeout = self.upstream_timeout,
+            retention = self.retention,
+            idempotency = self.idempotency,
+        )
+    }
+
+    pub fn config(&self) -> Config {
+        Config::parse(&self.toml(), Path::new("test.toml")).unwrap_or_else(|error| panic!("test config: {error}"))
+    }
+
+    pub async fn start(&self) -> ProxyHandle {
+        let running = idemproxy::start(self.config()).await.expect("start the proxy");
+        ProxyHandle { running }
+    }
+
+    /// Writes the config to a file, for tests that run the binary.
+    pub fn write(&self, path: &Path) {
+        std::fs::write(path, self.toml()).expect("write the test config");
+    }
+}
+
+pub struct ProxyHandle {
+    pub running: Running,
+}
+
+impl ProxyHandle {
+    pub fn addr(&self) -> SocketAddr {
+        self.running.addr
+    }
+
+    pub fn admin(&self) -> SocketAddr {
+        self.running.admin_addr.expect("the test config has an admin listener")
+    }
+}

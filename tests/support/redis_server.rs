@@ -1,0 +1,147 @@
+//! A real `redis-server` child process on a free port, that a test can kill, restart
+//! on the same port, pause with SIGSTOP and resume. It never skips: without a
+//! `redis-server` binary the test fails and says how to install one.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::proxy::free_port;
+
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+/// The `redis-server` binary: `$IDEMPROXY_REDIS_SERVER`, else the one on PATH.
+fn binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("IDEMPROXY_REDIS_SERVER") {
+        return PathBuf::from(path);
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("redis-server"))
+            .find(|candidate| candidate.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "these tests need a real redis-server, and none is on PATH. Install one \
+             (Debian/Ubuntu: `apt-get install redis-server`; macOS: `brew install redis`), \
+             or set IDEMPROXY_REDIS_SERVER to its path. .ci/run installs it automatically."
+        )
+    })
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let port = free_port();
+        let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir,
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(binary())
+            .args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .args(["--maxmemory-policy", "noeviction"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    /// Waits until the server answers PING: a poll on a condition, bounded at 10 s.
+    fn wait_ready(&self) {
+        let started = Instant::now();
+        loop {
+            if let Ok(client) = redis::Client::open(self.url()) {
+                if let Ok(mut connection) = client.get_connection_with_timeout(Duration::from_millis(200)) {
+                    if redis::cmd("PING").query::<String>(&mut connection).is_ok() {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "redis-server on port {} did not answer PING within 10s",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("redis-server is running").id()
+    }
+
+    /// SIGKILL, and wait until the process is gone.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh, empty server on the same port.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    pub fn pause(&self) {
+        signal(self.pid(), "STOP");
+    }
+
+    pub fn resume(&self) {
+        signal(self.pid(), "CONT");
+    }
+
+    /// A synchronous connection for the test's own checks.
+    pub fn connection(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .expect("redis url")
+            .get_connection_with_timeout(Duration::from_secs(5))
+            .expect("connect to the test redis-server")
+    }
+
+    /// Every key in the database.
+    pub fn keys(&self) -> Vec<String> {
+        redis::cmd("KEYS").arg("*").query(&mut self.connection()).expect("KEYS")
+    }
+}
+
+fn signal(pid: u32, name: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{name} {pid} failed");
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        if let Some(child) = &self.child {
+            // A paused server ignores SIGKILL until resumed on some kernels: resume first.
+            let _ = Command::new("kill").args(["-CONT", &child.id().to_string()]).status();
+        }
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
