@@ -1,7 +1,7 @@
 //! Test support shared by every integration test: a real `redis-server` on a free
 //! port, a fake upstream that counts executions per key and can hold a request until
 //! the test releases it, the proxy started on `127.0.0.1:0`, and a plain HTTP client.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
 pub mod proxy;
