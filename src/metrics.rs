@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -11,7 +11,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 /// How a request ended, as counted in `idemproxy_requests_total`.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum Outcome {
     /// Sent to the upstream, guarded or not.
     Forwarded,
@@ -29,13 +29,27 @@ pub enum Outcome {
     UpstreamError,
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RequestLabels {
-    pub route: String,
-    pub outcome: Outcome,
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Replayed => "replayed",
+            Outcome::Conflict => "conflict",
+            Outcome::Mismatch => "mismatch",
+            Outcome::Rejected => "rejected",
+            Outcome::StoreError => "store_error",
+            Outcome::UpstreamError => "upstream_error",
+        }
+    }
 }
 
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 pub enum StoreOp {
     Claim,
     Complete,
@@ -44,21 +58,27 @@ pub enum StoreOp {
     Ping,
 }
 
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
-pub enum StoreResult {
-    Ok,
-    Error,
+impl StoreOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreOp::Claim => "claim",
+            StoreOp::Complete => "complete",
+            StoreOp::MarkUnknown => "mark_unknown",
+            StoreOp::Release => "release",
+            StoreOp::Ping => "ping",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StoreLabels {
-    pub op: StoreOp,
-    pub result: StoreResult,
+struct StoreLabels {
+    op: &'static str,
+    result: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteLabels {
-    pub route: String,
+struct RouteLabels {
+    route: String,
 }
 
 pub struct Metrics {
@@ -113,15 +133,15 @@ impl Metrics {
         self.requests
             .get_or_create(&RequestLabels {
                 route: route.to_string(),
-                outcome,
+                outcome: outcome.as_str(),
             })
             .inc();
     }
 
     pub fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
-        let result = if ok { StoreResult::Ok } else { StoreResult::Error };
+        let result = if ok { "ok" } else { "error" };
         self.store_latency
-            .get_or_create(&StoreLabels { op, result })
+            .get_or_create(&StoreLabels { op: op.as_str(), result })
             .observe(elapsed.as_secs_f64());
     }
 

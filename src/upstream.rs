@@ -212,14 +212,13 @@ impl Body for StreamedBody {
     }
 
     fn size_hint(&self) -> SizeHint {
-        let mut hint = self.rest.size_hint();
-        if let Some(head) = &self.head {
-            let len = head.len() as u64;
-            hint.set_lower(hint.lower() + len);
-            if let Some(upper) = hint.upper() {
-                hint.set_upper(upper + len);
-            }
+        let rest = self.rest.size_hint();
+        let head = self.head.as_ref().map_or(0, |head| head.len() as u64);
+        let mut hint = SizeHint::new();
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + head);
         }
+        hint.set_lower(rest.lower() + head);
         hint
     }
 }

@@ -1,0 +1,516 @@
+//! The HTTP behaviour of DESIGN §3, row by row, through real sockets: a client, the
+//! proxy library on 127.0.0.1:0, a fake upstream, and a real `redis-server` where the
+//! property is about sharing one store. Races are driven by holding the upstream.
+
+mod support;
+
+use std::time::Duration;
+
+use futures_free::join_all;
+use support::{RedisServer, StoreKind, TestConfig, Upstream, send, send_raw};
+
+/// `join_all` without a futures dependency: spawn each, await in order.
+mod futures_free {
+    pub(crate) async fn join_all<T: Send + 'static>(
+        futures: impl IntoIterator<Item = impl std::future::Future<Output = T> + Send + 'static>,
+    ) -> Vec<T> {
+        let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
+        let mut out = Vec::with_capacity(handles.len());
+        for handle in handles {
+            out.push(handle.await.expect("task"));
+        }
+        out
+    }
+}
+
+const JSON: (&str, &str) = ("content-type", "application/json");
+
+async fn memory_proxy(upstream: &Upstream) -> support::ProxyHandle {
+    TestConfig::new(StoreKind::Memory, &upstream.url()).start().await
+}
+
+// === first use and replay ===
+
+#[tokio::test]
+async fn first_use_is_forwarded_and_retries_replay_it_byte_for_byte() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let headers = [("idempotency-key", "pay-1"), JSON];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{\"amount\":10}").await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert_eq!(first.execution(), 1);
+
+    for _ in 0..3 {
+        let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{\"amount\":10}").await;
+        assert_eq!(retry.status, 201);
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.header("content-type"), Some("application/json"));
+        assert_eq!(retry.header("x-execution-id"), first.header("x-execution-id"));
+    }
+    assert_eq!(upstream.executions("pay-1"), 1);
+}
+
+#[tokio::test]
+async fn a_quoted_key_names_the_same_record_as_the_bare_key() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let first = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "abc"), JSON], "{}").await;
+    let quoted = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "\"abc\""), JSON], "{}").await;
+    assert!(quoted.replayed(), "{quoted:?}");
+    assert_eq!(quoted.body, first.body);
+    assert_eq!(upstream.total(), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_a_different_request_gets_422() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let headers = [("idempotency-key", "reuse"), JSON];
+    send(proxy.addr(), "POST", "/v1/payments", &headers, "{\"amount\":10}").await;
+    for (path, body, extra) in [
+        ("/v1/payments", "{\"amount\":99}", None),
+        ("/v1/payments/other", "{\"amount\":10}", None),
+        ("/v1/payments?x=1", "{\"amount\":10}", None),
+        ("/v1/payments", "{\"amount\":10}", Some(("content-type", "text/plain"))),
+    ] {
+        let mut headers = vec![("idempotency-key", "reuse")];
+        headers.push(extra.unwrap_or(JSON));
+        let response = send(proxy.addr(), "POST", path, &headers, body).await;
+        assert_eq!(response.status, 422, "{path} {body}");
+        assert_eq!(response.problem(), "idempotency-key-reused");
+    }
+    let patch = send(proxy.addr(), "PATCH", "/v1/payments", &headers, "{\"amount\":10}").await;
+    assert_eq!(patch.problem(), "idempotency-key-reused");
+    assert_eq!(upstream.total(), 1);
+}
+
+#[tokio::test]
+async fn scope_headers_keep_records_apart() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "scope_headers = [\"authorization\"]".into();
+    let proxy = config.start().await;
+    let alice = [("idempotency-key", "k"), ("authorization", "Bearer alice"), JSON];
+    let bob = [("idempotency-key", "k"), ("authorization", "Bearer bob"), JSON];
+    let a = send(proxy.addr(), "POST", "/v1/payments", &alice, "{}").await;
+    let b = send(proxy.addr(), "POST", "/v1/payments", &bob, "{}").await;
+    assert!(!b.replayed(), "bob must never see alice's response");
+    assert_ne!(a.execution(), b.execution());
+    let a_again = send(proxy.addr(), "POST", "/v1/payments", &alice, "{}").await;
+    assert!(a_again.replayed());
+    assert_eq!(a_again.body, a.body);
+    assert_eq!(upstream.executions("k"), 2);
+}
+
+// === rejected before the store ===
+
+#[tokio::test]
+async fn a_missing_key_gets_400_and_nothing_is_forwarded() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let response = send(proxy.addr(), "POST", "/v1/payments", &[JSON], "{}").await;
+    assert_eq!(response.status, 400);
+    assert_eq!(response.problem(), "missing-idempotency-key");
+    assert_eq!(upstream.total(), 0);
+}
+
+#[tokio::test]
+async fn invalid_keys_get_400_and_nothing_is_forwarded() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let long = "k".repeat(256);
+    let cases: Vec<Vec<(&str, &str)>> = vec![
+        vec![("idempotency-key", "")],
+        vec![("idempotency-key", "\"\"")],
+        vec![("idempotency-key", &long)],
+        vec![("idempotency-key", "has space")],
+        vec![("idempotency-key", "a,b")],
+        vec![("idempotency-key", "\"a\", \"b\"")],
+        vec![("idempotency-key", "\"unterminated")],
+        vec![("idempotency-key", "one"), ("idempotency-key", "two")],
+    ];
+    for headers in cases {
+        let response = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(response.status, 400, "{headers:?}");
+        assert_eq!(response.problem(), "invalid-idempotency-key", "{headers:?}");
+    }
+    // Non-ASCII bytes, sent raw.
+    let raw = b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: caf\xc3\xa9\r\ncontent-length: 0\r\nconnection: close\r\n\r\n";
+    let answer = send_raw(proxy.addr(), raw, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("invalid-idempotency-key"), "{answer}");
+    assert_eq!(upstream.total(), 0);
+}
+
+#[tokio::test]
+async fn a_255_character_key_is_accepted() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let key = "k".repeat(255);
+    let response = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", &key)], "{}").await;
+    assert_eq!(response.status, 201);
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_gets_413_and_nothing_is_forwarded() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "max_request_body_bytes = 16".into();
+    let proxy = config.start().await;
+    let response = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "big")], &"x".repeat(17)).await;
+    assert_eq!(response.status, 413);
+    assert_eq!(response.problem(), "request-body-too-large");
+    // Chunked, so the size is only learned while reading.
+    let raw = b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: big2\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n11\r\nxxxxxxxxxxxxxxxxx\r\n0\r\n\r\n";
+    let answer = send_raw(proxy.addr(), raw, Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    // Exactly at the limit is fine.
+    let ok = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "fits")], &"x".repeat(16)).await;
+    assert_eq!(ok.status, 201);
+    assert_eq!(upstream.total(), 1);
+}
+
+#[tokio::test]
+async fn no_route_gets_404() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let response = send(proxy.addr(), "POST", "/elsewhere", &[("idempotency-key", "x")], "").await;
+    assert_eq!(response.status, 404);
+    assert_eq!(response.problem(), "no-route");
+    assert_eq!(upstream.total(), 0);
+}
+
+#[tokio::test]
+async fn an_oversized_header_gets_431() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let big = format!(
+        "GET /v1/reads HTTP/1.1\r\nhost: x\r\nx-big: {}\r\nconnection: close\r\n\r\n",
+        "a".repeat(70 * 1024)
+    );
+    let answer = send_raw(proxy.addr(), big.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{}", &answer[..answer.len().min(200)]);
+    let mut many = String::from("GET /v1/reads HTTP/1.1\r\nhost: x\r\n");
+    for i in 0..150 {
+        many.push_str(&format!("x-h{i}: v\r\n"));
+    }
+    many.push_str("connection: close\r\n\r\n");
+    let answer = send_raw(proxy.addr(), many.as_bytes(), Duration::from_secs(5)).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    assert_eq!(upstream.total(), 0);
+}
+
+// === unguarded traffic ===
+
+#[tokio::test]
+async fn unguarded_requests_pass_untouched_and_never_reach_the_store() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let get = send(proxy.addr(), "GET", "/v1/payments/1?x=y", &[], "").await;
+    assert_eq!(get.status, 201);
+    let read = send(proxy.addr(), "POST", "/v1/reads", &[("idempotency-key", "ignored")], "{}").await;
+    assert_eq!(read.status, 201);
+    // `required = false`: no key, no guard; twice means twice.
+    for _ in 0..2 {
+        let open = send(proxy.addr(), "POST", "/v1/orders", &[JSON], "{}").await;
+        assert_eq!(open.status, 201);
+        assert!(!open.replayed());
+    }
+    assert_eq!(upstream.total(), 4);
+    assert_eq!(upstream.log()[0].path, "/v1/payments/1");
+    match proxy.running.proxy.store() {
+        idemproxy::store::AnyStore::Memory(store) => assert!(store.is_empty(), "the store was touched"),
+        idemproxy::store::AnyStore::Redis(_) => unreachable!(),
+    }
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_removed_and_forwarding_headers_added() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let headers = [
+        ("idempotency-key", "hop"),
+        ("connection", "x-private, keep-alive"),
+        ("x-private", "secret"),
+        ("keep-alive", "timeout=5"),
+        ("te", "trailers"),
+        ("x-end-to-end", "kept"),
+        ("x-forwarded-for", "203.0.113.9"),
+    ];
+    let response = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(response.status, 201);
+    let seen = &upstream.log()[0].headers;
+    for gone in ["x-private", "keep-alive", "te", "connection"] {
+        assert!(seen.get(gone).is_none(), "{gone} reached the upstream");
+    }
+    assert_eq!(seen.get("x-end-to-end").map(|v| v.as_bytes()), Some(&b"kept"[..]));
+    assert_eq!(seen.get("idempotency-key").map(|v| v.as_bytes()), Some(&b"hop"[..]));
+    assert_eq!(seen.get("x-forwarded-for").map(|v| v.as_bytes()), Some(&b"203.0.113.9, 127.0.0.1"[..]));
+    assert_eq!(seen.get("x-forwarded-proto").map(|v| v.as_bytes()), Some(&b"http"[..]));
+    let host = proxy.addr().to_string();
+    assert_eq!(seen.get("x-forwarded-host").map(|v| v.as_bytes()), Some(host.as_bytes()));
+    assert_eq!(seen.get("host").map(|v| v.as_bytes()), Some(upstream.addr.to_string().as_bytes()));
+}
+
+#[tokio::test]
+async fn a_connection_header_naming_the_key_does_not_disable_the_guard() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let headers = [("idempotency-key", "conn"), ("connection", "idempotency-key")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    let second = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.status, 201);
+    assert!(second.replayed());
+    assert_eq!(upstream.total(), 1);
+}
+
+// === what is recorded ===
+
+#[tokio::test]
+async fn client_errors_are_recorded_and_replayed() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let headers = [("idempotency-key", "bad-card"), ("x-test-status", "402")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.status, 402);
+    let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(retry.status, 402);
+    assert!(retry.replayed());
+    assert_eq!(upstream.total(), 1);
+}
+
+#[tokio::test]
+async fn retryable_statuses_release_the_claim() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    for status in ["408", "409", "425", "429", "500", "503"] {
+        let key = format!("retryable-{status}");
+        let headers = [("idempotency-key", key.as_str()), ("x-test-status", status)];
+        let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(first.status.as_str(), status);
+        let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(retry.status.as_str(), status);
+        assert!(!retry.replayed(), "{status} was replayed");
+        assert_eq!(upstream.executions(&key), 2, "{status} did not run again");
+    }
+}
+
+#[tokio::test]
+async fn server_errors_are_replayed_with_on_server_error_store() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "on_server_error = \"store\"".into();
+    let proxy = config.start().await;
+    let headers = [("idempotency-key", "boom"), ("x-test-status", "500")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.status, 500);
+    assert_eq!(retry.status, 500);
+    assert!(retry.replayed());
+    assert_eq!(upstream.total(), 1);
+}
+
+#[tokio::test]
+async fn an_oversized_response_reaches_the_client_in_full_and_its_key_becomes_unknown() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "max_response_body_bytes = 1000".into();
+    let proxy = config.start().await;
+    let headers = [("idempotency-key", "huge"), ("x-test-body-bytes", "50000")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body.len(), 50_000);
+    assert!(first.body.iter().all(|&b| b == b'x'));
+    let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(retry.status, 409);
+    assert_eq!(retry.problem(), "outcome-unknown");
+    assert_eq!(upstream.total(), 1);
+}
+
+// === concurrency ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_duplicates_while_the_first_is_held_run_once() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let addr = proxy.addr();
+    let headers = [("idempotency-key", "storm"), ("x-test-hold", "storm")];
+    let first = tokio::spawn(async move { send(addr, "POST", "/v1/payments", &headers, "{}").await });
+    upstream.wait_for_key("storm").await;
+
+    let duplicates = join_all((0..19).map(|_| async move { send(addr, "POST", "/v1/payments", &headers, "{}").await })).await;
+    for duplicate in &duplicates {
+        assert_eq!(duplicate.status, 409, "{duplicate:?}");
+        assert_eq!(duplicate.problem(), "request-in-progress");
+        let retry_after: u64 = duplicate.header("retry-after").expect("Retry-After").parse().expect("seconds");
+        assert!((1..=6).contains(&retry_after), "Retry-After {retry_after}");
+    }
+    upstream.release("storm");
+    let first = first.await.expect("first request");
+    assert_eq!(first.status, 201);
+    let replay = send(addr, "POST", "/v1/payments", &headers, "{}").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(upstream.executions("storm"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_one_redis_run_each_key_once() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let a = config.start().await;
+    let b = config.start().await;
+    let addrs = [a.addr(), b.addr()];
+
+    let requests = (0..40).flat_map(|key| {
+        (0..8).map(move |copy| async move {
+            let key = format!("key-{key}");
+            let addr = addrs[copy % 2];
+            let response = send(addr, "POST", "/v1/payments", &[("idempotency-key", &key), JSON], "{\"n\":1}").await;
+            (key, response)
+        })
+    });
+    let results = join_all(requests).await;
+
+    for key in 0..40 {
+        let key = format!("key-{key}");
+        assert_eq!(upstream.executions(&key), 1, "{key} ran {} times", upstream.executions(&key));
+        let successes: Vec<_> = results
+            .iter()
+            .filter(|(k, r)| *k == key && r.status == 201)
+            .map(|(_, r)| r.body.clone())
+            .collect();
+        assert!(!successes.is_empty());
+        assert!(successes.windows(2).all(|pair| pair[0] == pair[1]), "{key}: responses differ");
+        for (_, response) in results.iter().filter(|(k, r)| *k == key && r.status != 201) {
+            assert_eq!(response.status, 409);
+            assert_eq!(response.problem(), "request-in-progress");
+        }
+    }
+}
+
+// === upstream failures ===
+
+#[tokio::test]
+async fn an_upstream_timeout_gives_504_then_409_outcome_unknown() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.upstream_timeout = "300ms".into();
+    let proxy = config.start().await;
+    let headers = [("idempotency-key", "slow"), ("x-test-hold", "never")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.status, 504);
+    assert_eq!(first.problem(), "upstream-timeout");
+    for _ in 0..3 {
+        let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(retry.status, 409);
+        assert_eq!(retry.problem(), "outcome-unknown");
+    }
+    upstream.release("never");
+    assert_eq!(upstream.executions("slow"), 1);
+}
+
+#[tokio::test]
+async fn a_reset_gives_502_then_409() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    for (key, how) in [("reset", "reset"), ("truncated", "truncate")] {
+        let headers = [("idempotency-key", key), ("x-test-fail", how)];
+        let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(first.status, 502, "{how}");
+        assert_eq!(first.problem(), "upstream-failed");
+        let retry = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(retry.status, 409, "{how}");
+        assert_eq!(retry.problem(), "outcome-unknown");
+        assert_eq!(upstream.executions(key), 1, "{how}");
+    }
+}
+
+#[tokio::test]
+async fn a_refused_connection_gives_502_and_a_retry_runs_again() {
+    let port = support::free_port();
+    let upstream_url = format!("http://127.0.0.1:{port}");
+    let proxy = TestConfig::new(StoreKind::Memory, &upstream_url).start().await;
+    let headers = [("idempotency-key", "refused")];
+    for _ in 0..2 {
+        let response = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(response.status, 502);
+        assert_eq!(response.problem(), "upstream-unavailable");
+    }
+    // Now the upstream is there: the key was released, so the retry runs.
+    let upstream = Upstream::start_on(([127, 0, 0, 1], port).into()).await;
+    let response = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(response.status, 201);
+    assert!(!response.replayed());
+    assert_eq!(upstream.executions("refused"), 1);
+}
+
+// === the client goes away ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_while_its_request_is_held_changes_nothing() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let addr = proxy.addr();
+    let raw = b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: gone\r\nx-test-hold: gone\r\ncontent-length: 2\r\n\r\n{}";
+    let client = tokio::spawn(async move {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut stream, raw).await.expect("write");
+        stream
+    });
+    upstream.wait_for_key("gone").await;
+    drop(client.await.expect("client"));
+    upstream.release("gone");
+    // The exchange finishes without the client; poll until its record is complete.
+    let headers = [("idempotency-key", "gone"), ("x-test-hold", "gone")];
+    let started = tokio::time::Instant::now();
+    let replay = loop {
+        let response = send(addr, "POST", "/v1/payments", &headers, "{}").await;
+        if response.status != 409 {
+            break response;
+        }
+        assert_eq!(response.problem(), "request-in-progress");
+        assert!(started.elapsed() < Duration::from_secs(10), "the record never completed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(replay.status, 201);
+    assert!(replay.replayed());
+    assert_eq!(upstream.executions("gone"), 1);
+}
+
+// === admin ===
+
+#[tokio::test]
+async fn admin_reports_health_readiness_and_metrics_without_keys() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "secret-key-value")], "{}").await;
+    send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "secret-key-value")], "{}").await;
+    send(proxy.addr(), "POST", "/v1/payments", &[], "{}").await;
+
+    assert_eq!(send(proxy.admin(), "GET", "/healthz", &[], "").await.status, 200);
+    assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 200);
+    let metrics = send(proxy.admin(), "GET", "/metrics", &[], "").await;
+    assert_eq!(metrics.status, 200);
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"forwarded\"} 1"), "{text}");
+    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"replayed\"} 1"), "{text}");
+    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"} 1"), "{text}");
+    assert!(text.contains("idemproxy_store_operation_seconds_count{op=\"claim\",result=\"ok\"} 2"), "{text}");
+    assert!(text.contains("idemproxy_upstream_seconds_count{route=\"payments\"} 1"), "{text}");
+    assert!(!text.contains("secret-key-value"));
+}
+
+#[tokio::test]
+async fn readyz_follows_the_redis_store() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url()).start().await;
+    assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 200);
+    redis.kill();
+    assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);
+    assert_eq!(send(proxy.admin(), "GET", "/healthz", &[], "").await.status, 200);
+}
