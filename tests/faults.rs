@@ -1,0 +1,172 @@
+//! Faults in real processes: the Redis process killed and restarted on the same port,
+//! Redis frozen with SIGSTOP past the store timeout, and the proxy binary killed with
+//! SIGKILL while its request is held at the upstream.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::{RedisServer, StoreKind, TestConfig, TestResponse, Upstream, free_port, send};
+use tokio::time::Instant;
+
+/// Sends until the answer is no longer one of `passing` (bounded at 15 s), checking
+/// each interim answer is one of them. Returns the first other answer.
+async fn send_until_not(
+    addr: std::net::SocketAddr,
+    headers: &[(&str, &str)],
+    passing: &[(u16, &str)],
+) -> TestResponse {
+    let started = Instant::now();
+    loop {
+        let response = send(addr, "POST", "/v1/payments", headers, "{}").await;
+        let status = response.status.as_u16();
+        let interim = passing
+            .iter()
+            .any(|(code, slug)| *code == status && response.problem() == *slug);
+        if !interim {
+            return response;
+        }
+        assert!(started.elapsed() < Duration::from_secs(15), "still {status} after 15 s: {response:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_then_restarted_on_the_same_port() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let proxy = config.start().await;
+    let before = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "before")], "{}").await;
+    assert_eq!(before.status, 201);
+
+    redis.kill();
+    for attempt in 0..3 {
+        let started = Instant::now();
+        let response = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "during")], "{}").await;
+        let elapsed = started.elapsed();
+        assert_eq!(response.status, 503, "attempt {attempt}");
+        assert_eq!(response.problem(), "store-unavailable");
+        assert_eq!(response.header("retry-after"), Some("1"));
+        assert!(elapsed < Duration::from_millis(1300), "503 took {elapsed:?}, over store.timeout + 1 s");
+    }
+    assert_eq!(upstream.executions("during"), 0, "a request was forwarded without a claim");
+    let read = send(proxy.addr(), "GET", "/v1/reads/1", &[], "").await;
+    assert_eq!(read.status, 201, "unguarded traffic must not depend on the store");
+    assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);
+
+    redis.restart();
+    let after = send_until_not(
+        proxy.addr(),
+        &[("idempotency-key", "during")],
+        &[(503, "store-unavailable")],
+    )
+    .await;
+    assert_eq!(after.status, 201, "{after:?}");
+    assert!(!after.replayed());
+    assert_eq!(upstream.executions("during"), 1);
+    assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_past_the_store_timeout_leaves_no_ghost_claim() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let proxy = config.start().await;
+    let warm = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "warm")], "{}").await;
+    assert_eq!(warm.status, 201);
+
+    redis.pause();
+    let started = Instant::now();
+    let paused = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "ghost")], "{}").await;
+    assert_eq!(paused.status, 503);
+    assert_eq!(paused.problem(), "store-unavailable");
+    assert!(started.elapsed() < Duration::from_millis(1300));
+    assert_eq!(upstream.executions("ghost"), 0);
+    redis.resume();
+
+    // The claim sent while Redis was frozen is applied on resume; the proxy's
+    // background release then removes it, so the key becomes usable again.
+    let after = send_until_not(
+        proxy.addr(),
+        &[("idempotency-key", "ghost")],
+        &[(503, "store-unavailable"), (409, "request-in-progress")],
+    )
+    .await;
+    assert_eq!(after.status, 201, "the ghost claim was never released: {after:?}");
+    assert!(!after.replayed());
+    assert_eq!(upstream.executions("ghost"), 1);
+    let keys = redis.keys();
+    assert_eq!(keys.len(), 2, "one record each for warm and ghost: {keys:?}");
+}
+
+struct ChildProxy(Child);
+
+impl Drop for ChildProxy {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_mid_request_never_lets_the_request_run_twice() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let port = free_port();
+    let admin_port = free_port();
+    config.listen = format!("127.0.0.1:{port}");
+    config.admin_listen = format!("127.0.0.1:{admin_port}");
+    config.upstream_timeout = "2s".into();
+    let path = std::env::temp_dir().join(format!("idemproxy-crash-{}-{port}.toml", std::process::id()));
+    config.write(&path);
+
+    let mut child = ChildProxy(
+        Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the idemproxy binary"),
+    );
+    let addr: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let admin: std::net::SocketAddr = ([127, 0, 0, 1], admin_port).into();
+    // Wait until the child serves: a poll on a condition, bounded at 15 s.
+    let started = Instant::now();
+    while support::client::try_send(admin, "GET", "/readyz", &[], "").await.map(|r| r.status) .ok() != Some(http::StatusCode::OK) {
+        assert!(started.elapsed() < Duration::from_secs(15), "the idemproxy binary did not become ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let headers = [("idempotency-key", "crash"), ("x-test-hold", "crash")];
+    let client = tokio::spawn(async move { support::client::try_send(addr, "POST", "/v1/payments", &headers, "{}").await });
+    upstream.wait_for_key("crash").await;
+    child.0.kill().expect("SIGKILL the proxy");
+    child.0.wait().expect("reap the proxy");
+    assert!(client.await.expect("client task").is_err(), "the killed proxy answered");
+
+    // A second instance on the same Redis: in progress until the lease ends, then
+    // unknown. Never forwarded again.
+    let second = config_for_second(&redis, &upstream).start().await;
+    let during = send(second.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(during.status, 409);
+    assert_eq!(during.problem(), "request-in-progress");
+    let after = send_until_not(second.addr(), &headers, &[(409, "request-in-progress")]).await;
+    assert_eq!(after.status, 409);
+    assert_eq!(after.problem(), "outcome-unknown");
+
+    upstream.release("crash");
+    let later = send(second.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(later.problem(), "outcome-unknown");
+    assert_eq!(upstream.executions("crash"), 1);
+}
+
+fn config_for_second(redis: &RedisServer, upstream: &Upstream) -> TestConfig {
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    config.upstream_timeout = "2s".into();
+    config
+}
