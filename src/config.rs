@@ -255,13 +255,11 @@ struct HumanDuration(Duration);
 impl<'de> Deserialize<'de> for HumanDuration {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
-        humantime::parse_duration(&text)
-            .map(HumanDuration)
-            .map_err(|error| {
-                serde::de::Error::custom(format!(
-                    "invalid duration {text:?}: {error} (write e.g. \"250ms\", \"30s\", \"24h\")"
-                ))
-            })
+        humantime::parse_duration(&text).map(HumanDuration).map_err(|error| {
+            serde::de::Error::custom(format!(
+                "invalid duration {text:?}: {error} (write e.g. \"250ms\", \"30s\", \"24h\")"
+            ))
+        })
     }
 }
 
@@ -290,11 +288,7 @@ impl Validator<'_> {
             None => (self.source.len()..self.source.len(), Vec::new()),
         };
         if raw_routes.is_empty() {
-            return Err(self.error(
-                routes_span,
-                "route",
-                "at least one [[route]] is required",
-            ));
+            return Err(self.error(routes_span, "route", "at least one [[route]] is required"));
         }
         let mut routes: Vec<Route> = Vec::with_capacity(raw_routes.len());
         for (index, raw_route) in raw_routes.into_iter().enumerate() {
@@ -324,9 +318,7 @@ impl Validator<'_> {
         }
         Ok(Config {
             server,
-            admin: raw.admin.map(|admin| AdminConfig {
-                listen: admin.listen,
-            }),
+            admin: raw.admin.map(|admin| AdminConfig { listen: admin.listen }),
             store,
             routes,
         })
@@ -372,19 +364,11 @@ impl Validator<'_> {
         let backend = match *raw.backend.get_ref() {
             BackendKind::Memory => {
                 if let Some(url) = &raw.url {
-                    return Err(self.error(
-                        url.span(),
-                        "store.url",
-                        "only the redis backend takes a url",
-                    ));
+                    return Err(self.error(url.span(), "store.url", "only the redis backend takes a url"));
                 }
                 let max_records = match &raw.max_records {
                     Some(max) if *max.get_ref() == 0 => {
-                        return Err(self.error(
-                            max.span(),
-                            "store.max_records",
-                            "must be greater than 0",
-                        ));
+                        return Err(self.error(max.span(), "store.max_records", "must be greater than 0"));
                     }
                     Some(max) => *max.get_ref(),
                     None => DEFAULT_MAX_RECORDS,
@@ -406,18 +390,11 @@ impl Validator<'_> {
                         "the redis backend needs url = \"redis://host:6379/0\"",
                     ));
                 };
-                let scheme_ok = url.get_ref().starts_with("redis://")
-                    || url.get_ref().starts_with("rediss://");
+                let scheme_ok = url.get_ref().starts_with("redis://") || url.get_ref().starts_with("rediss://");
                 if !scheme_ok || redis::Client::open(url.get_ref().as_str()).is_err() {
-                    return Err(self.error(
-                        url.span(),
-                        "store.url",
-                        "must be a redis:// or rediss:// URL",
-                    ));
+                    return Err(self.error(url.span(), "store.url", "must be a redis:// or rediss:// URL"));
                 }
-                Backend::Redis {
-                    url: url.into_inner(),
-                }
+                Backend::Redis { url: url.into_inner() }
             }
         };
         Ok(StoreConfig {
@@ -438,11 +415,7 @@ impl Validator<'_> {
             ));
         }
         if !raw.path_prefix.get_ref().starts_with('/') {
-            return Err(self.error(
-                raw.path_prefix.span(),
-                field("path_prefix"),
-                "must start with /",
-            ));
+            return Err(self.error(raw.path_prefix.span(), field("path_prefix"), "must start with /"));
         }
         let host = match raw.host {
             Some(host) if host.get_ref().is_empty() => {
@@ -513,11 +486,7 @@ impl Validator<'_> {
             methods.push(parsed);
         }
         if methods.is_empty() {
-            return Err(self.error(
-                raw.methods.span(),
-                field("methods"),
-                "must name at least one method",
-            ));
+            return Err(self.error(raw.methods.span(), field("methods"), "must name at least one method"));
         }
         let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
@@ -620,9 +589,7 @@ impl std::fmt::Display for Config {
             writeln!(f, "admin  {}", admin.listen)?;
         }
         match &self.store.backend {
-            Backend::Memory { max_records } => {
-                writeln!(f, "store  memory (max_records {max_records})")?
-            }
+            Backend::Memory { max_records } => writeln!(f, "store  memory (max_records {max_records})")?,
             Backend::Redis { url } => writeln!(f, "store  redis {}", redact_url(url))?,
         }
         for route in &self.routes {
@@ -630,12 +597,7 @@ impl std::fmt::Display for Config {
                 None => "unguarded".to_string(),
                 Some(policy) => format!(
                     "guards {} by {} (retention {})",
-                    policy
-                        .methods
-                        .iter()
-                        .map(Method::as_str)
-                        .collect::<Vec<_>>()
-                        .join(","),
+                    policy.methods.iter().map(Method::as_str).collect::<Vec<_>>().join(","),
                     policy.header,
                     humantime::format_duration(policy.retention)
                 ),
@@ -664,8 +626,6 @@ pub fn redact_url(url: &str) -> String {
         _ => url.to_string(),
     }
 }
-
-
 
 #[cfg(test)]
 mod tests;

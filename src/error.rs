@@ -171,21 +171,14 @@ impl Rejection {
                 "Request in progress",
                 Some(retry_after.as_secs().max(1)),
             ),
-            Rejection::OutcomeUnknown => (
-                StatusCode::CONFLICT,
-                "outcome-unknown",
-                "Outcome unknown",
-                None,
-            ),
+            Rejection::OutcomeUnknown => (StatusCode::CONFLICT, "outcome-unknown", "Outcome unknown", None),
             Rejection::Store(StoreError::Full(_)) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-full",
                 "Idempotency store full",
                 Some(1),
             ),
-            Rejection::Store(
-                StoreError::Timeout(_) | StoreError::Unavailable(_) | StoreError::Protocol(_),
-            ) => (
+            Rejection::Store(StoreError::Timeout(_) | StoreError::Unavailable(_) | StoreError::Protocol(_)) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "Idempotency store unavailable",
@@ -203,12 +196,9 @@ impl Rejection {
                 "Upstream timeout",
                 None,
             ),
-            Rejection::Upstream(UpstreamError::Failed(_)) => (
-                StatusCode::BAD_GATEWAY,
-                "upstream-failed",
-                "Upstream failed",
-                None,
-            ),
+            Rejection::Upstream(UpstreamError::Failed(_)) => {
+                (StatusCode::BAD_GATEWAY, "upstream-failed", "Upstream failed", None)
+            }
         };
         Problem {
             status,

@@ -76,7 +76,9 @@ pub fn parse_key_value(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
         return Err(KeyError::NotVisibleAscii);
     }
     // Only visible ASCII remains, so this cannot fail.
-    String::from_utf8(key).map(IdempotencyKey).map_err(|_| KeyError::NotVisibleAscii)
+    String::from_utf8(key)
+        .map(IdempotencyKey)
+        .map_err(|_| KeyError::NotVisibleAscii)
 }
 
 /// Decodes an RFC 8941 sf-string that must span the whole field value.

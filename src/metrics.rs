@@ -100,15 +100,17 @@ impl Metrics {
         let mut registry = Registry::with_prefix("idemproxy");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register("requests", "Requests by route and outcome", requests.clone());
-        let store_latency =
-            Family::<StoreLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 16)));
+        let store_latency = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+        });
         registry.register(
             "store_operation_seconds",
             "Latency of store operations",
             store_latency.clone(),
         );
-        let upstream_latency =
-            Family::<RouteLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.0005, 2.0, 18)));
+        let upstream_latency = Family::<RouteLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+        });
         registry.register(
             "upstream_seconds",
             "Latency of upstream exchanges, to the response head",
@@ -141,7 +143,10 @@ impl Metrics {
     pub fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
         let result = if ok { "ok" } else { "error" };
         self.store_latency
-            .get_or_create(&StoreLabels { op: op.as_str(), result })
+            .get_or_create(&StoreLabels {
+                op: op.as_str(),
+                result,
+            })
             .observe(elapsed.as_secs_f64());
     }
 

@@ -93,7 +93,14 @@ impl Proxy {
                 let policy = policy.clone();
                 self.guarded(route, &policy, request, client).await
             }
-            _ => self.pass(&route, request.map(|body| body.map_err(BoxError::from).boxed_unsync()), client).await,
+            _ => {
+                self.pass(
+                    &route,
+                    request.map(|body| body.map_err(BoxError::from).boxed_unsync()),
+                    client,
+                )
+                .await
+            }
         }
     }
 
@@ -140,8 +147,13 @@ impl Proxy {
             Ok(body) => body,
             Err(rejection) => return self.reject(&route.name, Some(&key), rejection),
         };
-        let fingerprint =
-            idempotency::fingerprint(&parts.method, &parts.uri, &parts.headers, &policy.fingerprint_headers, &body);
+        let fingerprint = idempotency::fingerprint(
+            &parts.method,
+            &parts.uri,
+            &parts.headers,
+            &policy.fingerprint_headers,
+            &body,
+        );
         let scope = idempotency::scope_values(&parts.headers, &policy.scope_headers);
         let store_key = idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key);
         let guarded = Guarded {
@@ -207,7 +219,9 @@ impl Proxy {
                     Err(_) => self.reject(
                         &route.name,
                         None,
-                        Rejection::Upstream(UpstreamError::Failed("the exchange task ended without a response".into())),
+                        Rejection::Upstream(UpstreamError::Failed(
+                            "the exchange task ended without a response".into(),
+                        )),
                     ),
                 }
             }
@@ -241,7 +255,12 @@ impl Proxy {
 
     /// Runs in its own task: forwards the claimed request, updates the record, and
     /// only then returns the response, so a retry that follows it sees the record.
-    async fn exchange(&self, guarded: &Guarded, policy: &IdempotencyPolicy, request: Request<ProxyBody>) -> Response<ProxyBody> {
+    async fn exchange(
+        &self,
+        guarded: &Guarded,
+        policy: &IdempotencyPolicy,
+        request: Request<ProxyBody>,
+    ) -> Response<ProxyBody> {
         let route = &guarded.route;
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
@@ -301,7 +320,10 @@ impl Proxy {
 
     async fn complete(&self, guarded: &Guarded, stored: StoredResponse) {
         let result = self
-            .timed(StoreOp::Complete, self.shared.store.complete(&guarded.key, guarded.owner, &stored))
+            .timed(
+                StoreOp::Complete,
+                self.shared.store.complete(&guarded.key, guarded.owner, &stored),
+            )
             .await;
         match result {
             Ok(Write::Applied) => {}
@@ -316,7 +338,9 @@ impl Proxy {
                 let until = Instant::now() + guarded.route.lease();
                 self.shared.tasks.spawn(async move {
                     proxy
-                        .retry_until(StoreOp::Complete, until, || proxy.shared.store.complete(&key, owner, &stored))
+                        .retry_until(StoreOp::Complete, until, || {
+                            proxy.shared.store.complete(&key, owner, &stored)
+                        })
                         .await;
                 });
             }
@@ -325,7 +349,10 @@ impl Proxy {
 
     async fn mark_unknown(&self, guarded: &Guarded, reason: UnknownReason) {
         let result = self
-            .timed(StoreOp::MarkUnknown, self.shared.store.mark_unknown(&guarded.key, guarded.owner, reason))
+            .timed(
+                StoreOp::MarkUnknown,
+                self.shared.store.mark_unknown(&guarded.key, guarded.owner, reason),
+            )
             .await;
         if let Err(error) = result {
             // The record stays in flight, and reads as unknown once its lease ends.
@@ -351,7 +378,11 @@ impl Proxy {
         let proxy = self.clone();
         let key = guarded.key.clone();
         let owner = guarded.owner;
-        let retention = guarded.route.idempotency.as_ref().map_or(Duration::ZERO, |p| p.retention);
+        let retention = guarded
+            .route
+            .idempotency
+            .as_ref()
+            .map_or(Duration::ZERO, |p| p.retention);
         let until = Instant::now() + retention;
         self.shared.tasks.spawn(async move {
             let pending = proxy.shared.metrics.pending_releases().clone();
@@ -464,7 +495,10 @@ fn replay(stored: StoredResponse) -> Response<ProxyBody> {
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     let headers = response.headers_mut();
     for (name, value) in stored.headers {
-        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_maybe_shared(value)) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value),
+        ) {
             headers.append(name, value);
         }
     }

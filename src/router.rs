@@ -21,9 +21,7 @@ impl Router {
                 .cmp(&a.host.is_some())
                 .then(b.path_prefix.len().cmp(&a.path_prefix.len()))
         });
-        Router {
-            routes: routes.into(),
-        }
+        Router { routes: routes.into() }
     }
 
     /// The route for `host` (without port, any case) and `path`, if one matches.
@@ -55,7 +53,11 @@ pub fn host_without_port(authority: &str) -> &str {
         return rest.split(']').next().unwrap_or(rest);
     }
     authority.rsplit_once(':').map_or(authority, |(host, port)| {
-        if port.bytes().all(|b| b.is_ascii_digit()) { host } else { authority }
+        if port.bytes().all(|b| b.is_ascii_digit()) {
+            host
+        } else {
+            authority
+        }
     })
 }
 
@@ -88,7 +90,10 @@ mod tests {
         assert_eq!(name(None, "/v1/paymentsx").as_deref(), Some("v1"));
         assert_eq!(name(None, "/v1").as_deref(), Some("v1"));
         assert_eq!(name(None, "/other").as_deref(), Some("root"));
-        assert_eq!(name(Some("API.example.com"), "/v1/payments").as_deref(), Some("api-host"));
+        assert_eq!(
+            name(Some("API.example.com"), "/v1/payments").as_deref(),
+            Some("api-host")
+        );
     }
 
     #[test]

@@ -146,7 +146,9 @@ pub enum ClaimOutcome {
 /// The state of a record that somebody else claimed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordState {
-    InFlight { lease_remaining: Duration },
+    InFlight {
+        lease_remaining: Duration,
+    },
     /// In flight, but its lease has run out: its owner died or lost the store.
     LeaseExpired,
     Completed(StoredResponse),
@@ -215,11 +217,21 @@ impl RecordStore for AnyStore {
         delegate!(self, store => store.claim(claim))
     }
 
-    async fn complete(&self, key: &StoreKey, owner: OwnerToken, response: &StoredResponse) -> Result<Write, StoreError> {
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: &StoredResponse,
+    ) -> Result<Write, StoreError> {
         delegate!(self, store => store.complete(key, owner, response))
     }
 
-    async fn mark_unknown(&self, key: &StoreKey, owner: OwnerToken, reason: UnknownReason) -> Result<Write, StoreError> {
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<Write, StoreError> {
         delegate!(self, store => store.mark_unknown(key, owner, reason))
     }
 
@@ -290,7 +302,7 @@ fn unhex(text: &[u8]) -> Option<Vec<u8>> {
             _ => None,
         }
     }
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     text.chunks(2)
@@ -324,7 +336,10 @@ mod tests {
     #[test]
     fn fingerprint_hex_round_trip() {
         let fingerprint = Fingerprint([0xab; 32]);
-        assert_eq!(Fingerprint::from_hex(fingerprint.to_hex().as_bytes()), Some(fingerprint));
+        assert_eq!(
+            Fingerprint::from_hex(fingerprint.to_hex().as_bytes()),
+            Some(fingerprint)
+        );
         assert_eq!(Fingerprint::from_hex(b"zz"), None);
     }
 

@@ -89,11 +89,12 @@ pub struct ClientInfo {
 /// Rewrites a client request for the upstream: the URI, `Host`, the hop-by-hop
 /// fields, and the `X-Forwarded-*` fields.
 pub fn prepare_request<B>(request: &mut Request<B>, upstream: &Uri, client: ClientInfo) -> Result<(), http::Error> {
-    let original_host = request
-        .headers()
-        .get(header::HOST)
-        .cloned()
-        .or_else(|| request.uri().authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
+    let original_host = request.headers().get(header::HOST).cloned().or_else(|| {
+        request
+            .uri()
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    });
     let path_and_query = request.uri().path_and_query().map_or("/", PathAndQuery::as_str);
     let base = upstream.path().trim_end_matches('/');
     let path_and_query: PathAndQuery = if base.is_empty() {
@@ -127,7 +128,11 @@ pub fn prepare_request<B>(request: &mut Request<B>, upstream: &Uri, client: Clie
 // === exchanges ===
 
 /// Sends `request` and waits for the response head, within `deadline`.
-pub async fn send(client: &HttpClient, request: Request<ProxyBody>, deadline: Instant) -> Result<Response<Incoming>, UpstreamError> {
+pub async fn send(
+    client: &HttpClient,
+    request: Request<ProxyBody>,
+    deadline: Instant,
+) -> Result<Response<Incoming>, UpstreamError> {
     let timeout = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout_at(deadline, client.request(request)).await {
         Err(_) => Err(UpstreamError::Timeout(timeout)),
@@ -146,7 +151,12 @@ pub enum Buffered {
 }
 
 /// Reads `body` until it ends or passes `limit` bytes, within `deadline`.
-pub async fn buffer(mut body: Incoming, limit: u64, deadline: Instant, timeout: Duration) -> Result<Buffered, UpstreamError> {
+pub async fn buffer(
+    mut body: Incoming,
+    limit: u64,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Buffered, UpstreamError> {
     let read = async {
         let mut collected = BytesMut::new();
         while let Some(frame) = body.frame().await {

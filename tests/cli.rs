@@ -30,39 +30,100 @@ fn check(path: &PathBuf) -> (bool, String, String) {
     )
 }
 
-const ROUTE: &str = "[[route]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";
+const ROUTE: &str =
+    "[[route]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";
 
 #[test]
 fn the_shipped_proxy_toml_checks_and_lists_its_routes() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
     let (ok, stdout, stderr) = check(&path);
     assert!(ok, "check failed: {stderr}");
-    assert!(stdout.contains("route  payments /v1/payments -> http://127.0.0.1:9000/"), "{stdout}");
+    assert!(
+        stdout.contains("route  payments /v1/payments -> http://127.0.0.1:9000/"),
+        "{stdout}"
+    );
     assert!(stdout.contains("store  memory"), "{stdout}");
 }
 
 #[test]
 fn config_errors_name_the_file_the_line_and_the_field() {
     let cases: &[(&str, String, &str, &str)] = &[
-        ("unknown-key.toml", format!("[server]\nlisten = \"127.0.0.1:0\"\nlisen = 1\n{ROUTE}"), ":3: server.lisen:", "unknown field"),
-        ("no-routes.toml", "[server]\nlisten = \"127.0.0.1:0\"\n".into(), ":3: route:", "at least one [[route]]"),
-        ("dup.toml", format!("{ROUTE}{}", ROUTE.replace("/v1/payments", "/v2")), ":6: route[1].name:", "duplicate route name"),
-        ("scheme.toml", ROUTE.replace("http://", "ftp://"), ":4: route[0].upstream:", "http or https"),
-        ("retention.toml", format!("{ROUTE}upstream_timeout = \"30s\"\n[route.idempotency]\nretention = \"10s\"\n"), ":7: route[0].idempotency.retention:", "shorter than the lease"),
-        ("enum.toml", format!("{ROUTE}[route.idempotency]\non_store_error = \"ignore\"\n"), ":6: route[0].idempotency.on_store_error:", "unknown variant"),
-        ("duration.toml", format!("[store]\ntimeout = \"soon\"\n{ROUTE}"), ":2: store.timeout:", "invalid duration"),
-        ("backend.toml", format!("[store]\nbackend = \"etcd\"\n{ROUTE}"), ":2: store.backend:", "unknown variant"),
-        ("redis-url.toml", format!("[store]\nbackend = \"redis\"\n{ROUTE}"), ":2: store.url:", "redis backend needs url"),
-        ("syntax.toml", format!("[server\n{ROUTE}"), ":1: server:", "unclosed table"),
+        (
+            "unknown-key.toml",
+            format!("[server]\nlisten = \"127.0.0.1:0\"\nlisen = 1\n{ROUTE}"),
+            ":3: server.lisen:",
+            "unknown field",
+        ),
+        (
+            "no-routes.toml",
+            "[server]\nlisten = \"127.0.0.1:0\"\n".into(),
+            ":3: route:",
+            "at least one [[route]]",
+        ),
+        (
+            "dup.toml",
+            format!("{ROUTE}{}", ROUTE.replace("/v1/payments", "/v2")),
+            ":6: route[1].name:",
+            "duplicate route name",
+        ),
+        (
+            "scheme.toml",
+            ROUTE.replace("http://", "ftp://"),
+            ":4: route[0].upstream:",
+            "http or https",
+        ),
+        (
+            "retention.toml",
+            format!("{ROUTE}upstream_timeout = \"30s\"\n[route.idempotency]\nretention = \"10s\"\n"),
+            ":7: route[0].idempotency.retention:",
+            "shorter than the lease",
+        ),
+        (
+            "enum.toml",
+            format!("{ROUTE}[route.idempotency]\non_store_error = \"ignore\"\n"),
+            ":6: route[0].idempotency.on_store_error:",
+            "unknown variant",
+        ),
+        (
+            "duration.toml",
+            format!("[store]\ntimeout = \"soon\"\n{ROUTE}"),
+            ":2: store.timeout:",
+            "invalid duration",
+        ),
+        (
+            "backend.toml",
+            format!("[store]\nbackend = \"etcd\"\n{ROUTE}"),
+            ":2: store.backend:",
+            "unknown variant",
+        ),
+        (
+            "redis-url.toml",
+            format!("[store]\nbackend = \"redis\"\n{ROUTE}"),
+            ":2: store.url:",
+            "redis backend needs url",
+        ),
+        (
+            "syntax.toml",
+            format!("[server\n{ROUTE}"),
+            ":1: server:",
+            "unclosed table",
+        ),
     ];
     for (name, text, location, reason) in cases {
         let path = write(name, text);
         let (ok, _, stderr) = check(&path);
         assert!(!ok, "{name} was accepted");
         let expected_location = format!("{}{location}", path.display());
-        assert!(stderr.contains(&expected_location), "{name}: expected {expected_location:?} in {stderr:?}");
+        assert!(
+            stderr.contains(&expected_location),
+            "{name}: expected {expected_location:?} in {stderr:?}"
+        );
         assert!(stderr.contains(reason), "{name}: expected {reason:?} in {stderr:?}");
-        assert_eq!(stderr.trim().lines().count(), 1, "{name}: one line expected, got {stderr:?}");
+        assert_eq!(
+            stderr.trim().lines().count(),
+            1,
+            "{name}: one line expected, got {stderr:?}"
+        );
         assert!(!stderr.contains("panicked"), "{name}: {stderr}");
     }
 }
@@ -89,7 +150,10 @@ fn a_missing_config_file_is_named() {
         .expect("run idemproxy");
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("/nonexistent/idemproxy.toml: cannot read the config"), "{stderr}");
+    assert!(
+        stderr.contains("/nonexistent/idemproxy.toml: cannot read the config"),
+        "{stderr}"
+    );
 }
 
 #[test]

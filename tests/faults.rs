@@ -12,11 +12,7 @@ use tokio::time::Instant;
 
 /// Sends until the answer is no longer one of `passing` (bounded at 15 s), checking
 /// each interim answer is one of them. Returns the first other answer.
-async fn send_until_not(
-    addr: std::net::SocketAddr,
-    headers: &[(&str, &str)],
-    passing: &[(u16, &str)],
-) -> TestResponse {
+async fn send_until_not(addr: std::net::SocketAddr, headers: &[(&str, &str)], passing: &[(u16, &str)]) -> TestResponse {
     let started = Instant::now();
     loop {
         let response = send(addr, "POST", "/v1/payments", headers, "{}").await;
@@ -27,7 +23,10 @@ async fn send_until_not(
         if !interim {
             return response;
         }
-        assert!(started.elapsed() < Duration::from_secs(15), "still {status} after 15 s: {response:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "still {status} after 15 s: {response:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -38,20 +37,41 @@ async fn redis_killed_then_restarted_on_the_same_port() {
     let upstream = Upstream::start().await;
     let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
     let proxy = config.start().await;
-    let before = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "before")], "{}").await;
+    let before = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "before")],
+        "{}",
+    )
+    .await;
     assert_eq!(before.status, 201);
 
     redis.kill();
     for attempt in 0..3 {
         let started = Instant::now();
-        let response = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "during")], "{}").await;
+        let response = send(
+            proxy.addr(),
+            "POST",
+            "/v1/payments",
+            &[("idempotency-key", "during")],
+            "{}",
+        )
+        .await;
         let elapsed = started.elapsed();
         assert_eq!(response.status, 503, "attempt {attempt}");
         assert_eq!(response.problem(), "store-unavailable");
         assert_eq!(response.header("retry-after"), Some("1"));
-        assert!(elapsed < Duration::from_millis(1300), "503 took {elapsed:?}, over store.timeout + 1 s");
+        assert!(
+            elapsed < Duration::from_millis(1300),
+            "503 took {elapsed:?}, over store.timeout + 1 s"
+        );
     }
-    assert_eq!(upstream.executions("during"), 0, "a request was forwarded without a claim");
+    assert_eq!(
+        upstream.executions("during"),
+        0,
+        "a request was forwarded without a claim"
+    );
     let read = send(proxy.addr(), "GET", "/v1/reads/1", &[], "").await;
     assert_eq!(read.status, 201, "unguarded traffic must not depend on the store");
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);
@@ -75,12 +95,26 @@ async fn redis_paused_past_the_store_timeout_leaves_no_ghost_claim() {
     let upstream = Upstream::start().await;
     let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
     let proxy = config.start().await;
-    let warm = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "warm")], "{}").await;
+    let warm = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "warm")],
+        "{}",
+    )
+    .await;
     assert_eq!(warm.status, 201);
 
     redis.pause();
     let started = Instant::now();
-    let paused = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "ghost")], "{}").await;
+    let paused = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "ghost")],
+        "{}",
+    )
+    .await;
     assert_eq!(paused.status, 503);
     assert_eq!(paused.problem(), "store-unavailable");
     assert!(started.elapsed() < Duration::from_millis(1300));
@@ -137,13 +171,22 @@ async fn a_proxy_killed_mid_request_never_lets_the_request_run_twice() {
     let admin: std::net::SocketAddr = ([127, 0, 0, 1], admin_port).into();
     // Wait until the child serves: a poll on a condition, bounded at 15 s.
     let started = Instant::now();
-    while support::client::try_send(admin, "GET", "/readyz", &[], "").await.map(|r| r.status) .ok() != Some(http::StatusCode::OK) {
-        assert!(started.elapsed() < Duration::from_secs(15), "the idemproxy binary did not become ready");
+    while support::client::try_send(admin, "GET", "/readyz", &[], "")
+        .await
+        .map(|r| r.status)
+        .ok()
+        != Some(http::StatusCode::OK)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "the idemproxy binary did not become ready"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
     let headers = [("idempotency-key", "crash"), ("x-test-hold", "crash")];
-    let client = tokio::spawn(async move { support::client::try_send(addr, "POST", "/v1/payments", &headers, "{}").await });
+    let client =
+        tokio::spawn(async move { support::client::try_send(addr, "POST", "/v1/payments", &headers, "{}").await });
     upstream.wait_for_key("crash").await;
     child.0.kill().expect("SIGKILL the proxy");
     child.0.wait().expect("reap the proxy");

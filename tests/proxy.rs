@@ -56,8 +56,22 @@ async fn first_use_is_forwarded_and_retries_replay_it_byte_for_byte() {
 async fn a_quoted_key_names_the_same_record_as_the_bare_key() {
     let upstream = Upstream::start().await;
     let proxy = memory_proxy(&upstream).await;
-    let first = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "abc"), JSON], "{}").await;
-    let quoted = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "\"abc\""), JSON], "{}").await;
+    let first = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "abc"), JSON],
+        "{}",
+    )
+    .await;
+    let quoted = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "\"abc\""), JSON],
+        "{}",
+    )
+    .await;
     assert!(quoted.replayed(), "{quoted:?}");
     assert_eq!(quoted.body, first.body);
     assert_eq!(upstream.total(), 1);
@@ -159,7 +173,14 @@ async fn a_body_over_the_limit_gets_413_and_nothing_is_forwarded() {
     let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
     config.server = "max_request_body_bytes = 16".into();
     let proxy = config.start().await;
-    let response = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "big")], &"x".repeat(17)).await;
+    let response = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "big")],
+        &"x".repeat(17),
+    )
+    .await;
     assert_eq!(response.status, 413);
     assert_eq!(response.problem(), "request-body-too-large");
     // Chunked, so the size is only learned while reading.
@@ -167,7 +188,14 @@ async fn a_body_over_the_limit_gets_413_and_nothing_is_forwarded() {
     let answer = send_raw(proxy.addr(), raw, Duration::from_secs(5)).await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     // Exactly at the limit is fine.
-    let ok = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "fits")], &"x".repeat(16)).await;
+    let ok = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "fits")],
+        &"x".repeat(16),
+    )
+    .await;
     assert_eq!(ok.status, 201);
     assert_eq!(upstream.total(), 1);
 }
@@ -191,7 +219,11 @@ async fn an_oversized_header_gets_431() {
         "a".repeat(70 * 1024)
     );
     let answer = send_raw(proxy.addr(), big.as_bytes(), Duration::from_secs(5)).await;
-    assert!(answer.starts_with("HTTP/1.1 431"), "{}", &answer[..answer.len().min(200)]);
+    assert!(
+        answer.starts_with("HTTP/1.1 431"),
+        "{}",
+        &answer[..answer.len().min(200)]
+    );
     let mut many = String::from("GET /v1/reads HTTP/1.1\r\nhost: x\r\n");
     for i in 0..150 {
         many.push_str(&format!("x-h{i}: v\r\n"));
@@ -210,7 +242,14 @@ async fn unguarded_requests_pass_untouched_and_never_reach_the_store() {
     let proxy = memory_proxy(&upstream).await;
     let get = send(proxy.addr(), "GET", "/v1/payments/1?x=y", &[], "").await;
     assert_eq!(get.status, 201);
-    let read = send(proxy.addr(), "POST", "/v1/reads", &[("idempotency-key", "ignored")], "{}").await;
+    let read = send(
+        proxy.addr(),
+        "POST",
+        "/v1/reads",
+        &[("idempotency-key", "ignored")],
+        "{}",
+    )
+    .await;
     assert_eq!(read.status, 201);
     // `required = false`: no key, no guard; twice means twice.
     for _ in 0..2 {
@@ -247,11 +286,20 @@ async fn hop_by_hop_headers_are_removed_and_forwarding_headers_added() {
     }
     assert_eq!(seen.get("x-end-to-end").map(|v| v.as_bytes()), Some(&b"kept"[..]));
     assert_eq!(seen.get("idempotency-key").map(|v| v.as_bytes()), Some(&b"hop"[..]));
-    assert_eq!(seen.get("x-forwarded-for").map(|v| v.as_bytes()), Some(&b"203.0.113.9, 127.0.0.1"[..]));
+    assert_eq!(
+        seen.get("x-forwarded-for").map(|v| v.as_bytes()),
+        Some(&b"203.0.113.9, 127.0.0.1"[..])
+    );
     assert_eq!(seen.get("x-forwarded-proto").map(|v| v.as_bytes()), Some(&b"http"[..]));
     let host = proxy.addr().to_string();
-    assert_eq!(seen.get("x-forwarded-host").map(|v| v.as_bytes()), Some(host.as_bytes()));
-    assert_eq!(seen.get("host").map(|v| v.as_bytes()), Some(upstream.addr.to_string().as_bytes()));
+    assert_eq!(
+        seen.get("x-forwarded-host").map(|v| v.as_bytes()),
+        Some(host.as_bytes())
+    );
+    assert_eq!(
+        seen.get("host").map(|v| v.as_bytes()),
+        Some(upstream.addr.to_string().as_bytes())
+    );
 }
 
 #[tokio::test]
@@ -340,11 +388,16 @@ async fn twenty_duplicates_while_the_first_is_held_run_once() {
     let first = tokio::spawn(async move { send(addr, "POST", "/v1/payments", &headers, "{}").await });
     upstream.wait_for_key("storm").await;
 
-    let duplicates = join_all((0..19).map(|_| async move { send(addr, "POST", "/v1/payments", &headers, "{}").await })).await;
+    let duplicates =
+        join_all((0..19).map(|_| async move { send(addr, "POST", "/v1/payments", &headers, "{}").await })).await;
     for duplicate in &duplicates {
         assert_eq!(duplicate.status, 409, "{duplicate:?}");
         assert_eq!(duplicate.problem(), "request-in-progress");
-        let retry_after: u64 = duplicate.header("retry-after").expect("Retry-After").parse().expect("seconds");
+        let retry_after: u64 = duplicate
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .expect("seconds");
         assert!((1..=6).contains(&retry_after), "Retry-After {retry_after}");
     }
     upstream.release("storm");
@@ -369,7 +422,14 @@ async fn two_instances_on_one_redis_run_each_key_once() {
         (0..8).map(move |copy| async move {
             let key = format!("key-{key}");
             let addr = addrs[copy % 2];
-            let response = send(addr, "POST", "/v1/payments", &[("idempotency-key", &key), JSON], "{\"n\":1}").await;
+            let response = send(
+                addr,
+                "POST",
+                "/v1/payments",
+                &[("idempotency-key", &key), JSON],
+                "{\"n\":1}",
+            )
+            .await;
             (key, response)
         })
     });
@@ -377,14 +437,22 @@ async fn two_instances_on_one_redis_run_each_key_once() {
 
     for key in 0..40 {
         let key = format!("key-{key}");
-        assert_eq!(upstream.executions(&key), 1, "{key} ran {} times", upstream.executions(&key));
+        assert_eq!(
+            upstream.executions(&key),
+            1,
+            "{key} ran {} times",
+            upstream.executions(&key)
+        );
         let successes: Vec<_> = results
             .iter()
             .filter(|(k, r)| *k == key && r.status == 201)
             .map(|(_, r)| r.body.clone())
             .collect();
         assert!(!successes.is_empty());
-        assert!(successes.windows(2).all(|pair| pair[0] == pair[1]), "{key}: responses differ");
+        assert!(
+            successes.windows(2).all(|pair| pair[0] == pair[1]),
+            "{key}: responses differ"
+        );
         for (_, response) in results.iter().filter(|(k, r)| *k == key && r.status != 201) {
             assert_eq!(response.status, 409);
             assert_eq!(response.problem(), "request-in-progress");
@@ -458,7 +526,9 @@ async fn a_client_that_leaves_while_its_request_is_held_changes_nothing() {
     let raw = b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: gone\r\nx-test-hold: gone\r\ncontent-length: 2\r\n\r\n{}";
     let client = tokio::spawn(async move {
         let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        tokio::io::AsyncWriteExt::write_all(&mut stream, raw).await.expect("write");
+        tokio::io::AsyncWriteExt::write_all(&mut stream, raw)
+            .await
+            .expect("write");
         stream
     });
     upstream.wait_for_key("gone").await;
@@ -473,7 +543,10 @@ async fn a_client_that_leaves_while_its_request_is_held_changes_nothing() {
             break response;
         }
         assert_eq!(response.problem(), "request-in-progress");
-        assert!(started.elapsed() < Duration::from_secs(10), "the record never completed");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the record never completed"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(replay.status, 201);
@@ -487,8 +560,22 @@ async fn a_client_that_leaves_while_its_request_is_held_changes_nothing() {
 async fn admin_reports_health_readiness_and_metrics_without_keys() {
     let upstream = Upstream::start().await;
     let proxy = memory_proxy(&upstream).await;
-    send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "secret-key-value")], "{}").await;
-    send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", "secret-key-value")], "{}").await;
+    send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "secret-key-value")],
+        "{}",
+    )
+    .await;
+    send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "secret-key-value")],
+        "{}",
+    )
+    .await;
     send(proxy.addr(), "POST", "/v1/payments", &[], "{}").await;
 
     assert_eq!(send(proxy.admin(), "GET", "/healthz", &[], "").await.status, 200);
@@ -496,11 +583,26 @@ async fn admin_reports_health_readiness_and_metrics_without_keys() {
     let metrics = send(proxy.admin(), "GET", "/metrics", &[], "").await;
     assert_eq!(metrics.status, 200);
     let text = String::from_utf8_lossy(&metrics.body);
-    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"forwarded\"} 1"), "{text}");
-    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"replayed\"} 1"), "{text}");
-    assert!(text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"} 1"), "{text}");
-    assert!(text.contains("idemproxy_store_operation_seconds_count{op=\"claim\",result=\"ok\"} 2"), "{text}");
-    assert!(text.contains("idemproxy_upstream_seconds_count{route=\"payments\"} 1"), "{text}");
+    assert!(
+        text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"forwarded\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"replayed\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemproxy_store_operation_seconds_count{op=\"claim\",result=\"ok\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idemproxy_upstream_seconds_count{route=\"payments\"} 1"),
+        "{text}"
+    );
     assert!(!text.contains("secret-key-value"));
 }
 
@@ -508,7 +610,9 @@ async fn admin_reports_health_readiness_and_metrics_without_keys() {
 async fn readyz_follows_the_redis_store() {
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url()).start().await;
+    let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 200);
     redis.kill();
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);

@@ -44,7 +44,11 @@ fn response(body: &'static str) -> StoredResponse {
 const LONG: Duration = Duration::from_secs(30);
 
 async fn state_of<S: RecordStore>(store: &S, key: &StoreKey) -> RecordState {
-    match store.claim(&claim(key, OwnerToken::generate(), LONG)).await.expect("claim") {
+    match store
+        .claim(&claim(key, OwnerToken::generate(), LONG))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Existing { state, .. } => state,
         ClaimOutcome::Acquired => panic!("the key was free"),
     }
@@ -70,14 +74,24 @@ async fn until_lease_expires<S: RecordStore>(store: &S, key: &StoreKey) {
 async fn first_claim_acquires_and_others_see_it_in_flight<S: RecordStore>(store: &S) {
     let key = key("first");
     let owner = OwnerToken::generate();
-    assert_eq!(store.claim(&claim(&key, owner, LONG)).await.expect("claim"), ClaimOutcome::Acquired);
-    match store.claim(&claim(&key, OwnerToken::generate(), LONG)).await.expect("claim") {
+    assert_eq!(
+        store.claim(&claim(&key, owner, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired
+    );
+    match store
+        .claim(&claim(&key, OwnerToken::generate(), LONG))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Existing {
             fingerprint,
             state: RecordState::InFlight { lease_remaining },
         } => {
             assert_eq!(fingerprint, Fingerprint([1; 32]));
-            assert!(lease_remaining > Duration::from_secs(25) && lease_remaining <= LONG, "{lease_remaining:?}");
+            assert!(
+                lease_remaining > Duration::from_secs(25) && lease_remaining <= LONG,
+                "{lease_remaining:?}"
+            );
         }
         other => panic!("expected in flight, got {other:?}"),
     }
@@ -86,8 +100,14 @@ async fn first_claim_acquires_and_others_see_it_in_flight<S: RecordStore>(store:
 async fn a_claim_retried_by_its_owner_counts_as_acquired<S: RecordStore>(store: &S) {
     let key = key("retry");
     let owner = OwnerToken::generate();
-    assert_eq!(store.claim(&claim(&key, owner, LONG)).await.expect("claim"), ClaimOutcome::Acquired);
-    assert_eq!(store.claim(&claim(&key, owner, LONG)).await.expect("claim"), ClaimOutcome::Acquired);
+    assert_eq!(
+        store.claim(&claim(&key, owner, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired
+    );
+    assert_eq!(
+        store.claim(&claim(&key, owner, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired
+    );
 }
 
 async fn a_completed_record_replays_exactly<S: RecordStore>(store: &S) {
@@ -95,11 +115,23 @@ async fn a_completed_record_replays_exactly<S: RecordStore>(store: &S) {
     let owner = OwnerToken::generate();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     let stored = response("{\"ok\":true}");
-    assert_eq!(store.complete(&key, owner, &stored).await.expect("complete"), Write::Applied);
+    assert_eq!(
+        store.complete(&key, owner, &stored).await.expect("complete"),
+        Write::Applied
+    );
     assert_eq!(state_of(store, &key).await, RecordState::Completed(stored.clone()));
     // A completed record is never overwritten, not even by its owner.
-    assert_eq!(store.complete(&key, owner, &response("other")).await.expect("complete"), Write::Fenced);
-    assert_eq!(store.mark_unknown(&key, owner, UnknownReason::UpstreamFailed).await.expect("mark"), Write::Fenced);
+    assert_eq!(
+        store.complete(&key, owner, &response("other")).await.expect("complete"),
+        Write::Fenced
+    );
+    assert_eq!(
+        store
+            .mark_unknown(&key, owner, UnknownReason::UpstreamFailed)
+            .await
+            .expect("mark"),
+        Write::Fenced
+    );
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Fenced);
     assert_eq!(state_of(store, &key).await, RecordState::Completed(stored));
 }
@@ -113,7 +145,10 @@ async fn an_empty_response_round_trips<S: RecordStore>(store: &S) {
         headers: vec![],
         body: Bytes::new(),
     };
-    assert_eq!(store.complete(&key, owner, &stored).await.expect("complete"), Write::Applied);
+    assert_eq!(
+        store.complete(&key, owner, &stored).await.expect("complete"),
+        Write::Applied
+    );
     assert_eq!(state_of(store, &key).await, RecordState::Completed(stored));
 }
 
@@ -122,13 +157,25 @@ async fn marked_unknown_stays_unknown<S: RecordStore>(store: &S) {
     let owner = OwnerToken::generate();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     assert_eq!(
-        store.mark_unknown(&key, owner, UnknownReason::UpstreamTimeout).await.expect("mark"),
+        store
+            .mark_unknown(&key, owner, UnknownReason::UpstreamTimeout)
+            .await
+            .expect("mark"),
         Write::Applied
     );
-    assert_eq!(state_of(store, &key).await, RecordState::Unknown(UnknownReason::UpstreamTimeout));
-    assert_eq!(store.complete(&key, owner, &response("late")).await.expect("complete"), Write::Fenced);
+    assert_eq!(
+        state_of(store, &key).await,
+        RecordState::Unknown(UnknownReason::UpstreamTimeout)
+    );
+    assert_eq!(
+        store.complete(&key, owner, &response("late")).await.expect("complete"),
+        Write::Fenced
+    );
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Fenced);
-    assert_eq!(state_of(store, &key).await, RecordState::Unknown(UnknownReason::UpstreamTimeout));
+    assert_eq!(
+        state_of(store, &key).await,
+        RecordState::Unknown(UnknownReason::UpstreamTimeout)
+    );
 }
 
 async fn a_released_key_is_free_again<S: RecordStore>(store: &S) {
@@ -138,7 +185,10 @@ async fn a_released_key_is_free_again<S: RecordStore>(store: &S) {
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Applied);
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Fenced);
     let next = OwnerToken::generate();
-    assert_eq!(store.claim(&claim(&key, next, LONG)).await.expect("claim"), ClaimOutcome::Acquired);
+    assert_eq!(
+        store.claim(&claim(&key, next, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired
+    );
 }
 
 async fn only_the_owner_can_write<S: RecordStore>(store: &S) {
@@ -146,8 +196,17 @@ async fn only_the_owner_can_write<S: RecordStore>(store: &S) {
     let owner = OwnerToken::generate();
     let stranger = OwnerToken::generate();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
-    assert_eq!(store.complete(&key, stranger, &response("x")).await.expect("complete"), Write::Fenced);
-    assert_eq!(store.mark_unknown(&key, stranger, UnknownReason::UpstreamFailed).await.expect("mark"), Write::Fenced);
+    assert_eq!(
+        store.complete(&key, stranger, &response("x")).await.expect("complete"),
+        Write::Fenced
+    );
+    assert_eq!(
+        store
+            .mark_unknown(&key, stranger, UnknownReason::UpstreamFailed)
+            .await
+            .expect("mark"),
+        Write::Fenced
+    );
     assert_eq!(store.release(&key, stranger).await.expect("release"), Write::Fenced);
     assert!(matches!(state_of(store, &key).await, RecordState::InFlight { .. }));
 }
@@ -155,7 +214,10 @@ async fn only_the_owner_can_write<S: RecordStore>(store: &S) {
 async fn an_expired_lease_reads_as_unknown_and_is_never_taken_over<S: RecordStore>(store: &S) {
     let key = key("lease");
     let owner = OwnerToken::generate();
-    store.claim(&claim(&key, owner, Duration::from_millis(300))).await.expect("claim");
+    store
+        .claim(&claim(&key, owner, Duration::from_millis(300)))
+        .await
+        .expect("claim");
     until_lease_expires(store, &key).await;
     // Not even the owner gets it back, and its late complete is refused.
     match store.claim(&claim(&key, owner, LONG)).await.expect("claim") {
@@ -165,14 +227,23 @@ async fn an_expired_lease_reads_as_unknown_and_is_never_taken_over<S: RecordStor
         } => {}
         other => panic!("expected lease expired, got {other:?}"),
     }
-    assert_eq!(store.complete(&key, owner, &response("late")).await.expect("complete"), Write::Fenced);
+    assert_eq!(
+        store.complete(&key, owner, &response("late")).await.expect("complete"),
+        Write::Fenced
+    );
     assert_eq!(state_of(store, &key).await, RecordState::LeaseExpired);
     // The owner may still say why, and may still free a claim it never forwarded.
     assert_eq!(
-        store.mark_unknown(&key, owner, UnknownReason::UpstreamTimeout).await.expect("mark"),
+        store
+            .mark_unknown(&key, owner, UnknownReason::UpstreamTimeout)
+            .await
+            .expect("mark"),
         Write::Applied
     );
-    assert_eq!(state_of(store, &key).await, RecordState::Unknown(UnknownReason::UpstreamTimeout));
+    assert_eq!(
+        state_of(store, &key).await,
+        RecordState::Unknown(UnknownReason::UpstreamTimeout)
+    );
 }
 
 /// A claims; A's record is removed and B claims the key; A's late complete,
@@ -181,18 +252,39 @@ async fn a_stale_owner_is_fenced_off<S: RecordStore>(store: &S) {
     let key = key("fencing");
     let a = OwnerToken::generate();
     let b = OwnerToken::generate();
-    assert_eq!(store.claim(&claim(&key, a, LONG)).await.expect("claim"), ClaimOutcome::Acquired);
+    assert_eq!(
+        store.claim(&claim(&key, a, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired
+    );
     assert!(store.purge(&key).await.expect("purge"));
-    assert_eq!(store.claim(&claim(&key, b, LONG)).await.expect("claim"), ClaimOutcome::Acquired);
+    assert_eq!(
+        store.claim(&claim(&key, b, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired
+    );
 
-    assert_eq!(store.complete(&key, a, &response("from A")).await.expect("complete"), Write::Fenced);
-    assert_eq!(store.mark_unknown(&key, a, UnknownReason::UpstreamFailed).await.expect("mark"), Write::Fenced);
+    assert_eq!(
+        store.complete(&key, a, &response("from A")).await.expect("complete"),
+        Write::Fenced
+    );
+    assert_eq!(
+        store
+            .mark_unknown(&key, a, UnknownReason::UpstreamFailed)
+            .await
+            .expect("mark"),
+        Write::Fenced
+    );
     assert_eq!(store.release(&key, a).await.expect("release"), Write::Fenced);
 
     assert!(matches!(state_of(store, &key).await, RecordState::InFlight { .. }));
     let from_b = response("from B");
-    assert_eq!(store.complete(&key, b, &from_b).await.expect("complete"), Write::Applied);
-    assert_eq!(store.complete(&key, a, &response("from A")).await.expect("complete"), Write::Fenced);
+    assert_eq!(
+        store.complete(&key, b, &from_b).await.expect("complete"),
+        Write::Applied
+    );
+    assert_eq!(
+        store.complete(&key, a, &response("from A")).await.expect("complete"),
+        Write::Fenced
+    );
     assert_eq!(state_of(store, &key).await, RecordState::Completed(from_b));
 }
 
@@ -203,7 +295,11 @@ async fn the_fingerprint_is_kept_with_every_state<S: RecordStore>(store: &S) {
     first.fingerprint = Fingerprint([9; 32]);
     store.claim(&first).await.expect("claim");
     store.complete(&key, owner, &response("x")).await.expect("complete");
-    match store.claim(&claim(&key, OwnerToken::generate(), LONG)).await.expect("claim") {
+    match store
+        .claim(&claim(&key, OwnerToken::generate(), LONG))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Existing { fingerprint, .. } => assert_eq!(fingerprint, Fingerprint([9; 32])),
         other => panic!("{other:?}"),
     }
@@ -257,10 +353,19 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
     assert_eq!(store.claim(&short("a")).await.expect("claim"), ClaimOutcome::Acquired);
     assert_eq!(store.claim(&short("b")).await.expect("claim"), ClaimOutcome::Acquired);
     let refused = store.claim(&short("c")).await;
-    assert!(matches!(refused, Err(idemproxy::error::StoreError::Full(2))), "{refused:?}");
+    assert!(
+        matches!(refused, Err(idemproxy::error::StoreError::Full(2))),
+        "{refused:?}"
+    );
     // Both live records are still there.
-    assert!(matches!(state_of(&store, &key("a")).await, RecordState::InFlight { .. }));
-    assert!(matches!(state_of(&store, &key("b")).await, RecordState::InFlight { .. }));
+    assert!(matches!(
+        state_of(&store, &key("a")).await,
+        RecordState::InFlight { .. }
+    ));
+    assert!(matches!(
+        state_of(&store, &key("b")).await,
+        RecordState::InFlight { .. }
+    ));
     // Once they expire, they are swept and the key can be claimed. Bounded at 10 s.
     let started = tokio::time::Instant::now();
     loop {
@@ -269,7 +374,10 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
             Err(idemproxy::error::StoreError::Full(_)) => {}
             other => panic!("{other:?}"),
         }
-        assert!(started.elapsed() < Duration::from_secs(10), "expired records were never swept");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "expired records were never swept"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(store.len() <= 2);
@@ -278,12 +386,18 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
 // === redis only ===
 
 fn pttl(server: &RedisServer, key: &StoreKey) -> i64 {
-    redis::cmd("PTTL").arg(key.as_str()).query(&mut server.connection()).expect("PTTL")
+    redis::cmd("PTTL")
+        .arg(key.as_str())
+        .query(&mut server.connection())
+        .expect("PTTL")
 }
 
 fn assert_retention_ttl(server: &RedisServer, key: &StoreKey, when: &str) {
     let ttl = pttl(server, key);
-    assert!((58_000..=60_000).contains(&ttl), "{when}: PTTL {ttl} ms is not the 60 s retention (± 2 s)");
+    assert!(
+        (58_000..=60_000).contains(&ttl),
+        "{when}: PTTL {ttl} ms is not the 60 s retention (± 2 s)"
+    );
 }
 
 #[tokio::test]
@@ -296,25 +410,38 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     let owner = OwnerToken::generate();
     store.claim(&claim(&done, owner, lease)).await.expect("claim");
     assert_retention_ttl(&server, &done, "in flight");
-    assert_eq!(store.complete(&done, owner, &response("x")).await.expect("complete"), Write::Applied);
+    assert_eq!(
+        store.complete(&done, owner, &response("x")).await.expect("complete"),
+        Write::Applied
+    );
     assert_retention_ttl(&server, &done, "completed");
 
     let unknown = key("ttl-unknown");
     let owner = OwnerToken::generate();
     store.claim(&claim(&unknown, owner, lease)).await.expect("claim");
-    store.mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout).await.expect("mark");
+    store
+        .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout)
+        .await
+        .expect("mark");
     assert_retention_ttl(&server, &unknown, "unknown");
 
     // Past the lease the record is still there, with its retention.
     let expired = key("ttl-expired");
-    store.claim(&claim(&expired, OwnerToken::generate(), Duration::from_millis(200))).await.expect("claim");
+    store
+        .claim(&claim(&expired, OwnerToken::generate(), Duration::from_millis(200)))
+        .await
+        .expect("claim");
     until_lease_expires(&store, &expired).await;
     assert_retention_ttl(&server, &expired, "lease expired");
 
     // One store key per record, and nothing else.
     let mut keys = server.keys();
     keys.sort();
-    let mut expected = vec![done.as_str().to_string(), unknown.as_str().to_string(), expired.as_str().to_string()];
+    let mut expected = vec![
+        done.as_str().to_string(),
+        unknown.as_str().to_string(),
+        expired.as_str().to_string(),
+    ];
     expected.sort();
     assert_eq!(keys, expected);
 }
@@ -326,8 +453,14 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
     let key = key("flush");
     let owner = OwnerToken::generate();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
-    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut server.connection()).expect("SCRIPT FLUSH");
-    assert_eq!(store.complete(&key, owner, &response("x")).await.expect("complete"), Write::Applied);
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut server.connection())
+        .expect("SCRIPT FLUSH");
+    assert_eq!(
+        store.complete(&key, owner, &response("x")).await.expect("complete"),
+        Write::Applied
+    );
 
     server.restart();
     // The store reconnects by itself; the fresh server has neither scripts nor records.
@@ -335,7 +468,10 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
     let outcome = loop {
         match store.claim(&claim(&key, owner, LONG)).await {
             Ok(outcome) => break outcome,
-            Err(error) => assert!(started.elapsed() < Duration::from_secs(10), "never reconnected: {error}"),
+            Err(error) => assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "never reconnected: {error}"
+            ),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };

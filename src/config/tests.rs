@@ -1,1 +1,139 @@
 use super::*;
+
+const ROUTE: &str =
+    "[[route]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";
+
+fn parse(text: &str) -> Result<Config, ConfigError> {
+    Config::parse(text, Path::new("t.toml"))
+}
+
+fn error(text: &str) -> String {
+    parse(text).expect_err("should be refused").to_string()
+}
+
+#[test]
+fn defaults_match_the_design() {
+    let config = parse(&format!("{ROUTE}[route.idempotency]\n")).expect("valid");
+    assert_eq!(config.server.listen, SocketAddr::from(([127, 0, 0, 1], 8080)));
+    assert_eq!(config.server.max_request_body_bytes, 1024 * 1024);
+    assert_eq!(config.server.header_read_timeout, Duration::from_secs(10));
+    assert_eq!(config.server.shutdown_grace, Duration::from_secs(30));
+    assert!(config.admin.is_none());
+    assert!(matches!(
+        config.store.backend,
+        Backend::Memory {
+            max_records: DEFAULT_MAX_RECORDS
+        }
+    ));
+    assert_eq!(config.store.key_prefix, "idemproxy");
+    assert_eq!(config.store.timeout, Duration::from_millis(500));
+    let route = &config.routes[0];
+    assert_eq!(route.upstream_timeout, Duration::from_secs(30));
+    assert_eq!(route.lease(), Duration::from_secs(31));
+    let policy = route.idempotency.as_ref().expect("guarded");
+    assert_eq!(policy.methods, vec![Method::POST, Method::PATCH]);
+    assert_eq!(policy.header, "idempotency-key");
+    assert!(policy.required);
+    assert_eq!(policy.retention, Duration::from_secs(24 * 3600));
+    assert_eq!(
+        policy.fingerprint_headers,
+        vec![HeaderName::from_static("content-type")]
+    );
+    assert!(policy.scope_headers.is_empty());
+    assert_eq!(policy.max_response_body_bytes, 1024 * 1024);
+    assert_eq!(policy.on_server_error, OnServerError::Release);
+    assert_eq!(policy.on_store_error, OnStoreError::Reject);
+}
+
+#[test]
+fn a_route_without_an_idempotency_table_is_plain() {
+    let config = parse(ROUTE).expect("valid");
+    assert!(config.routes[0].idempotency.is_none());
+}
+
+#[test]
+fn the_redis_backend_needs_a_redis_url() {
+    let ok = parse(&format!(
+        "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379/0\"\n{ROUTE}"
+    ))
+    .expect("valid");
+    assert!(matches!(ok.store.backend, Backend::Redis { .. }));
+    assert!(
+        error(&format!("[store]\nbackend = \"redis\"\nurl = \"http://x\"\n{ROUTE}")).contains("t.toml:3: store.url:")
+    );
+    assert!(error(&format!("[store]\nurl = \"redis://x\"\n{ROUTE}")).contains("store.url: only the redis backend"));
+    assert!(
+        error(&format!(
+            "[store]\nbackend = \"redis\"\nurl = \"redis://x\"\nmax_records = 5\n{ROUTE}"
+        ))
+        .contains("store.max_records")
+    );
+}
+
+#[test]
+fn bad_values_are_refused_with_their_field() {
+    for (text, needle) in [
+        (
+            ROUTE.replace("payments\"\npath", "pay:ments\"\npath"),
+            "route[0].name: must be",
+        ),
+        (
+            ROUTE.replace("/v1/payments", "v1"),
+            "route[0].path_prefix: must start with /",
+        ),
+        (
+            ROUTE.replace("http://127.0.0.1:9000", "http://127.0.0.1:9000/?q=1"),
+            "route[0].upstream: the URL must not have a query",
+        ),
+        (
+            format!("{ROUTE}[route.idempotency]\nmethods = []\n"),
+            "route[0].idempotency.methods",
+        ),
+        (
+            format!("{ROUTE}[route.idempotency]\nmethods = [\"PO ST\"]\n"),
+            "route[0].idempotency.methods",
+        ),
+        (
+            format!("{ROUTE}[route.idempotency]\nheader = \"bad header\"\n"),
+            "route[0].idempotency.header",
+        ),
+        (
+            format!("{ROUTE}[route.idempotency]\nmax_response_body_bytes = 0\n"),
+            "max_response_body_bytes: must be greater than 0",
+        ),
+        (
+            format!("[server]\nmax_request_body_bytes = 0\n{ROUTE}"),
+            "t.toml:2: server.max_request_body_bytes",
+        ),
+        (format!("[store]\nkey_prefix = \"a b\"\n{ROUTE}"), "store.key_prefix"),
+        (
+            format!("[store]\ntimeout = \"0s\"\n{ROUTE}"),
+            "store.timeout: must be greater than 0",
+        ),
+        (
+            format!("{ROUTE}{}", ROUTE.replace("name = \"payments\"", "name = \"other\"")),
+            "another route already has path_prefix",
+        ),
+    ] {
+        let message = error(&text);
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+    }
+}
+
+#[test]
+fn field_at_names_nested_tables() {
+    let source =
+        "[server]\nlisten = 1\n[[route]]\nname = 'a'\n[route.idempotency]\nretention = 'x'\n[[route]]\nname = 'b'\n";
+    let at = |needle: &str| field_at(source, source.find(needle).expect("needle"));
+    assert_eq!(at("listen"), "server.listen");
+    assert_eq!(at("name = 'a'"), "route[0].name");
+    assert_eq!(at("retention"), "route[0].idempotency.retention");
+    assert_eq!(at("name = 'b'"), "route[1].name");
+}
+
+#[test]
+fn redact_url_hides_passwords() {
+    assert_eq!(redact_url("redis://:hunter2@host:6379/0"), "redis://:***@host:6379/0");
+    assert_eq!(redact_url("redis://user:hunter2@host/0"), "redis://user:***@host/0");
+    assert_eq!(redact_url("redis://host:6379"), "redis://host:6379");
+}

@@ -73,7 +73,10 @@ impl MemoryStore {
     ) -> Option<(&'a mut Record, Instant)> {
         let record = records.get_mut(key).filter(|record| record.expires_at > now)?;
         match record.state {
-            State::InFlight { owner: holder, lease_until } if holder == owner => Some((record, lease_until)),
+            State::InFlight {
+                owner: holder,
+                lease_until,
+            } if holder == owner => Some((record, lease_until)),
             _ => None,
         }
     }
@@ -140,7 +143,12 @@ impl RecordStore for MemoryStore {
         Ok(ClaimOutcome::Acquired)
     }
 
-    async fn complete(&self, key: &StoreKey, owner: OwnerToken, response: &StoredResponse) -> Result<Write, StoreError> {
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: &StoredResponse,
+    ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
         Ok(match MemoryStore::owned(&mut records, key, owner, now) {
@@ -152,7 +160,12 @@ impl RecordStore for MemoryStore {
         })
     }
 
-    async fn mark_unknown(&self, key: &StoreKey, owner: OwnerToken, reason: UnknownReason) -> Result<Write, StoreError> {
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
         Ok(match MemoryStore::owned(&mut records, key, owner, Instant::now()) {
             Some((record, _)) => {

@@ -88,7 +88,12 @@ impl RecordStore for RedisStore {
         parse_claim_reply(&reply).ok_or(StoreError::Protocol("malformed claim reply"))
     }
 
-    async fn complete(&self, key: &StoreKey, owner: OwnerToken, response: &StoredResponse) -> Result<Write, StoreError> {
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: &StoredResponse,
+    ) -> Result<Write, StoreError> {
         let mut invocation = COMPLETE.key(key.as_str());
         invocation
             .arg(owner.to_hex())
@@ -98,7 +103,12 @@ impl RecordStore for RedisStore {
         self.fenced_write(invocation).await
     }
 
-    async fn mark_unknown(&self, key: &StoreKey, owner: OwnerToken, reason: UnknownReason) -> Result<Write, StoreError> {
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+    ) -> Result<Write, StoreError> {
         let mut invocation = MARK_UNKNOWN.key(key.as_str());
         invocation.arg(owner.to_hex()).arg(reason.as_str());
         self.fenced_write(invocation).await

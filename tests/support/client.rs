@@ -24,7 +24,11 @@ impl TestResponse {
 
     /// The problem slug of an RFC 9457 response, after asserting its shape.
     pub fn problem(&self) -> String {
-        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
         assert_eq!(self.header("cache-control"), Some("no-store"), "{self:?}");
         let body: serde_json::Value = serde_json::from_slice(&self.body).expect("problem body is JSON");
         assert_eq!(body["status"].as_u64(), Some(u64::from(self.status.as_u16())), "{body}");
@@ -63,7 +67,10 @@ pub async fn try_send(
     let stream = TcpStream::connect(addr).await?;
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
-    let mut request = Request::builder().method(method).uri(path).header("host", addr.to_string());
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string());
     for (name, value) in headers {
         request = request.header(*name, *value);
     }

@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use super::proxy::free_port;
 
@@ -38,11 +40,7 @@ impl RedisServer {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
-        let mut server = RedisServer {
-            child: None,
-            port,
-            dir,
-        };
+        let mut server = RedisServer { child: None, port, dir };
         server.spawn();
         server
     }
@@ -67,12 +65,11 @@ impl RedisServer {
     fn wait_ready(&self) {
         let started = Instant::now();
         loop {
-            if let Ok(client) = redis::Client::open(self.url()) {
-                if let Ok(mut connection) = client.get_connection_with_timeout(Duration::from_millis(200)) {
-                    if redis::cmd("PING").query::<String>(&mut connection).is_ok() {
-                        return;
-                    }
-                }
+            if let Ok(client) = redis::Client::open(self.url())
+                && let Ok(mut connection) = client.get_connection_with_timeout(Duration::from_millis(200))
+                && redis::cmd("PING").query::<String>(&mut connection).is_ok()
+            {
+                return;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(10),
