@@ -12,6 +12,9 @@ use crate::config::OnServerError;
 use crate::error::{KeyError, Rejection};
 use crate::store::{ClaimOutcome, Fingerprint, RecordState, StoreKey, StoredResponse, hex};
 
+/// The `Retry-After` of a 409 `request-in-progress`, at most.
+pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// The longest key accepted, in characters.
 pub const MAX_KEY_LEN: usize = 255;
 
@@ -198,8 +201,9 @@ pub fn decide(outcome: ClaimOutcome, fingerprint: Fingerprint) -> Decision {
     }
     match state {
         RecordState::Completed(response) => Decision::Replay(response),
+        // Most requests finish long before their lease ends: ask for a retry soon.
         RecordState::InFlight { lease_remaining } => Decision::Reject(Rejection::InProgress {
-            retry_after: lease_remaining.max(Duration::from_secs(1)),
+            retry_after: lease_remaining.clamp(Duration::from_millis(1), IN_PROGRESS_RETRY_AFTER),
         }),
         RecordState::LeaseExpired | RecordState::Unknown(_) => Decision::Reject(Rejection::OutcomeUnknown),
     }

@@ -437,13 +437,14 @@ impl Proxy {
             | Rejection::BodyIncomplete(_) => Outcome::Rejected,
         };
         let problem = rejection.problem();
+        let key = key.map_or_else(|| "-".to_string(), |key| format!("{key:?}"));
         let error: &dyn std::error::Error = &rejection;
         match outcome {
             Outcome::StoreError | Outcome::UpstreamError => tracing::warn!(
-                route, key = ?key, status = problem.status.as_u16(), problem = problem.slug,
+                route, %key, status = problem.status.as_u16(), problem = problem.slug,
                 error = %DisplayChain(error), "problem response"),
             _ => tracing::info!(
-                route, key = ?key, status = problem.status.as_u16(), problem = problem.slug,
+                route, %key, status = problem.status.as_u16(), problem = problem.slug,
                 "problem response"),
         }
         if !route.is_empty() {

@@ -124,7 +124,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             tracing::warn!(left = tasks.len(), "shutdown grace over; abandoning background work");
         }
     });
-    tracing::info!(%addr, admin = ?admin_addr, routes = config.routes.len(), "idemproxy listening");
+    tracing::info!(
+        %addr,
+        admin = %admin_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
+        store = store_name(&config),
+        routes = config.routes.len(),
+        "idemproxy listening"
+    );
     Ok(Running {
         addr,
         admin_addr,
@@ -132,6 +138,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         shutdown,
         done,
     })
+}
+
+fn store_name(config: &Config) -> &'static str {
+    match config.store.backend {
+        Backend::Memory { .. } => "memory",
+        Backend::Redis { .. } => "redis",
+    }
 }
 
 #[derive(Debug, Clone, Copy)]

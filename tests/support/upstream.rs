@@ -130,7 +130,8 @@ impl Upstream {
 
     /// Lets every request held at gate `name`, now or later, go on.
     pub fn release(&self, name: &str) {
-        let _ = self.gate(name).send(true);
+        // `send` would drop the value while no request waits yet; this keeps it.
+        self.gate(name).send_replace(true);
     }
 
     fn gate(&self, name: &str) -> watch::Sender<bool> {

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""A toy upstream for trying idemproxy by hand: answers every method with 201 and a
+JSON body that counts executions, so a replay is easy to tell from a second run.
+
+    python3 examples/upstream.py [PORT]        (default 9000)
+
+`?sleep=SECONDS` holds the answer, to see 409 request-in-progress.
+"""
+import itertools
+import json
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+COUNTER = itertools.count(1)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def answer(self):
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else b""
+        query = parse_qs(urlparse(self.path).query)
+        time.sleep(float(query.get("sleep", ["0"])[0]))
+        out = json.dumps({
+            "execution": next(COUNTER),
+            "method": self.command,
+            "path": self.path,
+            "received_bytes": len(body),
+        }).encode() + b"\n"
+        self.send_response(201)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = answer
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 9000
+    print(f"toy upstream on http://127.0.0.1:{port}", flush=True)
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
