@@ -213,3 +213,23 @@ fn config_for_second(redis: &RedisServer, upstream: &Upstream) -> TestConfig {
     config.upstream_timeout = "2s".into();
     config
 }
+
+#[tokio::test]
+async fn on_store_error_forward_forwards_unguarded_while_redis_is_down() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    config.idempotency = "on_store_error = \"forward\"".into();
+    let proxy = config.start().await;
+    redis.kill();
+    let response = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "open")],
+        "{}",
+    )
+    .await;
+    assert_eq!(response.status, 201);
+    assert_eq!(upstream.executions("open"), 1);
+}

@@ -619,3 +619,23 @@ async fn readyz_follows_the_redis_store() {
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);
     assert_eq!(send(proxy.admin(), "GET", "/healthz", &[], "").await.status, 200);
 }
+
+#[tokio::test]
+async fn a_client_that_stalls_in_its_headers_is_closed_after_header_read_timeout() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "header_read_timeout = \"500ms\"".into();
+    let proxy = config.start().await;
+    let started = tokio::time::Instant::now();
+    // Half a request head, then silence: the proxy must hang up by itself.
+    let answer = send_raw(
+        proxy.addr(),
+        b"POST /v1/payments HTTP/1.1\r\nhost: x\r\n",
+        Duration::from_secs(10),
+    )
+    .await;
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_millis(1500), "closed after {elapsed:?}");
+    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert_eq!(upstream.total(), 0);
+}
