@@ -83,6 +83,11 @@ pub fn build_store(config: &Config) -> Result<AnyStore, StoreError> {
 /// Binds the listeners and starts serving. Must run inside a Tokio runtime.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let store = build_store(&config).map_err(StartError::Store)?;
+    start_with_store(config, store).await
+}
+
+/// Like `start`, with a store built by the caller instead of from `config.store`.
+pub async fn start_with_store(config: Config, store: AnyStore) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let tasks = TaskTracker::new();
     let proxy = Proxy::new(&config, store.clone(), metrics.clone(), tasks.clone());

@@ -66,8 +66,14 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
-/// Removes the hop-by-hop fields and every field named in `Connection`.
+/// Removes the hop-by-hop fields and every field named in `Connection`. A message
+/// that came with `Transfer-Encoding` also loses any `Content-Length`, which the
+/// transfer coding overrode (RFC 9112 §6.3): passing it on would give the next hop a
+/// framing the body does not have.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
     let listed: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

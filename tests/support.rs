@@ -6,9 +6,11 @@
 pub mod client;
 pub mod proxy;
 pub mod redis_server;
+pub mod relay;
 pub mod upstream;
 
 pub use client::{TestResponse, send, send_raw};
 pub use proxy::{ProxyHandle, StoreKind, TestConfig, free_port};
 pub use redis_server::RedisServer;
+pub use relay::{Mode, Relay};
 pub use upstream::Upstream;

@@ -25,6 +25,7 @@ static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("sc
 #[derive(Clone)]
 pub struct RedisStore {
     connection: ConnectionManager,
+    complete: Arc<Script>,
     timeout: Duration,
     url: Arc<str>,
 }
@@ -55,9 +56,18 @@ impl RedisStore {
         let connection = ConnectionManager::new_lazy_with_config(client, config).map_err(StoreError::Unavailable)?;
         Ok(RedisStore {
             connection,
+            complete: Arc::new(COMPLETE.clone()),
             timeout,
             url: url.into(),
         })
+    }
+
+    /// Replaces the complete script. Only for fault-injection tests that must show a
+    /// broken script is caught (for example, a plain write without compare-and-set).
+    #[doc(hidden)]
+    pub fn with_complete_script_for_fault_injection(mut self, lua: &str) -> RedisStore {
+        self.complete = Arc::new(Script::new(lua));
+        self
     }
 
     async fn bounded<T>(&self, call: impl Future<Output = Result<T, RedisError>>) -> Result<T, StoreError> {
@@ -94,7 +104,7 @@ impl RecordStore for RedisStore {
         owner: OwnerToken,
         response: &StoredResponse,
     ) -> Result<Write, StoreError> {
-        let mut invocation = COMPLETE.key(key.as_str());
+        let mut invocation = self.complete.key(key.as_str());
         invocation
             .arg(owner.to_hex())
             .arg(response.status)

@@ -1,0 +1,255 @@
+//! Hostile HTTP input over raw sockets: request smuggling attempts, an upstream that
+//! frames its response two ways, header limits, slow clients, hostile idempotency keys.
+//! Each case checks what reaches the upstream, not only what the client sees.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{StoreKind, TestConfig, Upstream, send, send_raw};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+const LIMIT: Duration = Duration::from_secs(5);
+
+/// A request hidden behind ambiguous framing (`/v1/reads/smuggled`) must never reach
+/// the upstream, and a guarded request never goes out without its key.
+fn assert_nothing_smuggled(upstream: &Upstream, case: &str) {
+    for execution in upstream.log() {
+        assert!(
+            !execution.path.contains("smuggled"),
+            "{case}: a smuggled request reached the upstream"
+        );
+        if execution.path.starts_with("/v1/payments") {
+            assert!(
+                execution.headers.contains_key("idempotency-key"),
+                "{case}: a guarded request was forwarded without its key"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn smuggling_attempts_never_reach_the_upstream() {
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Memory, &upstream.url()).start().await;
+    let smuggled = "GET /v1/reads/smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
+    for path in ["/v1/reads/ok", "/v1/payments/ok"] {
+        let cases: Vec<(&str, String)> = vec![
+            (
+                "CL then TE",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: cl-te\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n{smuggled}"
+                ),
+            ),
+            (
+                "TE then CL",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: te-cl\r\ntransfer-encoding: chunked\r\ncontent-length: 40\r\n\r\n0\r\n\r\n{smuggled}"
+                ),
+            ),
+            (
+                "two differing CL",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: cl-cl\r\ncontent-length: 0\r\ncontent-length: 38\r\n\r\n{smuggled}"
+                ),
+            ),
+            (
+                "obfuscated TE",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: te-x\r\ntransfer-encoding: xchunked\r\ncontent-length: 0\r\n\r\n{smuggled}"
+                ),
+            ),
+            (
+                "TE with a space before the colon",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: te-sp\r\ntransfer-encoding : chunked\r\n\r\n0\r\n\r\n{smuggled}"
+                ),
+            ),
+            (
+                "TE chunked, identity",
+                format!(
+                    "POST {path} HTTP/1.1\r\nhost: x\r\nidempotency-key: te-list\r\ntransfer-encoding: chunked, identity\r\n\r\n0\r\n\r\n{smuggled}"
+                ),
+            ),
+            (
+                "TE on HTTP/1.0",
+                format!(
+                    "POST {path} HTTP/1.0\r\nhost: x\r\nidempotency-key: te-10\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n{smuggled}"
+                ),
+            ),
+        ];
+        for (case, bytes) in cases {
+            let answer = send_raw(proxy.addr(), bytes.as_bytes(), LIMIT).await;
+            println!("{path} {case}: {:?}", answer.lines().next().unwrap_or("(closed)"));
+            assert_nothing_smuggled(&upstream, case);
+        }
+    }
+}
+
+/// Bare LF line ends are legal to accept (RFC 9112 §2.2). What must hold is that
+/// proxy and upstream agree: every request the upstream sees is one the client got
+/// its own response for, because the proxy frames each request anew.
+#[tokio::test]
+async fn bare_lf_requests_are_framed_anew_and_accounted_for() {
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Memory, &upstream.url()).start().await;
+    let bytes = "POST /v1/reads/one HTTP/1.1\nhost: x\ncontent-length: 0\n\nGET /v1/reads/two HTTP/1.1\nhost: x\nconnection: close\n\n";
+    let answer = send_raw(proxy.addr(), bytes.as_bytes(), LIMIT).await;
+    let responses = answer.matches("HTTP/1.1 ").count();
+    assert_eq!(responses, upstream.total(), "{answer}");
+    for execution in upstream.log() {
+        assert!(execution.path == "/v1/reads/one" || execution.path == "/v1/reads/two");
+    }
+}
+
+/// An upstream that answers every request with both `Content-Length` and chunked
+/// `Transfer-Encoding`, the chunked body being longer than the length.
+async fn double_framed_upstream() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buffer = vec![0u8; 8192];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                let response = b"HTTP/1.1 201 Created\r\ncontent-type: text/plain\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\nb\r\nhello world\r\n0\r\n\r\n";
+                let _ = stream.write_all(response).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_double_framed_upstream_response_reaches_the_client_with_one_framing() {
+    let upstream = double_framed_upstream().await;
+    let proxy = TestConfig::new(StoreKind::Memory, &format!("http://{upstream}"))
+        .start()
+        .await;
+    for (path, key) in [("/v1/reads/x", None), ("/v1/payments", Some("framing"))] {
+        let headers: Vec<(&str, &str)> = key.map(|k| vec![("idempotency-key", k)]).unwrap_or_default();
+        let first = send(proxy.addr(), "POST", path, &headers, "{}").await;
+        assert_eq!(first.status, 201, "{path}");
+        assert_eq!(&first.body[..], b"hello world", "{path}");
+        let framings = usize::from(first.headers.contains_key("content-length"))
+            + usize::from(first.headers.contains_key("transfer-encoding"));
+        assert_eq!(framings, 1, "{path}: {:?}", first.headers);
+        if let Some(length) = first.header("content-length") {
+            assert_eq!(length, "11", "{path}");
+        }
+        if key.is_some() {
+            let replay = send(proxy.addr(), "POST", path, &headers, "{}").await;
+            assert!(replay.replayed());
+            assert_eq!(&replay.body[..], b"hello world");
+            assert_eq!(replay.header("content-length"), Some("11"));
+            assert!(!replay.headers.contains_key("transfer-encoding"));
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_one_byte_per_second_header_sender_is_closed_in_time() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "header_read_timeout = \"1s\"".into();
+    let proxy = config.start().await;
+    let mut stream = TcpStream::connect(proxy.addr()).await.expect("connect");
+    let started = Instant::now();
+    let head = b"GET /v1/reads HTTP/1.1\r\nhost: x\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    let mut closed_after = None;
+    for byte in head {
+        if stream.write_all(&[*byte]).await.is_err() {
+            closed_after = Some(started.elapsed());
+            break;
+        }
+        let mut probe = [0u8; 256];
+        // Wait a second for the next byte; a closed connection reads 0 or fails.
+        if let Ok(read) = tokio::time::timeout(Duration::from_secs(1), stream.read(&mut probe)).await {
+            if matches!(read, Ok(0) | Err(_)) || matches!(read, Ok(n) if n > 0) {
+                closed_after = Some(started.elapsed());
+                break;
+            }
+        }
+    }
+    let closed_after = closed_after.expect("the proxy never closed a 1 byte/s sender");
+    assert!(
+        closed_after < Duration::from_secs(2) + Duration::from_millis(500),
+        "closed after {closed_after:?}"
+    );
+    assert_eq!(upstream.total(), 0);
+}
+
+#[tokio::test]
+async fn a_trickling_body_is_bounded_by_the_body_read_timeout() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "request_body_timeout = \"1s\"".into();
+    let proxy = config.start().await;
+    let mut stream = TcpStream::connect(proxy.addr()).await.expect("connect");
+    let started = Instant::now();
+    stream
+        .write_all(b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: trickle\r\ncontent-length: 100\r\n\r\n")
+        .await
+        .expect("write head");
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 1024];
+    for _ in 0..100 {
+        let _ = stream.write_all(b"x").await;
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(250), stream.read(&mut buffer)).await {
+            answer.extend_from_slice(&buffer[..n]);
+            break;
+        }
+    }
+    let elapsed = started.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request-body-timeout"), "{answer}");
+    assert!(elapsed < Duration::from_secs(2), "answered after {elapsed:?}");
+    assert_eq!(upstream.total(), 0);
+}
+
+#[tokio::test]
+async fn hostile_keys_get_400_with_no_store_write_and_no_upstream_call() {
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Memory, &upstream.url()).start().await;
+    let long = "k".repeat(256);
+    let heads: Vec<Vec<u8>> = vec![
+        b"idempotency-key: \r\n".to_vec(),
+        format!("idempotency-key: {long}\r\n").into_bytes(),
+        b"idempotency-key: caf\xc3\xa9\r\n".to_vec(),
+        b"idempotency-key: a\x01b\r\n".to_vec(),
+        b"idempotency-key: a\tb\r\n".to_vec(),
+        b"idempotency-key: a\r\nidempotency-key: a\r\n".to_vec(),
+        b"idempotency-key: a, b\r\n".to_vec(),
+        b"idempotency-key: \"a\", \"b\"\r\n".to_vec(),
+        b"idempotency-key: \"a\r\n".to_vec(),
+    ];
+    for head in heads {
+        let mut request =
+            b"POST /v1/payments HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n".to_vec();
+        request.extend_from_slice(&head);
+        request.extend_from_slice(b"\r\n");
+        let answer = send_raw(proxy.addr(), &request, LIMIT).await;
+        let shown = String::from_utf8_lossy(&head).into_owned();
+        assert!(answer.starts_with("HTTP/1.1 400"), "{shown:?}: {answer}");
+        // A control character is refused by hyper's parser before the proxy sees it.
+        let refused_by_parser = !answer.contains("application/problem+json");
+        assert!(
+            answer.contains("invalid-idempotency-key") || (refused_by_parser && shown.contains('\u{1}')),
+            "{shown:?}: {answer}"
+        );
+    }
+    assert_eq!(upstream.total(), 0);
+    match proxy.running.proxy.store() {
+        idemproxy::store::AnyStore::Memory(store) => assert!(store.is_empty(), "a hostile key reached the store"),
+        idemproxy::store::AnyStore::Redis(_) => unreachable!(),
+    }
+}
