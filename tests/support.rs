@@ -4,13 +4,14 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
+pub mod history;
 pub mod proxy;
 pub mod redis_server;
 pub mod relay;
 pub mod upstream;
 
 pub use client::{TestResponse, send, send_raw};
-pub use proxy::{ProxyHandle, StoreKind, TestConfig, free_port};
+pub use proxy::{ChildProxy, ProxyHandle, StoreKind, TestConfig, free_port};
 pub use redis_server::RedisServer;
 pub use relay::{Mode, Relay};
 pub use upstream::Upstream;

@@ -94,3 +94,44 @@ pub async fn send_raw(addr: SocketAddr, bytes: &[u8], limit: std::time::Duration
     let _ = tokio::time::timeout(limit, stream.read_to_end(&mut out)).await;
     String::from_utf8_lossy(&out).into_owned()
 }
+
+/// A pooled keep-alive client, for storms of many requests.
+pub type PooledClient =
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+pub fn pooled_client() -> PooledClient {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build_http()
+}
+
+/// Sends one request on the pool; `Err` when no full answer came within `timeout`.
+pub async fn pooled_send(
+    client: &PooledClient,
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &'static str,
+    timeout: std::time::Duration,
+) -> Result<TestResponse, String> {
+    let mut request = Request::builder().method("POST").uri(format!("http://{addr}{path}"));
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .map_err(|e| e.to_string())?;
+    let exchange = async {
+        let response = client.request(request).await.map_err(|e| e.to_string())?;
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok(TestResponse {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        })
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .unwrap_or_else(|_| Err("client timeout".into()))
+}

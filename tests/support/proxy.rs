@@ -134,3 +134,61 @@ impl ProxyHandle {
         self.running.admin_addr.expect("the test config has an admin listener")
     }
 }
+
+/// The idemproxy binary as a child process, killed when dropped.
+pub struct ChildProxy {
+    pub child: std::process::Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl ChildProxy {
+    /// Starts the binary with `config` on fresh ports and waits until `/readyz`
+    /// answers 200 (a poll on a condition, bounded at 20 s).
+    pub async fn start(config: &TestConfig) -> ChildProxy {
+        let mut config = config.clone();
+        let port = free_port();
+        let admin_port = free_port();
+        config.listen = format!("127.0.0.1:{port}");
+        config.admin_listen = format!("127.0.0.1:{admin_port}");
+        let path = std::env::temp_dir().join(format!("idemproxy-child-{}-{port}.toml", std::process::id()));
+        config.write(&path);
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the idemproxy binary");
+        let proxy = ChildProxy {
+            child,
+            addr: ([127, 0, 0, 1], port).into(),
+            admin: ([127, 0, 0, 1], admin_port).into(),
+        };
+        let started = tokio::time::Instant::now();
+        loop {
+            let ready = super::client::try_send(proxy.admin, "GET", "/readyz", &[], "").await;
+            if ready.map(|r| r.status == 200).unwrap_or(false) {
+                return proxy;
+            }
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "the idemproxy binary did not become ready"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildProxy {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

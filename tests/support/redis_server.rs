@@ -14,6 +14,7 @@ pub struct RedisServer {
     child: Option<Child>,
     pub port: u16,
     dir: PathBuf,
+    persistent: bool,
 }
 
 /// The `redis-server` binary: `$IDEMPROXY_REDIS_SERVER`, else the one on PATH.
@@ -37,10 +38,25 @@ fn binary() -> PathBuf {
 
 impl RedisServer {
     pub fn start() -> RedisServer {
+        RedisServer::start_with(false)
+    }
+
+    /// A server that keeps an append-only file fsynced on every write, so a restart
+    /// after SIGKILL finds every acknowledged record.
+    pub fn start_persistent() -> RedisServer {
+        RedisServer::start_with(true)
+    }
+
+    fn start_with(persistent: bool) -> RedisServer {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
-        let mut server = RedisServer { child: None, port, dir };
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir,
+            persistent,
+        };
         server.spawn();
         server
     }
@@ -49,7 +65,12 @@ impl RedisServer {
         let child = Command::new(binary())
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
+            .args(["--save", ""])
+            .args(if self.persistent {
+                ["--appendonly", "yes", "--appendfsync", "always"]
+            } else {
+                ["--appendonly", "no", "--appendfsync", "everysec"]
+            })
             .args(["--maxmemory-policy", "noeviction"])
             .arg("--dir")
             .arg(&self.dir)
@@ -116,6 +137,18 @@ impl RedisServer {
             .expect("redis url")
             .get_connection_with_timeout(Duration::from_secs(5))
             .expect("connect to the test redis-server")
+    }
+
+    /// Every key with its PTTL in milliseconds (-1: no TTL).
+    pub fn dump_ttls(&self) -> Vec<(String, i64)> {
+        let mut connection = self.connection();
+        self.keys()
+            .into_iter()
+            .map(|key| {
+                let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut connection).expect("PTTL");
+                (key, ttl)
+            })
+            .collect()
     }
 
     /// Every key in the database.

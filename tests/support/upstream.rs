@@ -4,6 +4,7 @@
 //!
 //! - `x-test-hold: NAME`   wait until the test calls `release(NAME)`
 //! - `x-test-status: N`    answer with status N (default 201)
+//! - `x-test-jitter-ms: N` wait a pseudo-random 0..N ms before answering
 //! - `x-test-body-bytes: N` answer with a body of N bytes instead of the JSON echo
 //! - `x-test-fail: reset`  close the connection instead of answering
 //! - `x-test-fail: truncate` send the head, then close mid-body
@@ -25,6 +26,7 @@ use tokio::sync::{Notify, watch};
 #[derive(Debug, Clone)]
 pub struct Execution {
     pub id: u64,
+    pub at: tokio::time::Instant,
     pub key: String,
     pub method: String,
     pub path: String,
@@ -162,6 +164,7 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
     let key = header(&parts.headers, "idempotency-key").unwrap_or("").to_string();
     state.executions.lock().expect("log lock").push(Execution {
         id,
+        at: tokio::time::Instant::now(),
         key: key.clone(),
         method: parts.method.to_string(),
         path: parts.uri.path().to_string(),
@@ -173,6 +176,10 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
     if let Some(name) = header(&parts.headers, "x-test-hold") {
         let mut released = gate(&state, name).subscribe();
         let _ = released.wait_for(|open| *open).await;
+    }
+    if let Some(jitter) = header(&parts.headers, "x-test-jitter-ms").and_then(|n| n.parse::<u64>().ok()) {
+        let pause = splitmix(id) % (jitter + 1);
+        tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
     }
     match header(&parts.headers, "x-test-fail") {
         // Answering with an error makes hyper drop the connection without a response.
@@ -211,4 +218,12 @@ fn truncated() -> Response<Full<Bytes>> {
         .headers_mut()
         .insert("content-length", "1000".parse().expect("header"));
     response
+}
+
+/// A small deterministic mixer, so jitter needs no RNG crate.
+pub fn splitmix(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }

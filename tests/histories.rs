@@ -1,0 +1,607 @@
+//! Jepsen-style histories under faults. Each scenario drives real `redis-server` and
+//! proxy processes (or library instances where the property is not about processes),
+//! records every operation, and runs the history checker, which prints its figures:
+//! run with `cargo test --test histories -- --nocapture` to see them.
+//!
+//! `IDEMPROXY_SOAK=1 cargo test --test histories -- --ignored soak --nocapture` runs a
+//! 10-minute storm with faults rotating every 30 s.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use support::client::{PooledClient, pooled_client, pooled_send};
+use support::history::{Contract, History, check};
+use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, send};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+const RETENTION: Duration = Duration::from_secs(3600);
+
+fn storm_config(redis: &str, upstream: &str, store_timeout: &str) -> TestConfig {
+    let mut config = TestConfig::new(StoreKind::Redis(redis.to_string()), upstream);
+    config.store_timeout = store_timeout.into();
+    config.idempotency = "scope_headers = [\"authorization\"]".into();
+    config
+}
+
+/// Many logical operations, each sent `duplicates` times across the targets.
+struct Storm {
+    name: &'static str,
+    targets: Vec<SocketAddr>,
+    logical: usize,
+    duplicates: usize,
+    concurrency: usize,
+    jitter_ms: u64,
+}
+
+struct StormRun {
+    history: Arc<History>,
+    progress: Arc<AtomicUsize>,
+    started: Instant,
+}
+
+impl Storm {
+    /// Two tenants share each key name, so a replay across scopes would show.
+    fn scope_and_key(&self, logical: usize) -> (String, String) {
+        let half = self.logical.div_ceil(2);
+        (
+            format!("Bearer tenant-{}", logical / half),
+            format!("{}-{}", self.name, logical % half),
+        )
+    }
+
+    fn raw_keys(&self) -> Vec<String> {
+        (0..self.logical).map(|l| self.scope_and_key(l).1).collect()
+    }
+
+    fn start(&self) -> StormRun {
+        StormRun {
+            history: Arc::new(History::default()),
+            progress: Arc::new(AtomicUsize::new(0)),
+            started: Instant::now(),
+        }
+    }
+
+    async fn run(&self, run: &StormRun) {
+        let client = pooled_client();
+        let permits = Arc::new(Semaphore::new(self.concurrency));
+        let mut tasks = tokio::task::JoinSet::new();
+        let jitter = self.jitter_ms.to_string();
+        for logical in 0..self.logical {
+            for copy in 0..self.duplicates {
+                let permit = permits.clone().acquire_owned().await.expect("semaphore");
+                let (scope, key) = self.scope_and_key(logical);
+                let target = self.targets[(logical + copy) % self.targets.len()];
+                let (client, history, progress, jitter) = (
+                    client.clone(),
+                    run.history.clone(),
+                    run.progress.clone(),
+                    jitter.clone(),
+                );
+                tasks.spawn(async move {
+                    one_op(&client, target, &scope, &key, &jitter, &history).await;
+                    progress.fetch_add(1, Ordering::SeqCst);
+                    drop(permit);
+                });
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+
+    fn total(&self) -> usize {
+        self.logical * self.duplicates
+    }
+}
+
+async fn one_op(client: &PooledClient, target: SocketAddr, scope: &str, key: &str, jitter: &str, history: &History) {
+    let headers = [
+        ("idempotency-key", key),
+        ("authorization", scope),
+        ("content-type", "application/json"),
+        ("x-test-jitter-ms", jitter),
+    ];
+    let started = Instant::now();
+    let outcome = pooled_send(
+        client,
+        target,
+        "/v1/payments",
+        &headers,
+        "{\"amount\":1}",
+        Duration::from_secs(15),
+    )
+    .await;
+    history.record(scope, key, started, outcome);
+}
+
+/// Waits until the storm has made `count` more operations: a condition, bounded.
+async fn until_progress(run: &StormRun, count: usize) {
+    let started = Instant::now();
+    while run.progress.load(Ordering::SeqCst) < count {
+        assert!(started.elapsed() < Duration::from_secs(60), "the storm stalled");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+// === 1. a duplicate storm across three proxy processes ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let config = storm_config(&redis.url(), &upstream.url(), "2s");
+    let proxies = [
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+    ];
+    let storm = Storm {
+        name: "storm",
+        targets: proxies.iter().map(|p| p.addr).collect(),
+        logical: 1000,
+        duplicates: 20,
+        concurrency: 96,
+        jitter_ms: 50,
+    };
+    let run = storm.start();
+    storm.run(&run).await;
+    let report = check(
+        &run.history,
+        &upstream.log(),
+        &redis.dump_ttls(),
+        &Contract {
+            retention: RETENTION,
+            run_started: run.started,
+            raw_keys: storm.raw_keys(),
+            outage_windows: vec![],
+        },
+    );
+    println!("storm: {} ops in {:.1?}", storm.total(), run.started.elapsed());
+    report.assert_clean("storm 3 processes, 1000 keys x 20");
+    assert_eq!(report.ops, storm.total());
+    assert_eq!(report.max_executions_per_key, 1);
+    assert_eq!(
+        report.executions, storm.logical,
+        "every logical operation ran exactly once"
+    );
+    assert_eq!(report.unknown, 0);
+}
+
+// === 2. Redis faults mid-storm ===
+
+#[derive(Clone, Copy, Debug)]
+enum RedisFault {
+    KillAndRestart,
+    Pause,
+    ClientPauseWrite,
+    ScriptFlush,
+}
+
+async fn storm_with_redis_fault(fault: RedisFault) {
+    let mut redis = RedisServer::start_persistent();
+    let upstream = Upstream::start().await;
+    let config = storm_config(&redis.url(), &upstream.url(), "300ms");
+    let a = config.start().await;
+    let b = config.start().await;
+    let storm = Storm {
+        name: "fault",
+        targets: vec![a.addr(), b.addr()],
+        logical: 200,
+        duplicates: 10,
+        concurrency: 48,
+        jitter_ms: 20,
+    };
+    let run = storm.start();
+    let mut outages = Vec::new();
+    let inject = async {
+        until_progress(&run, storm.total() * 3 / 10).await;
+        let from = Instant::now();
+        match fault {
+            RedisFault::KillAndRestart => {
+                redis.kill();
+                until_progress(&run, storm.total() * 4 / 10).await;
+                redis.restart();
+                outages.push((from, Instant::now()));
+            }
+            RedisFault::Pause => {
+                redis.pause();
+                until_progress(&run, storm.total() * 4 / 10).await;
+                redis.resume();
+                outages.push((from, Instant::now()));
+            }
+            RedisFault::ClientPauseWrite => {
+                let _: () = redis::cmd("CLIENT")
+                    .arg("PAUSE")
+                    .arg("1000")
+                    .arg("WRITE")
+                    .query(&mut redis.connection())
+                    .expect("CLIENT PAUSE");
+                outages.push((from, from + Duration::from_millis(1000)));
+            }
+            RedisFault::ScriptFlush => {
+                let _: () = redis::cmd("SCRIPT")
+                    .arg("FLUSH")
+                    .query(&mut redis.connection())
+                    .expect("SCRIPT FLUSH");
+            }
+        }
+    };
+    tokio::join!(storm.run(&run), inject);
+    let report = check(
+        &run.history,
+        &upstream.log(),
+        &redis.dump_ttls(),
+        &Contract {
+            retention: RETENTION,
+            run_started: run.started,
+            raw_keys: storm.raw_keys(),
+            outage_windows: outages,
+        },
+    );
+    report.assert_clean(&format!("redis {fault:?}"));
+    if matches!(fault, RedisFault::ScriptFlush) {
+        assert!(
+            !report.failures.contains_key("store-unavailable"),
+            "SCRIPT FLUSH must cost nothing"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_mid_storm() {
+    storm_with_redis_fault(RedisFault::KillAndRestart).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_paused_mid_storm() {
+    storm_with_redis_fault(RedisFault::Pause).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_client_pause_write_mid_storm() {
+    storm_with_redis_fault(RedisFault::ClientPauseWrite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_script_flush_mid_storm() {
+    storm_with_redis_fault(RedisFault::ScriptFlush).await;
+}
+
+// === 3. the proxy killed before forwarding ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_before_forwarding_never_runs_the_request() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    // A's way to the upstream swallows the request: it is killed before anything
+    // reaches the upstream, with its claim written.
+    let upstream_relay = Relay::start(upstream.addr).await;
+    upstream_relay.set(Mode::Blackhole);
+    let mut config_a = storm_config(&redis.url(), &upstream_relay.url("http"), "2s");
+    config_a.upstream_timeout = "2s".into();
+    let mut a = ChildProxy::start(&config_a).await;
+    let headers = [("idempotency-key", "before"), ("authorization", "Bearer t")];
+    let addr = a.addr;
+    let client =
+        tokio::spawn(async move { support::client::try_send(addr, "POST", "/v1/payments", &headers, "{}").await });
+    // Wait until A's request bytes are in the relay: the claim came first.
+    let started = Instant::now();
+    while upstream_relay.sent.load(Ordering::SeqCst) == 0 && upstream_relay.connections.load(Ordering::SeqCst) == 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "A never forwarded");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    a.kill();
+    assert!(client.await.expect("client").is_err());
+    upstream_relay.set(Mode::Pass);
+
+    let mut config_b = storm_config(&redis.url(), &upstream.url(), "2s");
+    config_b.upstream_timeout = "2s".into();
+    let b = config_b.start().await;
+    let first = send(b.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.status, 409);
+    // Poll past the lease: the key turns unknown, never free.
+    let started = Instant::now();
+    loop {
+        let retry = send(b.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(retry.status, 409, "{retry:?}");
+        if retry.problem() == "outcome-unknown" {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(15));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(upstream.executions("before"), 0);
+}
+
+// === 4. upstream faults through the relay ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_faults_end_in_the_states_the_contract_names() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let relay = Relay::start(upstream.addr).await;
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &relay.url("http"));
+    config.upstream_timeout = "1s".into();
+    let proxy = config.start().await;
+    let post = |key: &'static str, extra: Option<(&'static str, &'static str)>| {
+        let addr = proxy.addr();
+        async move {
+            let mut headers = vec![("idempotency-key", key)];
+            headers.extend(extra);
+            send(addr, "POST", "/v1/payments", &headers, "{}").await
+        }
+    };
+
+    // A timeout after the request was sent: 504, then unknown.
+    relay.set(Mode::Blackhole);
+    let timeout = post("timeout", None).await;
+    assert_eq!(
+        (timeout.status.as_u16(), timeout.problem()),
+        (504, "upstream-timeout".into())
+    );
+    relay.set(Mode::Pass);
+    assert_eq!(post("timeout", None).await.problem(), "outcome-unknown");
+
+    // A reset while the upstream holds the request: 502, then unknown, one execution.
+    let held = tokio::spawn(post("reset", Some(("x-test-hold", "reset"))));
+    upstream.wait_for_key("reset").await;
+    relay.set(Mode::Reset);
+    upstream.release("reset");
+    let reset = held.await.expect("request");
+    assert_eq!(
+        (reset.status.as_u16(), reset.problem()),
+        (502, "upstream-failed".into())
+    );
+    relay.set(Mode::Pass);
+    assert_eq!(post("reset", None).await.problem(), "outcome-unknown");
+    assert_eq!(upstream.executions("reset"), 1);
+
+    // The connection cut right after the response head: 502, then unknown.
+    let head = response_head_len(&upstream).await;
+    relay.set(Mode::CutAfter(head as u64 + 10));
+    let cut = post("cut", Some(("x-test-body-bytes", "5000"))).await;
+    assert_eq!((cut.status.as_u16(), cut.problem()), (502, "upstream-failed".into()));
+    relay.set(Mode::Pass);
+    assert_eq!(post("cut", None).await.problem(), "outcome-unknown");
+    assert_eq!(upstream.executions("cut"), 1);
+
+    // A refusal: nothing was sent, so the key is released and a retry runs.
+    relay.set(Mode::Refuse);
+    let refused = post("refused", None).await;
+    assert_eq!(
+        (refused.status.as_u16(), refused.problem()),
+        (502, "upstream-unavailable".into())
+    );
+    relay.set(Mode::Pass);
+    let retry = post("refused", None).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(upstream.executions("refused"), 1);
+    assert_eq!(upstream.executions("timeout"), 0, "the blackhole swallowed it");
+}
+
+/// The length of the fake upstream's response head for a 5000-byte body.
+async fn response_head_len(upstream: &Upstream) -> usize {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(upstream.addr).await.expect("connect");
+    stream
+        .write_all(b"GET /probe HTTP/1.1\r\nhost: x\r\nx-test-body-bytes: 5000\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.expect("read");
+    response.windows(4).position(|w| w == b"\r\n\r\n").expect("head") + 4
+}
+
+// === 5. clients that leave ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_aborts_mid_upload_leaves_no_claim() {
+    use tokio::io::AsyncWriteExt;
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr()).await.expect("connect");
+    stream
+        .write_all(
+            b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: abort\r\ncontent-length: 100\r\n\r\n0123456789",
+        )
+        .await
+        .expect("write");
+    drop(stream);
+    // The key must be usable at once: no claim was written for a body never received.
+    let response = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "abort")],
+        "{}",
+    )
+    .await;
+    assert_eq!(response.status, 201, "{response:?}");
+    assert_eq!(upstream.executions("abort"), 1);
+    assert_eq!(redis.keys().len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_disconnect_while_held_change_nothing() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
+    let addr = proxy.addr();
+    let mut clients = Vec::new();
+    for i in 0..5 {
+        let key = format!("left-{i}");
+        let request = format!(
+            "POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: {key}\r\nx-test-hold: left\r\ncontent-length: 2\r\n\r\n{{}}"
+        );
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut stream, request.as_bytes())
+            .await
+            .expect("write");
+        clients.push(stream);
+    }
+    upstream.wait_for_total(5).await;
+    drop(clients);
+    upstream.release("left");
+    for i in 0..5 {
+        let key = format!("left-{i}");
+        let started = Instant::now();
+        let replay = loop {
+            let response = send(addr, "POST", "/v1/payments", &[("idempotency-key", &key)], "{}").await;
+            if response.status != 409 {
+                break response;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(replay.replayed(), "{key}: {replay:?}");
+        assert_eq!(upstream.executions(&key), 1);
+    }
+}
+
+// === 6. the stale-owner race ===
+
+const PLAIN_WRITE_COMPLETE: &str = "redis.call('HSET', KEYS[1], 'state', 'completed', 'status', ARGV[2], 'headers', ARGV[3], 'body', ARGV[4]) return 1";
+
+/// A's store traffic is delayed while A's lease runs out, the record is purged and B
+/// claims the key; then A's complete arrives. Returns whether B's record survived.
+async fn stale_owner_race(complete_script: Option<&str>) -> bool {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let mut config_a = TestConfig::new(StoreKind::Redis(relay.url("redis")), &upstream.url());
+    config_a.store_timeout = "10s".into();
+    config_a.upstream_timeout = "1s".into();
+    let mut store = idemproxy::store::RedisStore::new(&format!("{}/0", relay.url("redis")), Duration::from_secs(10))
+        .expect("store");
+    if let Some(lua) = complete_script {
+        store = store.with_complete_script_for_fault_injection(lua);
+    }
+    let a = idemproxy::start_with_store(config_a.config(), idemproxy::store::AnyStore::Redis(store))
+        .await
+        .expect("start A");
+    // B's own exchange may take long: its record must stay in flight meanwhile.
+    let mut config_b = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    config_b.upstream_timeout = "30s".into();
+    let b = config_b.start().await;
+    let a_addr = a.addr;
+
+    // One full request through A loads its scripts into Redis, so the late complete
+    // below is one round trip, not NOSCRIPT, SCRIPT LOAD and a second try.
+    let warm = send(a_addr, "POST", "/v1/payments", &[("idempotency-key", "warm")], "{}").await;
+    assert_eq!(warm.status, 201);
+    let _: () = redis::cmd("DEL")
+        .arg(redis.keys())
+        .query(&mut redis.connection())
+        .expect("DEL");
+
+    // A claims and forwards; the upstream holds it.
+    let a_request = tokio::spawn(async move {
+        send(
+            a_addr,
+            "POST",
+            "/v1/payments",
+            &[("idempotency-key", "race"), ("x-test-hold", "a")],
+            "{}",
+        )
+        .await
+    });
+    upstream.wait_for_key("race").await;
+    // A's complete will sit in the relay for 4 s each way.
+    relay.set(Mode::Delay(Duration::from_secs(4)));
+    upstream.release("a");
+    // Through B: in flight until A's lease (1 s + 1 s) ends, then unknown.
+    let b_headers = [("idempotency-key", "race"), ("x-test-hold", "b")];
+    let started = Instant::now();
+    loop {
+        let response = send(b.addr(), "POST", "/v1/payments", &b_headers, "{}").await;
+        assert_eq!(response.status, 409);
+        if response.problem() == "outcome-unknown" {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The record is purged (as retention would), and B claims the key anew.
+    for key in redis.keys() {
+        let _: () = redis::cmd("DEL").arg(&key).query(&mut redis.connection()).expect("DEL");
+    }
+    let b_addr = b.addr();
+    let b_request = tokio::spawn(async move { send(b_addr, "POST", "/v1/payments", &b_headers, "{}").await });
+    let started = Instant::now();
+    while upstream.executions("race") < 2 {
+        assert!(started.elapsed() < Duration::from_secs(10), "B never forwarded");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Now A's late complete arrives: A's client gets its answer only after the store
+    // answered the complete, so this await means the write was tried.
+    let a_response = a_request.await.expect("A");
+    assert_eq!(a_response.status, 201);
+    relay.set(Mode::Pass);
+    // B's record must still be B's, in flight.
+    let check = send(b.addr(), "POST", "/v1/payments", &b_headers, "{}").await;
+    println!(
+        "stale-owner race: B sees {} {}",
+        check.status,
+        String::from_utf8_lossy(&check.body)
+    );
+    let intact = check.status == 409 && check.problem() == "request-in-progress";
+    upstream.release("b");
+    let b_response = b_request.await.expect("B");
+    if intact {
+        let replay = send(b.addr(), "POST", "/v1/payments", &b_headers, "{}").await;
+        assert_eq!(replay.body, b_response.body, "the replay must be B's response");
+    }
+    a.shutdown().await;
+    intact
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_owner_cannot_clobber_the_new_owners_record() {
+    assert!(stale_owner_race(None).await, "A's late complete overwrote B's record");
+}
+
+/// The negative control: with the complete script swapped for a plain write, the same
+/// race must corrupt B's record, which proves the test can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stale_owner_race_catches_a_plain_write_complete() {
+    assert!(
+        !stale_owner_race(Some(PLAIN_WRITE_COMPLETE)).await,
+        "a plain-write complete went unnoticed: the race test cannot fail"
+    );
+}
+
+// === soak ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a 10-minute soak: IDEMPROXY_SOAK=1 cargo test --test histories -- --ignored soak --nocapture"]
+async fn soak() {
+    assert_eq!(
+        std::env::var("IDEMPROXY_SOAK").as_deref(),
+        Ok("1"),
+        "set IDEMPROXY_SOAK=1 to run the soak"
+    );
+    let faults = [
+        RedisFault::KillAndRestart,
+        RedisFault::Pause,
+        RedisFault::ClientPauseWrite,
+        RedisFault::ScriptFlush,
+    ];
+    let until = Instant::now() + Duration::from_secs(600);
+    let mut round = 0;
+    while Instant::now() < until {
+        let fault = faults[round % faults.len()];
+        println!("soak round {round}: {fault:?}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        storm_with_redis_fault(fault).await;
+        tokio::time::sleep_until(deadline).await;
+        round += 1;
+    }
+}
