@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""idemproxy against nginx, side by side, on loopback. Prints one table.
+
+Everything runs on this machine: nginx as the upstream (201 + a fixed JSON body for
+any method), nginx as a plain proxy_pass reverse proxy with upstream keep-alive (the
+baseline), idemproxy with the Redis store on its own redis-server, and wrk with one
+thread as the load. Cases run in alternating rounds (a b c d e f, a b c d e f, ...),
+and each figure is the median over the rounds. Ratios are to the nginx proxy (b) at
+the same connection count, from the same run.
+
+Run it through bench/run.sh, which builds the release binary and installs what is
+missing. Options: --duration SECONDS per case and round (default 5), --rounds N
+(default 3), --connections LIST (default 32,256).
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDEMPROXY = os.path.join(ROOT, "target", "release", "idemproxy")
+BODY = '{"id":"pay_123","status":"succeeded","amount":1000,"currency":"eur"}'
+
+CASES = [
+    ("a", "upstream directly", "upstream", "get.lua", "/v1/payments"),
+    ("b", "nginx proxy", "nginx", "get.lua", "/v1/payments"),
+    ("c", "idemproxy GET pass-through", "idemproxy", "get.lua", "/v1/payments"),
+    ("d", "idemproxy POST, fresh key", "idemproxy", "fresh.lua", "/v1/payments"),
+    ("e", "idemproxy POST, replay", "idemproxy", "replay.lua", "/v1/payments"),
+    ("f", "idemproxy POST, no key, required=false", "idemproxy", "nokey.lua", "/v1/orders"),
+]
+
+# wrk prints one machine-readable line at the end of each run.
+DONE = """
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT %d %d %d %d %d %d %d %d\\n",
+    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
+    summary.errors.status, summary.errors.connect, summary.errors.read + summary.errors.write,
+    summary.errors.timeout))
+end
+"""
+
+SCRIPTS = {
+    "get.lua": 'wrk.method = "GET"\n',
+    # A fresh key on every request: a per-run random prefix plus a counter.
+    "fresh.lua": textwrap.dedent("""
+        math.randomseed(os.time() + math.floor(os.clock() * 1000000))
+        local prefix = string.format("%x%x", math.random(0, 0x7fffffff), math.random(0, 0x7fffffff))
+        local counter = 0
+        wrk.method = "POST"
+        wrk.body = '{"amount":1000}'
+        wrk.headers["Content-Type"] = "application/json"
+        request = function()
+          counter = counter + 1
+          wrk.headers["Idempotency-Key"] = prefix .. "-" .. counter
+          return wrk.format()
+        end
+    """),
+    "replay.lua": textwrap.dedent("""
+        wrk.method = "POST"
+        wrk.body = '{"amount":1000}'
+        wrk.headers["Content-Type"] = "application/json"
+        wrk.headers["Idempotency-Key"] = "bench-replay"
+    """),
+    "nokey.lua": textwrap.dedent("""
+        wrk.method = "POST"
+        wrk.body = '{"amount":1000}'
+        wrk.headers["Content-Type"] = "application/json"
+    """),
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    sys.exit(f"bench: nothing listens on {port} after {timeout}s")
+
+
+def nginx_binary():
+    return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def start_nginx(workdir, name, server_block, workers):
+    prefix = os.path.join(workdir, name)
+    os.makedirs(os.path.join(prefix, "logs"), exist_ok=True)
+    conf = os.path.join(prefix, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(textwrap.dedent(f"""
+            daemon off;
+            worker_processes {workers};
+            pid {prefix}/nginx.pid;
+            error_log {prefix}/logs/error.log warn;
+            events {{ worker_connections 4096; }}
+            http {{
+              access_log off;
+              client_body_temp_path {prefix}/body;
+              proxy_temp_path {prefix}/proxy;
+              fastcgi_temp_path {prefix}/fastcgi;
+              uwsgi_temp_path {prefix}/uwsgi;
+              scgi_temp_path {prefix}/scgi;
+              keepalive_requests 1000000;
+              {server_block}
+            }}
+        """))
+    return subprocess.Popen([nginx_binary(), "-p", prefix, "-c", conf],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# Commands that only idemproxy's Lua scripts run inside Redis: they cost no round trip,
+# and commandstats counts them besides the EVALSHA that ran them.
+INSIDE_SCRIPTS = {"time", "hmget", "hset", "hdel", "pexpireat", "del", "exists"}
+
+
+def commandstats(redis_port):
+    """Calls of every command a client sent to Redis (INFO and script internals aside)."""
+    out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "commandstats"],
+                         capture_output=True, text=True, check=True).stdout
+    total = 0
+    for line in out.splitlines():
+        name = line.split(":", 1)[0].removeprefix("cmdstat_")
+        if line.startswith("cmdstat_") and name != "info" and name not in INSIDE_SCRIPTS:
+            fields = dict(kv.split("=") for kv in line.split(":", 1)[1].split(","))
+            total += int(fields["calls"])
+    return total
+
+
+class RssSampler:
+    """Samples a process's resident set every 50 ms; `peak` is the largest seen."""
+
+    def __init__(self, pid):
+        self.pid, self.peak, self.running = pid, 0, True
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while self.running:
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            self.peak = max(self.peak, int(line.split()[1]))
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    def stop(self):
+        self.running = False
+        self.thread.join()
+        return self.peak
+
+
+def run_wrk(port, script, path, connections, duration):
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", script,
+         f"http://127.0.0.1:{port}{path}"],
+        capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            requests, micros, p50, p99, status, connect, rw, timeout = map(int, line.split()[1:])
+            return {
+                "requests": requests,
+                "rps": requests / (micros / 1e6),
+                "p50_ms": p50 / 1000,
+                "p99_ms": p99 / 1000,
+                "non2xx": status,
+                "socket_errors": connect + rw + timeout,
+            }
+    sys.exit(f"bench: wrk printed no result:\n{out.stdout}\n{out.stderr}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--duration", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--connections", default="32,256")
+    args = parser.parse_args()
+    connection_counts = [int(c) for c in args.connections.split(",")]
+
+    workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
+    ports = {name: free_port() for name in ("upstream", "nginx", "idemproxy", "admin", "redis")}
+    children = []
+    try:
+        for name, text in SCRIPTS.items():
+            with open(os.path.join(workdir, name), "w") as f:
+                f.write(text + DONE)
+
+        children.append(subprocess.Popen(
+            ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        children.append(start_nginx(workdir, "upstream", textwrap.dedent(f"""
+            server {{
+              listen 127.0.0.1:{ports["upstream"]} reuseport;
+              location / {{
+                default_type application/json;
+                return 201 '{BODY}';
+              }}
+            }}"""), workers=1))
+        children.append(start_nginx(workdir, "proxy", textwrap.dedent(f"""
+            upstream backend {{
+              server 127.0.0.1:{ports["upstream"]};
+              keepalive 256;
+            }}
+            server {{
+              listen 127.0.0.1:{ports["nginx"]} reuseport;
+              location / {{
+                proxy_pass http://backend;
+                proxy_http_version 1.1;
+                proxy_set_header Connection "";
+              }}
+            }}"""), workers=2))
+        for name in ("redis", "upstream", "nginx"):
+            wait_port(ports[name])
+
+        config = os.path.join(workdir, "idemproxy.toml")
+        with open(config, "w") as f:
+            f.write(textwrap.dedent(f"""
+                [server]
+                listen = "127.0.0.1:{ports["idemproxy"]}"
+                [admin]
+                listen = "127.0.0.1:{ports["admin"]}"
+                [store]
+                backend = "redis"
+                url = "redis://127.0.0.1:{ports["redis"]}/0"
+                timeout = "2s"
+                [[route]]
+                name = "payments"
+                path_prefix = "/v1/payments"
+                upstream = "http://127.0.0.1:{ports["upstream"]}"
+                [route.idempotency]
+                [[route]]
+                name = "orders"
+                path_prefix = "/v1/orders"
+                upstream = "http://127.0.0.1:{ports["upstream"]}"
+                [route.idempotency]
+                required = false
+            """))
+        proxy = subprocess.Popen([IDEMPROXY, "serve", "--config", config],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 env={**os.environ, "RUST_LOG": "warn"})
+        children.append(proxy)
+        wait_port(ports["idemproxy"])
+
+        # Record the key that case (e) replays, and warm the script cache.
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{ports['idemproxy']}/v1/payments", data=b'{"amount":1000}',
+            headers={"Idempotency-Key": "bench-replay", "Content-Type": "application/json"})
+        urllib.request.urlopen(request).read()
+
+        results = {}  # (case, connections) -> list of runs
+        for round_number in range(args.rounds):
+            for connections in connection_counts:
+                for case, _, target, script, path in CASES:
+                    sampler = RssSampler(proxy.pid)
+                    before = commandstats(ports["redis"])
+                    run = run_wrk(ports[target], os.path.join(workdir, script), path, connections,
+                                  args.duration)
+                    run["commands"] = commandstats(ports["redis"]) - before
+                    run["rss_mib"] = sampler.stop() / 1024
+                    results.setdefault((case, connections), []).append(run)
+                    print(f"round {round_number + 1} c={connections} ({case}) {run['rps']:.0f} req/s",
+                          file=sys.stderr, flush=True)
+
+        print_table(results, connection_counts, args)
+    finally:
+        for child in reversed(children):
+            child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def median(runs, field):
+    return statistics.median(run[field] for run in runs)
+
+
+def print_table(results, connection_counts, args):
+    print()
+    print(f"idemproxy vs nginx on loopback: {os.cpu_count()} cores, wrk -t1, {args.duration}s per case, "
+          f"median of {args.rounds} alternating rounds")
+    print()
+    print("| case | conns | req/s | p50 ms | p99 ms | req/s vs (b) | p99 vs (b) | non-2xx | "
+          "Redis cmds/req | idemproxy peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for connections in connection_counts:
+        baseline = results[("b", connections)]
+        base_rps, base_p99 = median(baseline, "rps"), median(baseline, "p99_ms")
+        for case, label, target, _, _ in CASES:
+            runs = results[(case, connections)]
+            rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
+            requests = sum(run["requests"] for run in runs)
+            non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
+            if target == "idemproxy":
+                commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
+                rss = f"{max(run['rss_mib'] for run in runs):.1f}"
+            else:
+                commands, rss = "-", "-"
+            print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {median(runs, 'p50_ms'):.2f} | "
+                  f"{p99:.2f} | {rps / base_rps:.2f}x | {p99 / base_p99:.2f}x | {non2xx} | {commands} | {rss} |")
+    rounds = {connections: [max(run["rss_mib"] for run in results[(case, connections)])
+                            for case, _, target, _, _ in CASES if target == "idemproxy"]
+              for connections in connection_counts}
+    print()
+    for connections, peaks in rounds.items():
+        per_round = [max(results[(case, connections)][r]["rss_mib"] for case, _, target, _, _ in CASES
+                         if target == "idemproxy") for r in range(args.rounds)]
+        print(f"idemproxy peak RSS per round at c={connections}: "
+              + ", ".join(f"{rss:.1f} MiB" for rss in per_round))
+
+
+if __name__ == "__main__":
+    main()
