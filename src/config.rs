@@ -34,6 +34,8 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     pub request_body_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// Worker threads, each with its own runtime and listening socket.
+    pub workers: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -152,6 +154,7 @@ struct RawServer {
     header_read_timeout: Spanned<HumanDuration>,
     request_body_timeout: Spanned<HumanDuration>,
     shutdown_grace: HumanDuration,
+    workers: Option<Spanned<usize>>,
 }
 
 impl Default for RawServer {
@@ -162,6 +165,7 @@ impl Default for RawServer {
             header_read_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(10))),
             request_body_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(30))),
             shutdown_grace: HumanDuration(Duration::from_secs(30)),
+            workers: None,
         }
     }
 }
@@ -340,7 +344,15 @@ impl Validator<'_> {
                 return Err(self.error(value.span(), field, "must be greater than 0"));
             }
         }
+        let workers = match raw.workers {
+            Some(workers) if *workers.get_ref() == 0 || *workers.get_ref() > 1024 => {
+                return Err(self.error(workers.span(), "server.workers", "must be between 1 and 1024"));
+            }
+            Some(workers) => workers.into_inner(),
+            None => std::thread::available_parallelism().map_or(1, usize::from),
+        };
         Ok(ServerConfig {
+            workers,
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
             header_read_timeout: raw.header_read_timeout.into_inner().0,

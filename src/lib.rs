@@ -19,4 +19,4 @@ pub mod store;
 pub mod upstream;
 
 pub use config::Config;
-pub use server::{Running, start, start_with_store};
+pub use server::{Running, StoreFactory, start, start_with_store};

@@ -12,6 +12,7 @@ use prometheus_client::registry::Registry;
 
 /// How a request ended, as counted in `idemproxy_requests_total`.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+#[repr(usize)]
 pub enum Outcome {
     /// Sent to the upstream, guarded or not.
     Forwarded,
@@ -30,6 +31,16 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Forwarded,
+        Outcome::Replayed,
+        Outcome::Conflict,
+        Outcome::Mismatch,
+        Outcome::Rejected,
+        Outcome::StoreError,
+        Outcome::UpstreamError,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Forwarded => "forwarded",
@@ -50,6 +61,7 @@ struct RequestLabels {
 }
 
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+#[repr(usize)]
 pub enum StoreOp {
     Claim,
     Complete,
@@ -59,6 +71,14 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
+    pub const ALL: [StoreOp; 5] = [
+        StoreOp::Claim,
+        StoreOp::Complete,
+        StoreOp::MarkUnknown,
+        StoreOp::Release,
+        StoreOp::Ping,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             StoreOp::Claim => "claim",
@@ -84,9 +104,27 @@ struct RouteLabels {
 pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
-    store_latency: Family<StoreLabels, Histogram>,
     upstream_latency: Family<RouteLabels, Histogram>,
+    /// Handles by [op][ok], made once: the request path never looks labels up.
+    store_latency: [[Histogram; 2]; StoreOp::ALL.len()],
     pending_releases: Gauge,
+}
+
+/// One route's metric handles, made once so a request only bumps atomics.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    requests: [Counter; Outcome::ALL.len()],
+    upstream_latency: Histogram,
+}
+
+impl RouteMetrics {
+    pub fn request(&self, outcome: Outcome) {
+        self.requests[outcome as usize].inc();
+    }
+
+    pub fn upstream(&self, elapsed: Duration) {
+        self.upstream_latency.observe(elapsed.as_secs_f64());
+    }
 }
 
 impl Default for Metrics {
@@ -100,14 +138,23 @@ impl Metrics {
         let mut registry = Registry::with_prefix("idemproxy");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register("requests", "Requests by route and outcome", requests.clone());
-        let store_latency = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
+        let store_family = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.0001, 2.0, 16))
         });
         registry.register(
             "store_operation_seconds",
             "Latency of store operations",
-            store_latency.clone(),
+            store_family.clone(),
         );
+        let store_latency = StoreOp::ALL.map(|op| {
+            [false, true].map(|ok| {
+                let labels = StoreLabels {
+                    op: op.as_str(),
+                    result: if ok { "ok" } else { "error" },
+                };
+                store_family.get_or_create(&labels).clone()
+            })
+        });
         let upstream_latency = Family::<RouteLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.0005, 2.0, 18))
         });
@@ -125,44 +172,42 @@ impl Metrics {
         Metrics {
             registry,
             requests,
-            store_latency,
             upstream_latency,
+            store_latency,
             pending_releases,
         }
     }
 
-    pub fn request(&self, route: &str, outcome: Outcome) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                route: route.to_string(),
-                outcome: outcome.as_str(),
-            })
-            .inc();
+    /// The handles for one route. Only outcomes that happen show in the exposition.
+    pub fn route(&self, route: &str) -> RouteMetrics {
+        RouteMetrics {
+            requests: Outcome::ALL.map(|outcome| {
+                self.requests
+                    .get_or_create(&RequestLabels {
+                        route: route.to_string(),
+                        outcome: outcome.as_str(),
+                    })
+                    .clone()
+            }),
+            upstream_latency: self
+                .upstream_latency
+                .get_or_create(&RouteLabels {
+                    route: route.to_string(),
+                })
+                .clone(),
+        }
     }
 
     pub fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
-        let result = if ok { "ok" } else { "error" };
-        self.store_latency
-            .get_or_create(&StoreLabels {
-                op: op.as_str(),
-                result,
-            })
-            .observe(elapsed.as_secs_f64());
-    }
-
-    pub fn upstream(&self, route: &str, elapsed: Duration) {
-        self.upstream_latency
-            .get_or_create(&RouteLabels {
-                route: route.to_string(),
-            })
-            .observe(elapsed.as_secs_f64());
+        self.store_latency[op as usize][usize::from(ok)].observe(elapsed.as_secs_f64());
     }
 
     pub fn pending_releases(&self) -> &Gauge {
         &self.pending_releases
     }
 
-    /// The Prometheus text exposition of every metric.
+    /// The Prometheus text exposition of every metric. Every route's outcomes are
+    /// there from the start, at zero, so `rate()` works from the first scrape.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.

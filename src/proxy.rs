@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Config, IdempotencyPolicy, OnStoreError, Route};
 use crate::error::{BoxError, Rejection, StoreError, UpstreamError};
 use crate::idempotency::{self, Decision, IdempotencyKey, Recording};
-use crate::metrics::{Metrics, Outcome, StoreOp};
+use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
 use crate::router::{Router, host_without_port};
 use crate::store::{AnyStore, Claim, OwnerToken, RecordStore, StoreKey, StoredResponse, UnknownReason, Write};
 use crate::upstream::{self, Buffered, ClientInfo, HttpClient, ProxyBody, StreamedBody, full};
@@ -40,6 +40,7 @@ struct Shared {
     store: AnyStore,
     client: HttpClient,
     metrics: Arc<Metrics>,
+    route_metrics: std::collections::HashMap<String, RouteMetrics>,
     key_prefix: String,
     store_timeout: Duration,
     max_request_body_bytes: u64,
@@ -63,6 +64,11 @@ impl Proxy {
                 router: Router::new(&config.routes),
                 store,
                 client: upstream::client(),
+                route_metrics: config
+                    .routes
+                    .iter()
+                    .map(|route| (route.name.clone(), metrics.route(&route.name)))
+                    .collect(),
                 metrics,
                 key_prefix: config.store.key_prefix.clone(),
                 store_timeout: config.store.timeout,
@@ -91,7 +97,9 @@ impl Proxy {
         match &route.idempotency {
             Some(policy) if policy.methods.contains(request.method()) => {
                 let policy = policy.clone();
-                self.guarded(route, &policy, request, client).await
+                // Boxed: the guarded path's state is large, and the pass-through
+                // future should not carry (and move) it.
+                Box::pin(self.guarded(route, &policy, request, client)).await
             }
             _ => {
                 self.pass(
@@ -113,10 +121,10 @@ impl Proxy {
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
         let result = upstream::send(&self.shared.client, request, deadline).await;
-        self.shared.metrics.upstream(&route.name, started.elapsed());
+        self.route_metrics(&route.name).upstream(started.elapsed());
         match result {
             Ok(response) => {
-                self.shared.metrics.request(&route.name, Outcome::Forwarded);
+                self.route_metrics(&route.name).request(Outcome::Forwarded);
                 let (mut parts, body) = response.into_parts();
                 upstream::strip_hop_by_hop(&mut parts.headers);
                 let body = StreamedBody::new(None, body, deadline, route.upstream_timeout);
@@ -226,7 +234,7 @@ impl Proxy {
                 }
             }
             Decision::Replay(stored) => {
-                self.shared.metrics.request(&route.name, Outcome::Replayed);
+                self.route_metrics(&route.name).request(Outcome::Replayed);
                 replay(stored)
             }
             Decision::Reject(rejection) => self.reject(&route.name, Some(&guarded.key_hash), rejection),
@@ -265,7 +273,7 @@ impl Proxy {
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
         let sent = upstream::send(&self.shared.client, request, deadline).await;
-        self.shared.metrics.upstream(&route.name, started.elapsed());
+        self.route_metrics(&route.name).upstream(started.elapsed());
         let response = match sent {
             Ok(response) => response,
             Err(error) => return self.upstream_failed(guarded, error).await,
@@ -286,7 +294,7 @@ impl Proxy {
                     }
                     Recording::Release => self.release(guarded).await,
                 }
-                self.shared.metrics.request(&route.name, Outcome::Forwarded);
+                self.route_metrics(&route.name).request(Outcome::Forwarded);
                 let body = StreamedBody::new(Some(head), rest, deadline, route.upstream_timeout);
                 Response::from_parts(parts, body.boxed_unsync())
             }
@@ -302,7 +310,7 @@ impl Proxy {
                     }
                     Recording::Release => self.release(guarded).await,
                 }
-                self.shared.metrics.request(&route.name, Outcome::Forwarded);
+                self.route_metrics(&route.name).request(Outcome::Forwarded);
                 Response::from_parts(parts, full(body))
             }
         }
@@ -447,10 +455,15 @@ impl Proxy {
                 route, %key, status = problem.status.as_u16(), problem = problem.slug,
                 "problem response"),
         }
-        if !route.is_empty() {
-            self.shared.metrics.request(route, outcome);
+        if let Some(metrics) = self.shared.route_metrics.get(route) {
+            metrics.request(outcome);
         }
         problem.into_response().map(full)
+    }
+
+    fn route_metrics(&self, route: &str) -> &RouteMetrics {
+        // Every configured route has its handles from `Proxy::new`.
+        &self.shared.route_metrics[route]
     }
 
     pub fn store_timeout(&self) -> Duration {

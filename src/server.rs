@@ -1,6 +1,7 @@
-//! The listeners: accept connections, serve HTTP/1 and HTTP/2 through hyper-util's
-//! auto builder with a header-read timer, and drain on shutdown. The proxy listener
-//! and the admin listener share this accept loop; neither knows what the other serves.
+//! The listeners: one worker thread per core, each accepting on its own `SO_REUSEPORT`
+//! socket and serving HTTP/1 and HTTP/2 through hyper-util's auto builder with a
+//! header-read timer, then draining on shutdown. The admin listener shares the accept
+//! loop; neither knows what the other serves.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -42,13 +43,17 @@ pub enum StartError {
     },
     #[error("cannot set up the store")]
     Store(#[source] StoreError),
+    #[error("cannot start a worker runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("a worker thread stopped while starting")]
+    Worker,
 }
 
 /// A running proxy: its bound addresses, and the handle that stops it.
 pub struct Running {
     pub addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
-    pub proxy: Proxy,
+    store: AnyStore,
     shutdown: CancellationToken,
     done: tokio::task::JoinHandle<()>,
 }
@@ -70,79 +75,208 @@ impl Running {
     pub fn shutdown_token(&self) -> CancellationToken {
         self.shutdown.clone()
     }
+
+    /// A handle on the store (the shared one, for the memory backend).
+    pub fn store(&self) -> &AnyStore {
+        &self.store
+    }
 }
 
-/// Builds the configured store.
-pub fn build_store(config: &Config) -> Result<AnyStore, StoreError> {
-    Ok(match &config.store.backend {
-        Backend::Memory { max_records } => AnyStore::Memory(MemoryStore::new(*max_records)),
-        Backend::Redis { url } => AnyStore::Redis(RedisStore::new(url, config.store.timeout)?),
-    })
+/// Makes a store handle. Each worker thread calls it once, inside its own runtime, so
+/// every worker has its own Redis connection; the memory store is one shared map.
+pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
+
+/// The factory for the configured store.
+pub fn store_factory(config: &Config) -> StoreFactory {
+    match &config.store.backend {
+        Backend::Memory { max_records } => {
+            let shared = AnyStore::Memory(MemoryStore::new(*max_records));
+            Arc::new(move || Ok(shared.clone()))
+        }
+        Backend::Redis { url } => {
+            let (url, timeout) = (url.clone(), config.store.timeout);
+            Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&url, timeout)?)))
+        }
+    }
 }
 
-/// Binds the listeners and starts serving. Must run inside a Tokio runtime.
+/// Binds the listeners and starts serving: one worker thread per core (or
+/// `server.workers`), each with its own single-threaded runtime, its own listening
+/// socket on the same address (`SO_REUSEPORT`), its own upstream connection pool and
+/// its own store connection, as nginx runs one worker process per core. Requests never
+/// hop between threads. Must be called inside a Tokio runtime, which runs the admin
+/// listener and the memory store's sweeper.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let store = build_store(&config).map_err(StartError::Store)?;
-    start_with_store(config, store).await
+    let factory = store_factory(&config);
+    start_with_store(config, factory).await
 }
 
-/// Like `start`, with a store built by the caller instead of from `config.store`.
-pub async fn start_with_store(config: Config, store: AnyStore) -> Result<Running, StartError> {
+/// Like `start`, with stores made by `factory` instead of from `config.store`.
+pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
-    let tasks = TaskTracker::new();
-    let proxy = Proxy::new(&config, store.clone(), metrics.clone(), tasks.clone());
     let shutdown = CancellationToken::new();
     let limits = Limits {
         header_read_timeout: config.server.header_read_timeout,
         grace: config.server.shutdown_grace,
     };
+    let store = factory().map_err(StartError::Store)?;
+    let listeners = bind_workers(config.server.listen, config.server.workers)?;
+    let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
+        addr: config.server.listen,
+        source,
+    })?;
 
-    let (listener, addr) = bind(config.server.listen).await?;
+    let config = Arc::new(config);
+    let mut workers = Vec::with_capacity(listeners.len());
+    for (index, listener) in listeners.into_iter().enumerate() {
+        let (started, ready) = std::sync::mpsc::channel();
+        let (finished, done) = tokio::sync::oneshot::channel::<()>();
+        let worker = Worker {
+            config: config.clone(),
+            factory: factory.clone(),
+            metrics: metrics.clone(),
+            shutdown: shutdown.clone(),
+            limits,
+        };
+        std::thread::Builder::new()
+            .name(format!("idemproxy-worker-{index}"))
+            .spawn(move || {
+                worker.run(listener, started);
+                let _ = finished.send(());
+            })
+            .map_err(|source| StartError::Bind { addr, source })?;
+        // Wait for the worker's runtime and store, so start-up errors surface here.
+        match ready.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                shutdown.cancel();
+                return Err(error);
+            }
+            Err(_) => {
+                shutdown.cancel();
+                return Err(StartError::Worker);
+            }
+        }
+        workers.push(done);
+    }
+
     let admin = match &config.admin {
-        Some(admin) => Some(bind(admin.listen).await?),
+        Some(admin) => {
+            let (listener, admin_addr) = bind(admin.listen).await?;
+            let admin = Admin::new(store.clone(), metrics, config.store.timeout);
+            let service = move |request: Request<Incoming>, _: ClientInfo| {
+                let admin = admin.clone();
+                async move { Ok::<_, Infallible>(admin.handle(request).await) }
+            };
+            Some((
+                tokio::spawn(serve(listener, limits, shutdown.clone(), service)),
+                admin_addr,
+            ))
+        }
         None => None,
     };
     let admin_addr = admin.as_ref().map(|(_, addr)| *addr);
-
-    let mut servers = tokio::task::JoinSet::new();
-    let service = {
-        let proxy = proxy.clone();
-        move |request: Request<Incoming>, client: ClientInfo| {
-            let proxy = proxy.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
-        }
-    };
-    servers.spawn(serve(listener, limits, shutdown.clone(), service));
-    if let Some((listener, _)) = admin {
-        let admin = Admin::new(store, metrics, config.store.timeout);
-        let service = move |request: Request<Incoming>, _: ClientInfo| {
-            let admin = admin.clone();
-            async move { Ok::<_, Infallible>(admin.handle(request).await) }
-        };
-        servers.spawn(serve(listener, limits, shutdown.clone(), service));
-    }
     let done = tokio::spawn(async move {
-        while servers.join_next().await.is_some() {}
-        // Connections are drained; let exchanges and background store writes finish.
-        tasks.close();
-        if tokio::time::timeout(limits.grace, tasks.wait()).await.is_err() {
-            tracing::warn!(left = tasks.len(), "shutdown grace over; abandoning background work");
+        for worker in workers {
+            let _ = worker.await;
+        }
+        if let Some((admin, _)) = admin {
+            let _ = admin.await;
         }
     });
     tracing::info!(
         %addr,
         admin = %admin_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
         store = store_name(&config),
+        workers = config.server.workers,
         routes = config.routes.len(),
         "idemproxy listening"
     );
     Ok(Running {
         addr,
         admin_addr,
-        proxy,
+        store,
         shutdown,
         done,
     })
+}
+
+/// What one worker thread needs.
+struct Worker {
+    config: Arc<Config>,
+    factory: StoreFactory,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    limits: Limits,
+}
+
+impl Worker {
+    /// Runs on the worker's own thread until shutdown, then drains.
+    fn run(self, listener: std::net::TcpListener, started: std::sync::mpsc::Sender<Result<(), StartError>>) {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(source) => {
+                let _ = started.send(Err(StartError::Runtime(source)));
+                return;
+            }
+        };
+        runtime.block_on(async move {
+            let store = match (self.factory)() {
+                Ok(store) => store,
+                Err(error) => {
+                    let _ = started.send(Err(StartError::Store(error)));
+                    return;
+                }
+            };
+            let listener = match TcpListener::from_std(listener) {
+                Ok(listener) => listener,
+                Err(source) => {
+                    let _ = started.send(Err(StartError::Bind {
+                        addr: self.config.server.listen,
+                        source,
+                    }));
+                    return;
+                }
+            };
+            let tasks = TaskTracker::new();
+            let proxy = Proxy::new(&self.config, store, self.metrics, tasks.clone());
+            let _ = started.send(Ok(()));
+            let service = move |request: Request<Incoming>, client: ClientInfo| {
+                let proxy = proxy.clone();
+                async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
+            };
+            serve(listener, self.limits, self.shutdown, service).await;
+            // Connections are drained; let exchanges and background store writes finish.
+            tasks.close();
+            if tokio::time::timeout(self.limits.grace, tasks.wait()).await.is_err() {
+                tracing::warn!(left = tasks.len(), "shutdown grace over; abandoning background work");
+            }
+        });
+    }
+}
+
+/// `count` listening sockets on one address with `SO_REUSEPORT`; the kernel spreads
+/// new connections across them. Port 0 is resolved by the first.
+fn bind_workers(addr: SocketAddr, count: usize) -> Result<Vec<std::net::TcpListener>, StartError> {
+    let mut listeners: Vec<std::net::TcpListener> = Vec::with_capacity(count);
+    let mut bound = addr;
+    for _ in 0..count.max(1) {
+        let error = |source| StartError::Bind { addr, source };
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        }
+        .map_err(error)?;
+        socket.set_reuseaddr(true).map_err(error)?;
+        socket.set_reuseport(true).map_err(error)?;
+        socket.set_nodelay(true).map_err(error)?;
+        socket.bind(bound).map_err(error)?;
+        let listener = socket.listen(4096).map_err(error)?;
+        bound = listener.local_addr().map_err(error)?;
+        listeners.push(listener.into_std().map_err(error)?);
+    }
+    Ok(listeners)
 }
 
 fn store_name(config: &Config) -> &'static str {

@@ -479,12 +479,17 @@ async fn stale_owner_race(complete_script: Option<&str>) -> bool {
     let mut config_a = TestConfig::new(StoreKind::Redis(relay.url("redis")), &upstream.url());
     config_a.store_timeout = "10s".into();
     config_a.upstream_timeout = "1s".into();
-    let mut store = idemproxy::store::RedisStore::new(&format!("{}/0", relay.url("redis")), Duration::from_secs(10))
-        .expect("store");
-    if let Some(lua) = complete_script {
-        store = store.with_complete_script_for_fault_injection(lua);
-    }
-    let a = idemproxy::start_with_store(config_a.config(), idemproxy::store::AnyStore::Redis(store))
+    let url = format!("{}/0", relay.url("redis"));
+    let script = complete_script.map(str::to_string);
+    // Each of A's workers makes its own store, with the script under test.
+    let factory: idemproxy::StoreFactory = std::sync::Arc::new(move || {
+        let store = idemproxy::store::RedisStore::new(&url, Duration::from_secs(10))?;
+        Ok(idemproxy::store::AnyStore::Redis(match &script {
+            Some(lua) => store.with_complete_script_for_fault_injection(lua),
+            None => store,
+        }))
+    });
+    let a = idemproxy::start_with_store(config_a.config(), factory)
         .await
         .expect("start A");
     // B's own exchange may take long: its record must stay in flight meanwhile.
