@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, IdempotencyPolicy, OnStoreError, Route};
+use crate::config::{Config, OnStoreError, Route};
 use crate::error::{BoxError, Rejection, StoreError, UpstreamError};
 use crate::idempotency::{self, Decision, IdempotencyKey, Recording};
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
@@ -96,10 +96,13 @@ impl Proxy {
         };
         match &route.idempotency {
             Some(policy) if policy.methods.contains(request.method()) => {
-                let policy = policy.clone();
+                if !policy.required && !request.headers().contains_key(&policy.header) {
+                    let request = request.map(|body| body.map_err(BoxError::from).boxed_unsync());
+                    return self.pass(&route, request, client).await;
+                }
                 // Boxed: the guarded path's state is large, and the pass-through
                 // future should not carry (and move) it.
-                Box::pin(self.guarded(route, &policy, request, client)).await
+                Box::pin(self.guarded(route, request, client)).await
             }
             _ => {
                 self.pass(
@@ -134,13 +137,10 @@ impl Proxy {
         }
     }
 
-    async fn guarded(
-        &self,
-        route: Arc<Route>,
-        policy: &IdempotencyPolicy,
-        request: Request<Incoming>,
-        client: ClientInfo,
-    ) -> Response<ProxyBody> {
+    async fn guarded(&self, route: Arc<Route>, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
+        let Some(policy) = route.idempotency.as_ref() else {
+            return self.reject(&route.name, None, Rejection::NoRoute);
+        };
         let key = match idempotency::parse_key(request.headers().get_all(&policy.header)) {
             Ok(Some(key)) => key,
             Ok(None) if !policy.required => {
@@ -216,9 +216,8 @@ impl Proxy {
                 }
                 let (sender, receiver) = oneshot::channel();
                 let proxy = self.clone();
-                let policy = policy.clone();
                 self.shared.tasks.spawn(async move {
-                    let response = proxy.exchange(&guarded, &policy, request).await;
+                    let response = proxy.exchange(&guarded, request).await;
                     // The client may have gone: the record is already updated.
                     let _ = sender.send(response);
                 });
@@ -263,13 +262,11 @@ impl Proxy {
 
     /// Runs in its own task: forwards the claimed request, updates the record, and
     /// only then returns the response, so a retry that follows it sees the record.
-    async fn exchange(
-        &self,
-        guarded: &Guarded,
-        policy: &IdempotencyPolicy,
-        request: Request<ProxyBody>,
-    ) -> Response<ProxyBody> {
+    async fn exchange(&self, guarded: &Guarded, request: Request<ProxyBody>) -> Response<ProxyBody> {
         let route = &guarded.route;
+        let Some(policy) = route.idempotency.as_ref() else {
+            return self.reject(&route.name, None, Rejection::NoRoute);
+        };
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
         let sent = upstream::send(&self.shared.client, request, deadline).await;
