@@ -104,6 +104,9 @@ pub enum Rejection {
     Store(#[from] StoreError),
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// The proxy broke its own invariant: its fault, never the client's.
+    #[error("the proxy failed")]
+    Internal(#[source] BoxError),
 }
 
 /// What a problem response says, before it is rendered.
@@ -199,6 +202,12 @@ impl Rejection {
             Rejection::Upstream(UpstreamError::Failed(_)) => {
                 (StatusCode::BAD_GATEWAY, "upstream-failed", "Upstream failed", None)
             }
+            Rejection::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal-error",
+                "Internal error",
+                None,
+            ),
         };
         Problem {
             status,

@@ -434,7 +434,7 @@ impl Proxy {
             Rejection::InProgress { .. } | Rejection::OutcomeUnknown => Outcome::Conflict,
             Rejection::KeyReused => Outcome::Mismatch,
             Rejection::Store(_) => Outcome::StoreError,
-            Rejection::Upstream(_) => Outcome::UpstreamError,
+            Rejection::Upstream(_) | Rejection::Internal(_) => Outcome::UpstreamError,
             Rejection::NoRoute
             | Rejection::Key(_)
             | Rejection::BodyTooLarge(_)
