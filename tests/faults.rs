@@ -233,3 +233,48 @@ async fn on_store_error_forward_forwards_unguarded_while_redis_is_down() {
     assert_eq!(response.status, 201);
     assert_eq!(upstream.executions("open"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_requests_in_flight_then_exits_cleanly() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let mut proxy = support::ChildProxy::start(&config).await;
+    let addr = proxy.addr;
+    let headers = [("idempotency-key", "drain"), ("x-test-hold", "drain")];
+    let held = tokio::spawn(async move { send(addr, "POST", "/v1/payments", &headers, "{}").await });
+    upstream.wait_for_key("drain").await;
+
+    let status = Command::new("kill")
+        .args(["-TERM", &proxy.child.id().to_string()])
+        .status()
+        .expect("kill -TERM");
+    assert!(status.success());
+    // New connections are refused once the listeners close: poll for it, bounded.
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(addr).await.is_ok() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still accepting after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    upstream.release("drain");
+    let response = held.await.expect("held request");
+    assert_eq!(
+        response.status, 201,
+        "the request in flight was not drained: {response:?}"
+    );
+    let exit = tokio::task::spawn_blocking(move || proxy.child.wait())
+        .await
+        .expect("join")
+        .expect("wait");
+    assert!(exit.success(), "exit status {exit}");
+    // The drained request's record was completed before the process left.
+    let replay_proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
+    let replay = send(replay_proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(upstream.executions("drain"), 1);
+}

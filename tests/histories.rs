@@ -466,6 +466,84 @@ async fn clients_that_disconnect_while_held_change_nothing() {
     }
 }
 
+/// A client that leaves while its claim is still inside Redis (held there by
+/// `CLIENT PAUSE WRITE`): the claim, applied after the client left, is released in
+/// the background, so the key is not left behind as a ghost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() {
+    use tokio::io::AsyncWriteExt;
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    config.store_timeout = "10s".into();
+    let proxy = config.start().await;
+    // Load the scripts, so the claim below is one EVALSHA.
+    let warm = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "warm")],
+        "{}",
+    )
+    .await;
+    assert_eq!(warm.status, 201);
+
+    let mut control = redis.connection();
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(10_000)
+        .arg("WRITE")
+        .query(&mut control)
+        .expect("CLIENT PAUSE");
+    let mut stream = tokio::net::TcpStream::connect(proxy.addr()).await.expect("connect");
+    stream
+        .write_all(b"POST /v1/payments HTTP/1.1\r\nhost: x\r\nidempotency-key: left\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .expect("write");
+    // Wait until the claim is blocked inside Redis: a condition, bounded.
+    let started = Instant::now();
+    loop {
+        let info: String = redis::cmd("INFO").arg("clients").query(&mut control).expect("INFO");
+        if info.lines().any(|line| line.trim() == "blocked_clients:1") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the claim never reached Redis: {info}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(stream);
+    let _: () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query(&mut control)
+        .expect("CLIENT UNPAUSE");
+
+    // The key settles: released (a retry runs) or forwarded and recorded (a replay).
+    let started = Instant::now();
+    let settled = loop {
+        let response = send(
+            proxy.addr(),
+            "POST",
+            "/v1/payments",
+            &[("idempotency-key", "left")],
+            "{}",
+        )
+        .await;
+        if response.status != 409 {
+            break response;
+        }
+        assert_eq!(response.problem(), "request-in-progress", "a ghost claim: {response:?}");
+        assert!(started.elapsed() < Duration::from_secs(10), "the key never settled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(settled.status, 201, "{settled:?}");
+    // hyper drops the request's future when its client leaves, so the claim written
+    // for it is released and this request is the first to run the key.
+    assert!(!settled.replayed(), "the abandoned request was forwarded: {settled:?}");
+    assert_eq!(upstream.executions("left"), 1);
+}
+
 // === 6. the stale-owner race ===
 
 const PLAIN_WRITE_COMPLETE: &str = "redis.call('HSET', KEYS[1], 'state', 'completed', 'status', ARGV[2], 'headers', ARGV[3], 'body', ARGV[4]) return 1";
