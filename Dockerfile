@@ -11,14 +11,17 @@ RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
     && rm -rf src
 COPY src ./src
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin idemproxy
+# The shipped proxy.toml, listening on every interface as a container must.
+COPY proxy.toml ./
+RUN sed -e 's/"127.0.0.1:8080"/"0.0.0.0:8080"/' -e 's/"127.0.0.1:9090"/"0.0.0.0:9090"/' proxy.toml > container.toml \
+    && grep -q '"0.0.0.0:8080"' container.toml && grep -q '"0.0.0.0:9090"' container.toml
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /src/target/release/idemproxy /usr/local/bin/idemproxy
-COPY proxy.toml /etc/idemproxy/proxy.toml
+COPY --from=build /src/container.toml /etc/idemproxy/proxy.toml
 ENV IDEMPROXY_CONFIG=/etc/idemproxy/proxy.toml
-# 8080: the proxy. 9090: admin (/healthz, /readyz, /metrics).
-# The shipped proxy.toml listens on 127.0.0.1; in a container, mount a config that
-# listens on 0.0.0.0 (see the README).
+# 8080: the proxy. 9090: admin (/healthz, /readyz, /metrics). Mount your own config
+# over /etc/idemproxy/proxy.toml; the shipped one proxies to 127.0.0.1:9000.
 EXPOSE 8080 9090
 USER nonroot:nonroot
 # distroless has no shell or curl: orchestrators should probe GET :9090/healthz
