@@ -10,7 +10,7 @@ use ring::digest;
 
 use crate::config::OnServerError;
 use crate::error::{KeyError, Rejection};
-use crate::store::{ClaimOutcome, Fingerprint, RecordState, StoreKey, StoredResponse, hex};
+use crate::store::{ClaimOutcome, Fingerprint, RecordState, StoreKey, StoredResponse, hex, push_hex};
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -168,7 +168,13 @@ pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &Idem
         }
     }
     put(&mut context, key.as_str().as_bytes());
-    StoreKey::from_derived(format!("{key_prefix}:{route}:{}", hex(context.finish().as_ref())))
+    let mut derived = String::with_capacity(key_prefix.len() + route.len() + 2 + 64);
+    derived.push_str(key_prefix);
+    derived.push(':');
+    derived.push_str(route);
+    derived.push(':');
+    push_hex(&mut derived, context.finish().as_ref());
+    StoreKey::from_derived(derived)
 }
 
 /// The scope values of a request: every value of each of `scope_headers`, in order.

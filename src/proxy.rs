@@ -21,7 +21,7 @@ use crate::idempotency::{self, Decision, IdempotencyKey, Recording};
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
 use crate::router::{Router, host_without_port};
 use crate::store::{AnyStore, Claim, OwnerToken, RecordStore, StoreKey, StoredResponse, UnknownReason, Write};
-use crate::upstream::{self, Buffered, ClientInfo, HttpClient, ProxyBody, StreamedBody, full};
+use crate::upstream::{self, Buffered, ClientInfo, HttpClient, ProxyBody, StreamedBody, Target, full};
 
 /// Set on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -40,13 +40,19 @@ struct Shared {
     store: AnyStore,
     client: HttpClient,
     metrics: Arc<Metrics>,
-    route_metrics: std::collections::HashMap<String, RouteMetrics>,
+    /// Per route, made once: metric handles and the parsed upstream.
+    routes: std::collections::HashMap<String, RouteState>,
     key_prefix: String,
     store_timeout: Duration,
     max_request_body_bytes: u64,
     request_body_timeout: Duration,
     /// Exchanges and background store work, so shutdown can wait for them.
     tasks: TaskTracker,
+}
+
+struct RouteState {
+    metrics: RouteMetrics,
+    target: Target,
 }
 
 /// One guarded request, once its key is parsed and its body read.
@@ -64,10 +70,16 @@ impl Proxy {
                 router: Router::new(&config.routes),
                 store,
                 client: upstream::client(),
-                route_metrics: config
+                routes: config
                     .routes
                     .iter()
-                    .map(|route| (route.name.clone(), metrics.route(&route.name)))
+                    .map(|route| {
+                        let state = RouteState {
+                            metrics: metrics.route(&route.name),
+                            target: Target::new(&route.upstream).expect("config validation requires an upstream host"),
+                        };
+                        (route.name.clone(), state)
+                    })
                     .collect(),
                 metrics,
                 key_prefix: config.store.key_prefix.clone(),
@@ -97,37 +109,29 @@ impl Proxy {
         match &route.idempotency {
             Some(policy) if policy.methods.contains(request.method()) => {
                 if !policy.required && !request.headers().contains_key(&policy.header) {
-                    let request = request.map(|body| body.map_err(BoxError::from).boxed_unsync());
-                    return self.pass(&route, request, client).await;
+                    return self.pass(&route, streamed(request), &client).await;
                 }
                 // Boxed: the guarded path's state is large, and the pass-through
                 // future should not carry (and move) it.
                 Box::pin(self.guarded(route, request, client)).await
             }
-            _ => {
-                self.pass(
-                    &route,
-                    request.map(|body| body.map_err(BoxError::from).boxed_unsync()),
-                    client,
-                )
-                .await
-            }
+            _ => self.pass(&route, streamed(request), &client).await,
         }
     }
 
     /// Forwards a request that needs no idempotency work, streaming both bodies.
-    async fn pass(&self, route: &Route, mut request: Request<ProxyBody>, client: ClientInfo) -> Response<ProxyBody> {
-        if let Err(error) = upstream::prepare_request(&mut request, &route.upstream, client) {
-            tracing::warn!(route = %route.name, %error, "cannot build the upstream request");
-            return self.reject(&route.name, None, Rejection::NoRoute);
+    async fn pass(&self, route: &Route, mut request: Request<ProxyBody>, client: &ClientInfo) -> Response<ProxyBody> {
+        let state = self.route_state(&route.name);
+        if let Err(error) = upstream::prepare_request(&mut request, &state.target, client) {
+            return self.reject(&route.name, None, Rejection::Internal(error.into()));
         }
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
         let result = upstream::send(&self.shared.client, request, deadline).await;
-        self.route_metrics(&route.name).upstream(started.elapsed());
+        state.metrics.upstream(started.elapsed());
         match result {
             Ok(response) => {
-                self.route_metrics(&route.name).request(Outcome::Forwarded);
+                state.metrics.request(Outcome::Forwarded);
                 let (mut parts, body) = response.into_parts();
                 upstream::strip_hop_by_hop(&mut parts.headers);
                 let body = StreamedBody::new(None, body, deadline, route.upstream_timeout);
@@ -139,14 +143,15 @@ impl Proxy {
 
     async fn guarded(&self, route: Arc<Route>, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
         let Some(policy) = route.idempotency.as_ref() else {
-            return self.reject(&route.name, None, Rejection::NoRoute);
+            return self.reject(
+                &route.name,
+                None,
+                Rejection::Internal("a guarded route without a policy".into()),
+            );
         };
+        // `handle` sends keyless requests on `required = false` routes on unguarded.
         let key = match idempotency::parse_key(request.headers().get_all(&policy.header)) {
             Ok(Some(key)) => key,
-            Ok(None) if !policy.required => {
-                let request = request.map(|body| body.map_err(BoxError::from).boxed_unsync());
-                return self.pass(&route, request, client).await;
-            }
             Ok(None) => return self.reject(&route.name, None, crate::error::KeyError::Missing.into()),
             Err(error) => return self.reject(&route.name, None, error.into()),
         };
@@ -200,7 +205,7 @@ impl Proxy {
                         tracing::warn!(route = %route.name, key = ?guarded.key_hash, %error,
                             "store unavailable; forwarding unguarded (on_store_error = forward)");
                         let request = Request::from_parts(parts, full(body));
-                        self.pass(&route, request, client).await
+                        self.pass(&route, request, &client).await
                     }
                 };
             }
@@ -209,10 +214,11 @@ impl Proxy {
         match idempotency::decide(outcome, fingerprint) {
             Decision::Forward => {
                 let mut request = Request::from_parts(parts, full(body));
-                if let Err(error) = upstream::prepare_request(&mut request, &route.upstream, client) {
-                    tracing::warn!(route = %route.name, %error, "cannot build the upstream request");
+                if let Err(error) =
+                    upstream::prepare_request(&mut request, &self.route_state(&route.name).target, &client)
+                {
                     self.release_in_background(&guarded);
-                    return self.reject(&route.name, Some(&guarded.key_hash), Rejection::NoRoute);
+                    return self.reject(&route.name, Some(&guarded.key_hash), Rejection::Internal(error.into()));
                 }
                 let (sender, receiver) = oneshot::channel();
                 let proxy = self.clone();
@@ -233,7 +239,7 @@ impl Proxy {
                 }
             }
             Decision::Replay(stored) => {
-                self.route_metrics(&route.name).request(Outcome::Replayed);
+                self.route_state(&route.name).metrics.request(Outcome::Replayed);
                 replay(stored)
             }
             Decision::Reject(rejection) => self.reject(&route.name, Some(&guarded.key_hash), rejection),
@@ -265,12 +271,16 @@ impl Proxy {
     async fn exchange(&self, guarded: &Guarded, request: Request<ProxyBody>) -> Response<ProxyBody> {
         let route = &guarded.route;
         let Some(policy) = route.idempotency.as_ref() else {
-            return self.reject(&route.name, None, Rejection::NoRoute);
+            return self.reject(
+                &route.name,
+                None,
+                Rejection::Internal("a guarded route without a policy".into()),
+            );
         };
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
         let sent = upstream::send(&self.shared.client, request, deadline).await;
-        self.route_metrics(&route.name).upstream(started.elapsed());
+        self.route_state(&route.name).metrics.upstream(started.elapsed());
         let response = match sent {
             Ok(response) => response,
             Err(error) => return self.upstream_failed(guarded, error).await,
@@ -291,7 +301,7 @@ impl Proxy {
                     }
                     Recording::Release => self.release(guarded).await,
                 }
-                self.route_metrics(&route.name).request(Outcome::Forwarded);
+                self.route_state(&route.name).metrics.request(Outcome::Forwarded);
                 let body = StreamedBody::new(Some(head), rest, deadline, route.upstream_timeout);
                 Response::from_parts(parts, body.boxed_unsync())
             }
@@ -307,7 +317,7 @@ impl Proxy {
                     }
                     Recording::Release => self.release(guarded).await,
                 }
-                self.route_metrics(&route.name).request(Outcome::Forwarded);
+                self.route_state(&route.name).metrics.request(Outcome::Forwarded);
                 Response::from_parts(parts, full(body))
             }
         }
@@ -452,15 +462,15 @@ impl Proxy {
                 route, %key, status = problem.status.as_u16(), problem = problem.slug,
                 "problem response"),
         }
-        if let Some(metrics) = self.shared.route_metrics.get(route) {
-            metrics.request(outcome);
+        if let Some(state) = self.shared.routes.get(route) {
+            state.metrics.request(outcome);
         }
         problem.into_response().map(full)
     }
 
-    fn route_metrics(&self, route: &str) -> &RouteMetrics {
-        // Every configured route has its handles from `Proxy::new`.
-        &self.shared.route_metrics[route]
+    fn route_state(&self, route: &str) -> &RouteState {
+        // Every configured route has its state from `Proxy::new`.
+        &self.shared.routes[route]
     }
 
     pub fn store_timeout(&self) -> Duration {
@@ -488,6 +498,11 @@ impl Drop for PendingClaim<'_> {
             self.proxy.release_in_background(self.guarded);
         }
     }
+}
+
+/// A client request with its body streamed on as it arrives.
+fn streamed(request: Request<Incoming>) -> Request<ProxyBody> {
+    request.map(|body| body.map_err(BoxError::from).boxed_unsync())
 }
 
 /// The headers kept in a record: all end-to-end fields but `Content-Length`, which is

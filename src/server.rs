@@ -351,8 +351,8 @@ fn serve_connection<S, F>(
     if let Err(error) = stream.set_nodelay(true) {
         tracing::debug!(%error, "cannot set TCP_NODELAY");
     }
-    let client = ClientInfo { addr: peer.ip() };
-    let service = service_fn(move |request| service(request, client));
+    let client = ClientInfo::new(peer.ip());
+    let service = service_fn(move |request| service(request, client.clone()));
     let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
     let connection = graceful.watch(connection);
     tokio::spawn(async move {

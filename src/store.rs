@@ -285,13 +285,23 @@ pub fn decode_headers(mut input: &[u8]) -> Option<Vec<(String, Bytes)>> {
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        out.push(DIGITS[usize::from(byte >> 4)] as char);
-        out.push(DIGITS[usize::from(byte & 0xf)] as char);
-    }
+    push_hex(&mut out, bytes);
     out
+}
+
+/// Appends `bytes` to `out` as lower-case hex.
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut buffer = [0u8; 64];
+    for chunk in bytes.chunks(32) {
+        for (pair, byte) in buffer.chunks_exact_mut(2).zip(chunk) {
+            pair[0] = DIGITS[usize::from(byte >> 4)];
+            pair[1] = DIGITS[usize::from(byte & 0xf)];
+        }
+        // Only ASCII digits were written.
+        out.push_str(std::str::from_utf8(&buffer[..chunk.len() * 2]).unwrap_or_default());
+    }
 }
 
 fn unhex(text: &[u8]) -> Option<Vec<u8>> {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{PathAndQuery, Uri};
+use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
@@ -66,67 +66,120 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::UPGRADE,
 ];
 
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
 /// Removes the hop-by-hop fields and every field named in `Connection`. A message
 /// that came with `Transfer-Encoding` also loses any `Content-Length`, which the
 /// transfer coding overrode (RFC 9112 §6.3): passing it on would give the next hop a
 /// framing the body does not have.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none: one pass over the names finds out without hashing.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     if headers.contains_key(header::TRANSFER_ENCODING) {
         headers.remove(header::CONTENT_LENGTH);
     }
+    // `keep-alive` is removed below anyway, and `close` names no field: only other
+    // tokens need collecting (and this allocates nothing when there are none).
     let listed: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|token| !token.eq_ignore_ascii_case("keep-alive") && !token.eq_ignore_ascii_case("close"))
+        .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .collect();
     for name in listed.iter().chain(HOP_BY_HOP.iter()) {
         headers.remove(name);
     }
 }
 
-/// What the proxy knows about the client side of a request.
-#[derive(Debug, Clone, Copy)]
+/// What the proxy knows about the client side of a connection, worked out once per
+/// connection rather than once per request.
+#[derive(Debug, Clone)]
 pub struct ClientInfo {
     pub addr: IpAddr,
+    /// `addr` as a header value, for `X-Forwarded-For`.
+    forwarded_for: HeaderValue,
+}
+
+impl ClientInfo {
+    pub fn new(addr: IpAddr) -> ClientInfo {
+        let forwarded_for = HeaderValue::from_str(&addr.to_string()).expect("an IP address is a valid header value");
+        ClientInfo { addr, forwarded_for }
+    }
+}
+
+/// Where a route sends its requests, parsed once from its validated upstream URL.
+#[derive(Debug, Clone)]
+pub struct Target {
+    scheme: Scheme,
+    authority: Authority,
+    /// The URL's path without its trailing `/`, when it has one to prefix.
+    base_path: Option<String>,
+    host: HeaderValue,
+}
+
+impl Target {
+    /// `None` for a URL without a host, which config validation never lets through.
+    pub fn new(upstream: &Uri) -> Option<Target> {
+        let authority = upstream.authority()?.clone();
+        let base = upstream.path().trim_end_matches('/');
+        Some(Target {
+            scheme: upstream.scheme().cloned().unwrap_or(Scheme::HTTP),
+            host: HeaderValue::from_str(authority.as_str()).ok()?,
+            authority,
+            base_path: (!base.is_empty()).then(|| base.to_string()),
+        })
+    }
 }
 
 /// Rewrites a client request for the upstream: the URI, `Host`, the hop-by-hop
 /// fields, and the `X-Forwarded-*` fields.
-pub fn prepare_request<B>(request: &mut Request<B>, upstream: &Uri, client: ClientInfo) -> Result<(), http::Error> {
-    let original_host = request.headers().get(header::HOST).cloned().or_else(|| {
-        request
+pub fn prepare_request<B>(request: &mut Request<B>, target: &Target, client: &ClientInfo) -> Result<(), http::Error> {
+    let original_host = match request.headers().get(header::HOST) {
+        Some(host) => Some(host.clone()),
+        None => request
             .uri()
             .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    });
-    let path_and_query = request.uri().path_and_query().map_or("/", PathAndQuery::as_str);
-    let base = upstream.path().trim_end_matches('/');
-    let path_and_query: PathAndQuery = if base.is_empty() {
-        path_and_query.parse()?
-    } else {
-        format!("{base}{path_and_query}").parse()?
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok()),
     };
-    let mut parts = upstream.clone().into_parts();
+    let path_and_query = match (&target.base_path, request.uri().path_and_query()) {
+        (None, Some(path_and_query)) => path_and_query.clone(),
+        (None, None) => PathAndQuery::from_static("/"),
+        (Some(base), path_and_query) => {
+            format!("{base}{}", path_and_query.map_or("/", PathAndQuery::as_str)).parse()?
+        }
+    };
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(target.scheme.clone());
+    parts.authority = Some(target.authority.clone());
     parts.path_and_query = Some(path_and_query);
     *request.uri_mut() = Uri::from_parts(parts)?;
     *request.version_mut() = Version::HTTP_11;
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
-    if let Some(authority) = upstream.authority() {
-        headers.insert(header::HOST, HeaderValue::from_str(authority.as_str())?);
-    }
-    let forwarded_for = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(previous) => HeaderValue::from_str(&format!("{previous}, {}", client.addr))?,
-        None => HeaderValue::from_str(&client.addr.to_string())?,
+    headers.insert(header::HOST, target.host.clone());
+    let forwarded_for = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
+        Some(previous) => {
+            let mut joined = Vec::with_capacity(previous.len() + 2 + client.forwarded_for.len());
+            joined.extend_from_slice(previous);
+            joined.extend_from_slice(b", ");
+            joined.extend_from_slice(client.forwarded_for.as_bytes());
+            HeaderValue::from_bytes(&joined)?
+        }
+        None => client.forwarded_for.clone(),
     };
-    headers.insert("x-forwarded-for", forwarded_for);
-    headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    headers.insert(X_FORWARDED_FOR, forwarded_for);
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     match original_host {
-        Some(host) => headers.insert("x-forwarded-host", host),
-        None => headers.remove("x-forwarded-host"),
+        Some(host) => headers.insert(X_FORWARDED_HOST, host),
+        None => headers.remove(X_FORWARDED_HOST),
     };
     Ok(())
 }
