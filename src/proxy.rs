@@ -43,7 +43,6 @@ struct Shared {
     /// Per route, made once: metric handles and the parsed upstream.
     routes: std::collections::HashMap<String, RouteState>,
     key_prefix: String,
-    store_timeout: Duration,
     max_request_body_bytes: u64,
     request_body_timeout: Duration,
     /// Exchanges and background store work, so shutdown can wait for them.
@@ -83,16 +82,11 @@ impl Proxy {
                     .collect(),
                 metrics,
                 key_prefix: config.store.key_prefix.clone(),
-                store_timeout: config.store.timeout,
                 max_request_body_bytes: config.server.max_request_body_bytes,
                 request_body_timeout: config.server.request_body_timeout,
                 tasks,
             }),
         }
-    }
-
-    pub fn store(&self) -> &AnyStore {
-        &self.shared.store
     }
 
     /// Serves one request. Never fails: every error becomes a problem response.
@@ -471,10 +465,6 @@ impl Proxy {
     fn route_state(&self, route: &str) -> &RouteState {
         // Every configured route has its state from `Proxy::new`.
         &self.shared.routes[route]
-    }
-
-    pub fn store_timeout(&self) -> Duration {
-        self.shared.store_timeout
     }
 }
 
