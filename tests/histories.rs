@@ -126,6 +126,53 @@ async fn until_progress(run: &StormRun, count: usize) {
     }
 }
 
+/// Records every request a scenario sends, for the history checker.
+#[derive(Clone, Default)]
+struct Recorder {
+    history: Arc<History>,
+    started: Arc<std::sync::OnceLock<Instant>>,
+}
+
+impl Recorder {
+    async fn post(&self, addr: SocketAddr, headers: &[(&str, &str)]) -> support::TestResponse {
+        let response = self.try_post(addr, headers).await;
+        response.unwrap_or_else(|error| panic!("POST via {addr} failed: {error}"))
+    }
+
+    /// A transport failure is recorded as an unknown outcome.
+    async fn try_post(&self, addr: SocketAddr, headers: &[(&str, &str)]) -> Result<support::TestResponse, String> {
+        let started = Instant::now();
+        self.started.get_or_init(|| started);
+        let key = headers
+            .iter()
+            .find(|(name, _)| *name == "idempotency-key")
+            .map_or("", |(_, value)| *value);
+        let outcome = support::client::try_send(addr, "POST", "/v1/payments", headers, "{}")
+            .await
+            .map_err(|error| error.to_string());
+        self.history.record("", key, started, outcome.clone());
+        outcome
+    }
+
+    /// Runs the checker over what was recorded, prints the figures, and fails on any
+    /// violation.
+    fn check(&self, scenario: &str, upstream: &Upstream, redis: &RedisServer) {
+        let keys = self.history.ops().into_iter().map(|op| op.key).collect();
+        let report = check(
+            &self.history,
+            &upstream.log(),
+            &redis.dump_ttls(),
+            &Contract {
+                retention: RETENTION,
+                run_started: self.started.get().copied().unwrap_or_else(Instant::now),
+                raw_keys: keys,
+                outage_windows: vec![],
+            },
+        );
+        report.assert_clean(scenario);
+    }
+}
+
 // === 1. a duplicate storm across three proxy processes ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -274,6 +321,7 @@ async fn redis_script_flush_mid_storm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_proxy_killed_before_forwarding_never_runs_the_request() {
+    let rec = Recorder::default();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     // A's way to the upstream swallows the request: it is killed before anything
@@ -285,8 +333,10 @@ async fn a_proxy_killed_before_forwarding_never_runs_the_request() {
     let mut a = ChildProxy::start(&config_a).await;
     let headers = [("idempotency-key", "before"), ("authorization", "Bearer t")];
     let addr = a.addr;
-    let client =
-        tokio::spawn(async move { support::client::try_send(addr, "POST", "/v1/payments", &headers, "{}").await });
+    let client = {
+        let rec = rec.clone();
+        tokio::spawn(async move { rec.try_post(addr, &headers).await })
+    };
     // Wait until A's request bytes are in the relay: the claim came first.
     let started = Instant::now();
     while upstream_relay.sent.load(Ordering::SeqCst) == 0 && upstream_relay.connections.load(Ordering::SeqCst) == 0 {
@@ -300,12 +350,12 @@ async fn a_proxy_killed_before_forwarding_never_runs_the_request() {
     let mut config_b = storm_config(&redis.url(), &upstream.url(), "2s");
     config_b.upstream_timeout = "2s".into();
     let b = config_b.start().await;
-    let first = send(b.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    let first = rec.post(b.addr(), &headers).await;
     assert_eq!(first.status, 409);
     // Poll past the lease: the key turns unknown, never free.
     let started = Instant::now();
     loop {
-        let retry = send(b.addr(), "POST", "/v1/payments", &headers, "{}").await;
+        let retry = rec.post(b.addr(), &headers).await;
         assert_eq!(retry.status, 409, "{retry:?}");
         if retry.problem() == "outcome-unknown" {
             break;
@@ -314,12 +364,14 @@ async fn a_proxy_killed_before_forwarding_never_runs_the_request() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(upstream.executions("before"), 0);
+    rec.check("proxy killed before forwarding", &upstream, &redis);
 }
 
 // === 4. upstream faults through the relay ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_faults_end_in_the_states_the_contract_names() {
+    let rec = Recorder::default();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let relay = Relay::start(upstream.addr).await;
@@ -328,10 +380,11 @@ async fn upstream_faults_end_in_the_states_the_contract_names() {
     let proxy = config.start().await;
     let post = |key: &'static str, extra: Option<(&'static str, &'static str)>| {
         let addr = proxy.addr();
+        let rec = rec.clone();
         async move {
             let mut headers = vec![("idempotency-key", key)];
             headers.extend(extra);
-            send(addr, "POST", "/v1/payments", &headers, "{}").await
+            rec.post(addr, &headers).await
         }
     };
 
@@ -380,6 +433,7 @@ async fn upstream_faults_end_in_the_states_the_contract_names() {
     assert_eq!(retry.status, 201, "{retry:?}");
     assert_eq!(upstream.executions("refused"), 1);
     assert_eq!(upstream.executions("timeout"), 0, "the blackhole swallowed it");
+    rec.check("upstream faults through the relay", &upstream, &redis);
 }
 
 /// The length of the fake upstream's response head for a 5000-byte body.
@@ -400,6 +454,7 @@ async fn response_head_len(upstream: &Upstream) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_aborts_mid_upload_leaves_no_claim() {
     use tokio::io::AsyncWriteExt;
+    let rec = Recorder::default();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
@@ -414,21 +469,16 @@ async fn a_client_that_aborts_mid_upload_leaves_no_claim() {
         .expect("write");
     drop(stream);
     // The key must be usable at once: no claim was written for a body never received.
-    let response = send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "abort")],
-        "{}",
-    )
-    .await;
+    let response = rec.post(proxy.addr(), &[("idempotency-key", "abort")]).await;
     assert_eq!(response.status, 201, "{response:?}");
     assert_eq!(upstream.executions("abort"), 1);
     assert_eq!(redis.keys().len(), 1);
+    rec.check("client aborts mid-upload", &upstream, &redis);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_disconnect_while_held_change_nothing() {
+    let rec = Recorder::default();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
@@ -454,7 +504,7 @@ async fn clients_that_disconnect_while_held_change_nothing() {
         let key = format!("left-{i}");
         let started = Instant::now();
         let replay = loop {
-            let response = send(addr, "POST", "/v1/payments", &[("idempotency-key", &key)], "{}").await;
+            let response = rec.post(addr, &[("idempotency-key", &key)]).await;
             if response.status != 409 {
                 break response;
             }
@@ -464,6 +514,7 @@ async fn clients_that_disconnect_while_held_change_nothing() {
         assert!(replay.replayed(), "{key}: {replay:?}");
         assert_eq!(upstream.executions(&key), 1);
     }
+    rec.check("clients disconnect while held", &upstream, &redis);
 }
 
 /// A client that leaves while its claim is still inside Redis (held there by
@@ -472,6 +523,7 @@ async fn clients_that_disconnect_while_held_change_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() {
     use tokio::io::AsyncWriteExt;
+    let rec = Recorder::default();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
@@ -522,14 +574,7 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
     // The key settles: released (a retry runs) or forwarded and recorded (a replay).
     let started = Instant::now();
     let settled = loop {
-        let response = send(
-            proxy.addr(),
-            "POST",
-            "/v1/payments",
-            &[("idempotency-key", "left")],
-            "{}",
-        )
-        .await;
+        let response = rec.post(proxy.addr(), &[("idempotency-key", "left")]).await;
         if response.status != 409 {
             break response;
         }
@@ -542,6 +587,7 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
     // for it is released and this request is the first to run the key.
     assert!(!settled.replayed(), "the abandoned request was forwarded: {settled:?}");
     assert_eq!(upstream.executions("left"), 1);
+    rec.check("client leaves mid-claim", &upstream, &redis);
 }
 
 // === 6. the stale-owner race ===
