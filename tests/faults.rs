@@ -7,29 +7,9 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::{RedisServer, StoreKind, TestConfig, TestResponse, Upstream, free_port, send};
+use support::client::until_not;
+use support::{RedisServer, StoreKind, TestConfig, Upstream, free_port, send};
 use tokio::time::Instant;
-
-/// Sends until the answer is no longer one of `passing` (bounded at 15 s), checking
-/// each interim answer is one of them. Returns the first other answer.
-async fn send_until_not(addr: std::net::SocketAddr, headers: &[(&str, &str)], passing: &[(u16, &str)]) -> TestResponse {
-    let started = Instant::now();
-    loop {
-        let response = send(addr, "POST", "/v1/payments", headers, "{}").await;
-        let status = response.status.as_u16();
-        let interim = passing
-            .iter()
-            .any(|(code, slug)| *code == status && response.problem() == *slug);
-        if !interim {
-            return response;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "still {status} after 15 s: {response:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_then_restarted_on_the_same_port() {
@@ -77,9 +57,16 @@ async fn redis_killed_then_restarted_on_the_same_port() {
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);
 
     redis.restart();
-    let after = send_until_not(
-        proxy.addr(),
-        &[("idempotency-key", "during")],
+    let after = until_not(
+        || {
+            send(
+                proxy.addr(),
+                "POST",
+                "/v1/payments",
+                &[("idempotency-key", "during")],
+                "{}",
+            )
+        },
         &[(503, "store-unavailable")],
     )
     .await;
@@ -123,9 +110,16 @@ async fn redis_paused_past_the_store_timeout_leaves_no_ghost_claim() {
 
     // The claim sent while Redis was frozen is applied on resume; the proxy's
     // background release then removes it, so the key becomes usable again.
-    let after = send_until_not(
-        proxy.addr(),
-        &[("idempotency-key", "ghost")],
+    let after = until_not(
+        || {
+            send(
+                proxy.addr(),
+                "POST",
+                "/v1/payments",
+                &[("idempotency-key", "ghost")],
+                "{}",
+            )
+        },
         &[(503, "store-unavailable"), (409, "request-in-progress")],
     )
     .await;
@@ -198,7 +192,11 @@ async fn a_proxy_killed_mid_request_never_lets_the_request_run_twice() {
     let during = send(second.addr(), "POST", "/v1/payments", &headers, "{}").await;
     assert_eq!(during.status, 409);
     assert_eq!(during.problem(), "request-in-progress");
-    let after = send_until_not(second.addr(), &headers, &[(409, "request-in-progress")]).await;
+    let after = until_not(
+        || send(second.addr(), "POST", "/v1/payments", &headers, "{}"),
+        &[(409, "request-in-progress")],
+    )
+    .await;
     assert_eq!(after.status, 409);
     assert_eq!(after.problem(), "outcome-unknown");
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use support::client::{PooledClient, pooled_client, pooled_send};
+use support::client::{PooledClient, pooled_client, pooled_send, until_not};
 use support::history::{Contract, History, check};
 use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, send};
 use tokio::sync::Semaphore;
@@ -353,16 +353,11 @@ async fn a_proxy_killed_before_forwarding_never_runs_the_request() {
     let first = rec.post(b.addr(), &headers).await;
     assert_eq!(first.status, 409);
     // Poll past the lease: the key turns unknown, never free.
-    let started = Instant::now();
-    loop {
-        let retry = rec.post(b.addr(), &headers).await;
-        assert_eq!(retry.status, 409, "{retry:?}");
-        if retry.problem() == "outcome-unknown" {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(15));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let after = until_not(|| rec.post(b.addr(), &headers), &[(409, "request-in-progress")]).await;
+    assert_eq!(
+        (after.status.as_u16(), after.problem()),
+        (409, "outcome-unknown".into())
+    );
     assert_eq!(upstream.executions("before"), 0);
     rec.check("proxy killed before forwarding", &upstream, &redis);
 }
@@ -502,15 +497,8 @@ async fn clients_that_disconnect_while_held_change_nothing() {
     upstream.release("left");
     for i in 0..5 {
         let key = format!("left-{i}");
-        let started = Instant::now();
-        let replay = loop {
-            let response = rec.post(addr, &[("idempotency-key", &key)]).await;
-            if response.status != 409 {
-                break response;
-            }
-            assert!(started.elapsed() < Duration::from_secs(10));
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let headers = [("idempotency-key", key.as_str())];
+        let replay = until_not(|| rec.post(addr, &headers), &[(409, "request-in-progress")]).await;
         assert!(replay.replayed(), "{key}: {replay:?}");
         assert_eq!(upstream.executions(&key), 1);
     }
@@ -572,16 +560,11 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
         .expect("CLIENT UNPAUSE");
 
     // The key settles: released (a retry runs) or forwarded and recorded (a replay).
-    let started = Instant::now();
-    let settled = loop {
-        let response = rec.post(proxy.addr(), &[("idempotency-key", "left")]).await;
-        if response.status != 409 {
-            break response;
-        }
-        assert_eq!(response.problem(), "request-in-progress", "a ghost claim: {response:?}");
-        assert!(started.elapsed() < Duration::from_secs(10), "the key never settled");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let settled = until_not(
+        || rec.post(proxy.addr(), &[("idempotency-key", "left")]),
+        &[(409, "request-in-progress")],
+    )
+    .await;
     assert_eq!(settled.status, 201, "{settled:?}");
     // hyper drops the request's future when its client leaves, so the claim written
     // for it is released and this request is the first to run the key.
@@ -648,16 +631,15 @@ async fn stale_owner_race(complete_script: Option<&str>) -> bool {
     upstream.release("a");
     // Through B: in flight until A's lease (1 s + 1 s) ends, then unknown.
     let b_headers = [("idempotency-key", "race"), ("x-test-hold", "b")];
-    let started = Instant::now();
-    loop {
-        let response = send(b.addr(), "POST", "/v1/payments", &b_headers, "{}").await;
-        assert_eq!(response.status, 409);
-        if response.problem() == "outcome-unknown" {
-            break;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let unknown = until_not(
+        || send(b.addr(), "POST", "/v1/payments", &b_headers, "{}"),
+        &[(409, "request-in-progress")],
+    )
+    .await;
+    assert_eq!(
+        (unknown.status.as_u16(), unknown.problem()),
+        (409, "outcome-unknown".into())
+    );
     // The record is purged (as retention would), and B claims the key anew.
     for key in redis.keys() {
         let _: () = redis::cmd("DEL").arg(&key).query(&mut redis.connection()).expect("DEL");

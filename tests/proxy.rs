@@ -537,19 +537,11 @@ async fn a_client_that_leaves_while_its_request_is_held_changes_nothing() {
     upstream.release("gone");
     // The exchange finishes without the client; poll until its record is complete.
     let headers = [("idempotency-key", "gone"), ("x-test-hold", "gone")];
-    let started = tokio::time::Instant::now();
-    let replay = loop {
-        let response = send(addr, "POST", "/v1/payments", &headers, "{}").await;
-        if response.status != 409 {
-            break response;
-        }
-        assert_eq!(response.problem(), "request-in-progress");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the record never completed"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let replay = support::client::until_not(
+        || send(addr, "POST", "/v1/payments", &headers, "{}"),
+        &[(409, "request-in-progress")],
+    )
+    .await;
     assert_eq!(replay.status, 201);
     assert!(replay.replayed());
     assert_eq!(upstream.executions("gone"), 1);

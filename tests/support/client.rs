@@ -135,3 +135,29 @@ pub async fn pooled_send(
         .await
         .unwrap_or_else(|_| Err("client timeout".into()))
 }
+
+/// Sends with `request` until the answer is no longer one of the `interim` (status,
+/// problem slug) pairs, checking that every answer before it was one of them. A poll
+/// on a condition, bounded at 15 s. Returns the first other answer.
+pub async fn until_not<F, Fut>(mut request: F, interim: &[(u16, &str)]) -> TestResponse
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = TestResponse>,
+{
+    let started = tokio::time::Instant::now();
+    loop {
+        let response = request().await;
+        let status = response.status.as_u16();
+        let waiting = interim
+            .iter()
+            .any(|(code, slug)| *code == status && response.problem() == *slug);
+        if !waiting {
+            return response;
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(15),
+            "still {status} after 15 s: {response:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
