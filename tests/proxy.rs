@@ -631,3 +631,26 @@ async fn a_client_that_stalls_in_its_headers_is_closed_after_header_read_timeout
     assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert_eq!(upstream.total(), 0);
 }
+
+#[tokio::test]
+async fn an_https_upstream_that_fails_the_tls_handshake_gets_502_and_the_key_is_released() {
+    // A plain-HTTP server behind an https:// URL: rustls' handshake fails, so nothing
+    // was sent, the claim is released and the retry may run.
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Memory, &format!("https://{}", upstream.addr))
+        .start()
+        .await;
+    for _ in 0..2 {
+        let response = send(
+            proxy.addr(),
+            "POST",
+            "/v1/payments",
+            &[("idempotency-key", "tls")],
+            "{}",
+        )
+        .await;
+        assert_eq!(response.status, 502, "{response:?}");
+        assert_eq!(response.problem(), "upstream-unavailable");
+    }
+    assert_eq!(upstream.total(), 0, "the TLS client hello must not count as a request");
+}
