@@ -654,3 +654,36 @@ async fn an_https_upstream_that_fails_the_tls_handshake_gets_502_and_the_key_is_
     }
     assert_eq!(upstream.total(), 0, "the TLS client hello must not count as a request");
 }
+
+#[tokio::test]
+async fn http2_clients_are_guarded_and_replayed_too() {
+    use http_body_util::{BodyExt, Full};
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let stream = tokio::net::TcpStream::connect(proxy.addr()).await.expect("connect");
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("h2c handshake with prior knowledge");
+    tokio::spawn(connection);
+    let mut bodies = Vec::new();
+    for _ in 0..2 {
+        let request = http::Request::post(format!("http://{}/v1/payments", proxy.addr()))
+            .header("idempotency-key", "h2")
+            .body(Full::new(bytes::Bytes::from_static(b"{}")))
+            .expect("request");
+        let response = sender.send_request(request).await.expect("h2 request");
+        assert_eq!(response.status(), 201);
+        let replayed = response.headers().get("idempotent-replayed").is_some();
+        bodies.push((replayed, response.into_body().collect().await.expect("body").to_bytes()));
+    }
+    assert!(!bodies[0].0 && bodies[1].0, "the second h2 request must be a replay");
+    assert_eq!(bodies[0].1, bodies[1].1);
+    assert_eq!(upstream.executions("h2"), 1);
+    assert_eq!(
+        upstream.log()[0].headers.get("x-forwarded-host").map(|v| v.as_bytes()),
+        Some(proxy.addr().to_string().as_bytes())
+    );
+}
