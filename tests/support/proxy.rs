@@ -125,6 +125,13 @@ pub struct ProxyHandle {
     pub running: Running,
 }
 
+/// The proxy's worker threads outlive the test's runtime: stop them with the test.
+impl Drop for ProxyHandle {
+    fn drop(&mut self) {
+        self.running.shutdown_token().cancel();
+    }
+}
+
 impl ProxyHandle {
     pub fn addr(&self) -> SocketAddr {
         self.running.addr
