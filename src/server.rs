@@ -1,4 +1,4 @@
-//! The listeners: one worker thread per core, each accepting on its own `SO_REUSEPORT`
+//! The listeners: one worker thread per core, each accepting on its own listening
 //! socket and serving HTTP/1 and HTTP/2 through hyper-util's auto builder with a
 //! header-read timer, then draining on shutdown. The admin listener shares the accept
 //! loop; neither knows what the other serves.
@@ -102,9 +102,9 @@ pub fn store_factory(config: &Config) -> StoreFactory {
 
 /// Binds the listeners and starts serving: one worker thread per core (or
 /// `server.workers`), each with its own single-threaded runtime, its own listening
-/// socket on the same address (`SO_REUSEPORT`), its own upstream connection pool and
-/// its own store connection, as nginx runs one worker process per core. Requests never
-/// hop between threads. Must be called inside a Tokio runtime, which runs the admin
+/// socket (see `bind_workers`), its own upstream connection pool and its own store
+/// connection, as nginx runs one worker process per core. Requests never hop between
+/// threads. Must be called inside a Tokio runtime, which runs the admin
 /// listener and the memory store's sweeper.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let factory = store_factory(&config);
@@ -120,7 +120,9 @@ pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<R
         grace: config.server.shutdown_grace,
     };
     let store = factory().map_err(StartError::Store)?;
-    let listeners = bind_workers(config.server.listen, config.server.workers)?;
+    // A memory store is one process's: a second instance must not share its port.
+    let share_port = matches!(config.store.backend, Backend::Redis { .. });
+    let listeners = bind_workers(config.server.listen, config.server.workers, share_port)?;
     let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
         addr: config.server.listen,
         source,
@@ -255,13 +257,15 @@ impl Worker {
     }
 }
 
-/// `count` listening sockets on one address with `SO_REUSEPORT`; the kernel spreads
-/// new connections across them. Port 0 is resolved by the first.
-fn bind_workers(addr: SocketAddr, count: usize) -> Result<Vec<std::net::TcpListener>, StartError> {
-    let mut listeners: Vec<std::net::TcpListener> = Vec::with_capacity(count);
-    let mut bound = addr;
-    for _ in 0..count.max(1) {
-        let error = |source| StartError::Bind { addr, source };
+/// One listening socket per worker. With `share_port` (the Redis store), each has its
+/// own socket with `SO_REUSEPORT`, and the kernel spreads new connections across them
+/// (and across a second idemproxy on the same address, which is safe with a shared
+/// store). Without it (the memory store), the workers share one socket, so a second
+/// instance fails to start instead of splitting traffic over two separate stores.
+/// Port 0 is resolved by the first socket.
+fn bind_workers(addr: SocketAddr, count: usize, share_port: bool) -> Result<Vec<std::net::TcpListener>, StartError> {
+    let error = |source| StartError::Bind { addr, source };
+    let open = |bound: SocketAddr| -> Result<std::net::TcpListener, StartError> {
         let socket = if addr.is_ipv4() {
             tokio::net::TcpSocket::new_v4()
         } else {
@@ -269,12 +273,21 @@ fn bind_workers(addr: SocketAddr, count: usize) -> Result<Vec<std::net::TcpListe
         }
         .map_err(error)?;
         socket.set_reuseaddr(true).map_err(error)?;
-        socket.set_reuseport(true).map_err(error)?;
+        socket.set_reuseport(share_port).map_err(error)?;
         socket.set_nodelay(true).map_err(error)?;
         socket.bind(bound).map_err(error)?;
-        let listener = socket.listen(4096).map_err(error)?;
-        bound = listener.local_addr().map_err(error)?;
-        listeners.push(listener.into_std().map_err(error)?);
+        socket.listen(4096).map_err(error)?.into_std().map_err(error)
+    };
+    let first = open(addr)?;
+    let bound = first.local_addr().map_err(error)?;
+    let mut listeners = vec![first];
+    for _ in 1..count.max(1) {
+        let listener = if share_port {
+            open(bound)?
+        } else {
+            listeners[0].try_clone().map_err(error)?
+        };
+        listeners.push(listener);
     }
     Ok(listeners)
 }

@@ -687,3 +687,36 @@ async fn http2_clients_are_guarded_and_replayed_too() {
         Some(proxy.addr().to_string().as_bytes())
     );
 }
+
+#[tokio::test]
+async fn a_second_instance_may_share_the_port_only_with_a_shared_store() {
+    let upstream = Upstream::start().await;
+    // Memory store: a second process on the same address would split traffic over two
+    // separate stores, so it must fail to start.
+    let first = memory_proxy(&upstream).await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.listen = first.addr().to_string();
+    let second = idemproxy::start(config.config()).await;
+    assert!(
+        matches!(second, Err(idemproxy::server::StartError::Bind { .. })),
+        "a second memory-store instance started on a taken port"
+    );
+
+    // Redis store: sharing the port is safe, and is how a new version starts beside
+    // the old one.
+    let redis = RedisServer::start();
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let first = config.start().await;
+    config.listen = first.addr().to_string();
+    let second = config.start().await;
+    assert_eq!(second.addr(), first.addr());
+    let response = send(
+        first.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "shared")],
+        "{}",
+    )
+    .await;
+    assert_eq!(response.status, 201);
+}
