@@ -97,6 +97,11 @@ struct StoreLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
 }
@@ -107,6 +112,8 @@ pub struct Metrics {
     upstream_latency: Family<RouteLabels, Histogram>,
     /// Handles by [op][ok], made once: the request path never looks labels up.
     store_latency: [[Histogram; 2]; StoreOp::ALL.len()],
+    /// Writes refused by compare-and-set, by op.
+    fenced_writes: [Counter; StoreOp::ALL.len()],
     pending_releases: Gauge,
 }
 
@@ -163,6 +170,13 @@ impl Metrics {
             "Latency of upstream exchanges, to the response head",
             upstream_latency.clone(),
         );
+        let fenced_family = Family::<OpLabels, Counter>::default();
+        registry.register(
+            "fenced_writes",
+            "Store writes refused because the record no longer belonged to the writer or was no longer in flight",
+            fenced_family.clone(),
+        );
+        let fenced_writes = StoreOp::ALL.map(|op| fenced_family.get_or_create(&OpLabels { op: op.as_str() }).clone());
         let pending_releases = Gauge::default();
         registry.register(
             "pending_releases",
@@ -174,6 +188,7 @@ impl Metrics {
             requests,
             upstream_latency,
             store_latency,
+            fenced_writes,
             pending_releases,
         }
     }
@@ -200,6 +215,10 @@ impl Metrics {
 
     pub fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
         self.store_latency[op as usize][usize::from(ok)].observe(elapsed.as_secs_f64());
+    }
+
+    pub fn fenced_write(&self, op: StoreOp) {
+        self.fenced_writes[op as usize].inc();
     }
 
     pub fn pending_releases(&self) -> &Gauge {

@@ -329,7 +329,7 @@ impl Proxy {
 
     async fn complete(&self, guarded: &Guarded, stored: StoredResponse) {
         let result = self
-            .timed(
+            .write(
                 StoreOp::Complete,
                 self.shared.store.complete(&guarded.key, guarded.owner, &stored),
             )
@@ -358,7 +358,7 @@ impl Proxy {
 
     async fn mark_unknown(&self, guarded: &Guarded, reason: UnknownReason) {
         let result = self
-            .timed(
+            .write(
                 StoreOp::MarkUnknown,
                 self.shared.store.mark_unknown(&guarded.key, guarded.owner, reason),
             )
@@ -374,7 +374,7 @@ impl Proxy {
     /// kept), retrying in the background while the store is down.
     async fn release(&self, guarded: &Guarded) {
         let result = self
-            .timed(StoreOp::Release, self.shared.store.release(&guarded.key, guarded.owner))
+            .write(StoreOp::Release, self.shared.store.release(&guarded.key, guarded.owner))
             .await;
         if let Err(error) = result {
             tracing::warn!(route = %guarded.route.name, key = ?guarded.key_hash, %error,
@@ -411,7 +411,7 @@ impl Proxy {
     {
         let mut pause = Duration::from_millis(50);
         while Instant::now() < until {
-            match self.timed(op, write()).await {
+            match self.write(op, write()).await {
                 Ok(outcome) => {
                     tracing::info!(?op, ?outcome, "background store write answered");
                     return;
@@ -422,6 +422,19 @@ impl Proxy {
             pause = (pause * 2).min(MAX_RETRY_PAUSE);
         }
         tracing::warn!(?op, "gave up a background store write: the record has expired by now");
+    }
+
+    /// Runs one compare-and-set write, recording its latency and whether it was fenced.
+    async fn write(
+        &self,
+        op: StoreOp,
+        call: impl Future<Output = Result<Write, StoreError>>,
+    ) -> Result<Write, StoreError> {
+        let result = self.timed(op, call).await;
+        if let Ok(Write::Fenced) = result {
+            self.shared.metrics.fenced_write(op);
+        }
+        result
     }
 
     /// Runs one store operation and records its latency.

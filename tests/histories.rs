@@ -655,6 +655,16 @@ async fn stale_owner_race(complete_script: Option<&str>) -> bool {
     // answered the complete, so this await means the write was tried.
     let a_response = a_request.await.expect("A");
     assert_eq!(a_response.status, 201);
+    if complete_script.is_none() {
+        // The refusal is visible to operators.
+        let admin = a.admin_addr.expect("A has an admin listener");
+        let metrics = send(admin, "GET", "/metrics", &[], "").await;
+        let text = String::from_utf8_lossy(&metrics.body);
+        assert!(
+            text.contains("idemproxy_fenced_writes_total{op=\"complete\"} 1"),
+            "{text}"
+        );
+    }
     relay.set(Mode::Pass);
     // B's record must still be B's, in flight.
     let check = send(b.addr(), "POST", "/v1/payments", &b_headers, "{}").await;

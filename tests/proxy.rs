@@ -596,6 +596,10 @@ async fn admin_reports_health_readiness_and_metrics_without_keys() {
         text.contains("idemproxy_upstream_seconds_count{route=\"payments\"} 1"),
         "{text}"
     );
+    assert!(
+        text.contains("idemproxy_fenced_writes_total{op=\"complete\"} 0"),
+        "{text}"
+    );
     assert!(!text.contains("secret-key-value"));
 }
 
