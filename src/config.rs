@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::HeaderName;
@@ -63,7 +64,8 @@ pub struct Route {
     pub host: Option<String>,
     pub upstream: Uri,
     pub upstream_timeout: Duration,
-    pub idempotency: Option<IdempotencyPolicy>,
+    /// Shared, so a guarded request can hold its policy without borrowing the route.
+    pub idempotency: Option<Arc<IdempotencyPolicy>>,
 }
 
 #[derive(Debug, Clone)]
@@ -446,7 +448,7 @@ impl Validator<'_> {
             ));
         }
         let idempotency = match raw.idempotency {
-            Some(policy) => Some(self.policy(index, policy, upstream_timeout)?),
+            Some(policy) => Some(Arc::new(self.policy(index, policy, upstream_timeout)?)),
             None => None,
         };
         Ok(Route {

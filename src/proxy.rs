@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, OnStoreError, Route};
+use crate::config::{Config, IdempotencyPolicy, OnStoreError, Route};
 use crate::error::{BoxError, Rejection, StoreError, UpstreamError};
 use crate::idempotency::{self, Decision, IdempotencyKey, Recording};
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp};
@@ -57,8 +57,9 @@ struct RouteState {
 /// One guarded request, once its key is parsed and its body read.
 struct Guarded {
     route: Arc<Route>,
+    policy: Arc<IdempotencyPolicy>,
     key: StoreKey,
-    key_hash: IdempotencyKey,
+    idempotency_key: IdempotencyKey,
     owner: OwnerToken,
 }
 
@@ -105,9 +106,10 @@ impl Proxy {
                 if !policy.required && !request.headers().contains_key(&policy.header) {
                     return self.pass(&route, streamed(request), &client).await;
                 }
+                let policy = policy.clone();
                 // Boxed: the guarded path's state is large, and the pass-through
                 // future should not carry (and move) it.
-                Box::pin(self.guarded(route, request, client)).await
+                Box::pin(self.guarded(route, policy, request, client)).await
             }
             _ => self.pass(&route, streamed(request), &client).await,
         }
@@ -135,14 +137,13 @@ impl Proxy {
         }
     }
 
-    async fn guarded(&self, route: Arc<Route>, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
-        let Some(policy) = route.idempotency.as_ref() else {
-            return self.reject(
-                &route.name,
-                None,
-                Rejection::Internal("a guarded route without a policy".into()),
-            );
-        };
+    async fn guarded(
+        &self,
+        route: Arc<Route>,
+        policy: Arc<IdempotencyPolicy>,
+        request: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Response<ProxyBody> {
         // `handle` sends keyless requests on `required = false` routes on unguarded.
         let key = match idempotency::parse_key(request.headers().get_all(&policy.header)) {
             Ok(Some(key)) => key,
@@ -165,8 +166,9 @@ impl Proxy {
         let store_key = idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key);
         let guarded = Guarded {
             route: route.clone(),
+            policy: policy.clone(),
             key: store_key,
-            key_hash: key,
+            idempotency_key: key,
             owner: OwnerToken::generate(),
         };
         let claim = Claim {
@@ -194,9 +196,9 @@ impl Proxy {
             Ok(outcome) => outcome,
             Err(error) => {
                 return match policy.on_store_error {
-                    OnStoreError::Reject => self.reject(&route.name, Some(&guarded.key_hash), error.into()),
+                    OnStoreError::Reject => self.reject(&route.name, Some(&guarded.idempotency_key), error.into()),
                     OnStoreError::Forward => {
-                        tracing::warn!(route = %route.name, key = ?guarded.key_hash, %error,
+                        tracing::warn!(route = %route.name, key = ?guarded.idempotency_key, %error,
                             "store unavailable; forwarding unguarded (on_store_error = forward)");
                         let request = Request::from_parts(parts, full(body));
                         self.pass(&route, request, &client).await
@@ -212,7 +214,11 @@ impl Proxy {
                     upstream::prepare_request(&mut request, &self.route_state(&route.name).target, &client)
                 {
                     self.release_in_background(&guarded);
-                    return self.reject(&route.name, Some(&guarded.key_hash), Rejection::Internal(error.into()));
+                    return self.reject(
+                        &route.name,
+                        Some(&guarded.idempotency_key),
+                        Rejection::Internal(error.into()),
+                    );
                 }
                 let (sender, receiver) = oneshot::channel();
                 let proxy = self.clone();
@@ -236,7 +242,7 @@ impl Proxy {
                 self.route_state(&route.name).metrics.request(Outcome::Replayed);
                 replay(stored)
             }
-            Decision::Reject(rejection) => self.reject(&route.name, Some(&guarded.key_hash), rejection),
+            Decision::Reject(rejection) => self.reject(&route.name, Some(&guarded.idempotency_key), rejection),
         }
     }
 
@@ -264,13 +270,7 @@ impl Proxy {
     /// only then returns the response, so a retry that follows it sees the record.
     async fn exchange(&self, guarded: &Guarded, request: Request<ProxyBody>) -> Response<ProxyBody> {
         let route = &guarded.route;
-        let Some(policy) = route.idempotency.as_ref() else {
-            return self.reject(
-                &route.name,
-                None,
-                Rejection::Internal("a guarded route without a policy".into()),
-            );
-        };
+        let policy = &guarded.policy;
         let started = Instant::now();
         let deadline = started + route.upstream_timeout;
         let sent = upstream::send(&self.shared.client, request, deadline).await;
@@ -288,7 +288,7 @@ impl Proxy {
             Ok(Buffered::TooLarge { head, rest }) => {
                 match recording {
                     Recording::Record => {
-                        tracing::warn!(route = %route.name, key = ?guarded.key_hash,
+                        tracing::warn!(route = %route.name, key = ?guarded.idempotency_key,
                             limit = policy.max_response_body_bytes,
                             "response too large to record; the key's outcome is now unknown");
                         self.mark_unknown(guarded, UnknownReason::ResponseTooLarge).await;
@@ -324,7 +324,7 @@ impl Proxy {
             UpstreamError::Timeout(_) => self.mark_unknown(guarded, UnknownReason::UpstreamTimeout).await,
             UpstreamError::Failed(_) => self.mark_unknown(guarded, UnknownReason::UpstreamFailed).await,
         }
-        self.reject(&guarded.route.name, Some(&guarded.key_hash), error.into())
+        self.reject(&guarded.route.name, Some(&guarded.idempotency_key), error.into())
     }
 
     async fn complete(&self, guarded: &Guarded, stored: StoredResponse) {
@@ -336,10 +336,10 @@ impl Proxy {
             .await;
         match result {
             Ok(Write::Applied) => {}
-            Ok(Write::Fenced) => tracing::warn!(route = %guarded.route.name, key = ?guarded.key_hash,
+            Ok(Write::Fenced) => tracing::warn!(route = %guarded.route.name, key = ?guarded.idempotency_key,
                 "complete was fenced off: the claim expired or was taken; retries get 409 outcome-unknown"),
             Err(error) => {
-                tracing::warn!(route = %guarded.route.name, key = ?guarded.key_hash, %error,
+                tracing::warn!(route = %guarded.route.name, key = ?guarded.idempotency_key, %error,
                     "cannot record the response; retrying in the background until the lease ends");
                 let proxy = self.clone();
                 let key = guarded.key.clone();
@@ -365,7 +365,7 @@ impl Proxy {
             .await;
         if let Err(error) = result {
             // The record stays in flight, and reads as unknown once its lease ends.
-            tracing::warn!(route = %guarded.route.name, key = ?guarded.key_hash, %error,
+            tracing::warn!(route = %guarded.route.name, key = ?guarded.idempotency_key, %error,
                 "cannot mark the record unknown; it reads as unknown when its lease ends");
         }
     }
@@ -377,7 +377,7 @@ impl Proxy {
             .write(StoreOp::Release, self.shared.store.release(&guarded.key, guarded.owner))
             .await;
         if let Err(error) = result {
-            tracing::warn!(route = %guarded.route.name, key = ?guarded.key_hash, %error,
+            tracing::warn!(route = %guarded.route.name, key = ?guarded.idempotency_key, %error,
                 "cannot release the claim; retrying in the background");
             self.release_in_background(guarded);
         }
@@ -387,12 +387,7 @@ impl Proxy {
         let proxy = self.clone();
         let key = guarded.key.clone();
         let owner = guarded.owner;
-        let retention = guarded
-            .route
-            .idempotency
-            .as_ref()
-            .map_or(Duration::ZERO, |p| p.retention);
-        let until = Instant::now() + retention;
+        let until = Instant::now() + guarded.policy.retention;
         self.shared.tasks.spawn(async move {
             let pending = proxy.shared.metrics.pending_releases().clone();
             pending.inc();
