@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use support::client::until_not;
-use support::{RedisServer, StoreKind, TestConfig, Upstream, free_port, send};
+use support::{RedisServer, StoreKind, TestConfig, Upstream, free_port, post_key, send};
 use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -17,27 +17,13 @@ async fn redis_killed_then_restarted_on_the_same_port() {
     let upstream = Upstream::start().await;
     let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
     let proxy = config.start().await;
-    let before = send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "before")],
-        "{}",
-    )
-    .await;
+    let before = post_key(proxy.addr(), "before").await;
     assert_eq!(before.status, 201);
 
     redis.kill();
     for attempt in 0..3 {
         let started = Instant::now();
-        let response = send(
-            proxy.addr(),
-            "POST",
-            "/v1/payments",
-            &[("idempotency-key", "during")],
-            "{}",
-        )
-        .await;
+        let response = post_key(proxy.addr(), "during").await;
         let elapsed = started.elapsed();
         assert_eq!(response.status, 503, "attempt {attempt}");
         assert_eq!(response.problem(), "store-unavailable");
@@ -57,19 +43,7 @@ async fn redis_killed_then_restarted_on_the_same_port() {
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 503);
 
     redis.restart();
-    let after = until_not(
-        || {
-            send(
-                proxy.addr(),
-                "POST",
-                "/v1/payments",
-                &[("idempotency-key", "during")],
-                "{}",
-            )
-        },
-        &[(503, "store-unavailable")],
-    )
-    .await;
+    let after = until_not(|| post_key(proxy.addr(), "during"), &[(503, "store-unavailable")]).await;
     assert_eq!(after.status, 201, "{after:?}");
     assert!(!after.replayed());
     assert_eq!(upstream.executions("during"), 1);
@@ -82,26 +56,12 @@ async fn redis_paused_past_the_store_timeout_leaves_no_ghost_claim() {
     let upstream = Upstream::start().await;
     let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
     let proxy = config.start().await;
-    let warm = send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "warm")],
-        "{}",
-    )
-    .await;
+    let warm = post_key(proxy.addr(), "warm").await;
     assert_eq!(warm.status, 201);
 
     redis.pause();
     let started = Instant::now();
-    let paused = send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "ghost")],
-        "{}",
-    )
-    .await;
+    let paused = post_key(proxy.addr(), "ghost").await;
     assert_eq!(paused.status, 503);
     assert_eq!(paused.problem(), "store-unavailable");
     assert!(started.elapsed() < Duration::from_millis(1300));
@@ -111,15 +71,7 @@ async fn redis_paused_past_the_store_timeout_leaves_no_ghost_claim() {
     // The claim sent while Redis was frozen is applied on resume; the proxy's
     // background release then removes it, so the key becomes usable again.
     let after = until_not(
-        || {
-            send(
-                proxy.addr(),
-                "POST",
-                "/v1/payments",
-                &[("idempotency-key", "ghost")],
-                "{}",
-            )
-        },
+        || post_key(proxy.addr(), "ghost"),
         &[(503, "store-unavailable"), (409, "request-in-progress")],
     )
     .await;
@@ -220,14 +172,7 @@ async fn on_store_error_forward_forwards_unguarded_while_redis_is_down() {
     config.idempotency = "on_store_error = \"forward\"".into();
     let proxy = config.start().await;
     redis.kill();
-    let response = send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "open")],
-        "{}",
-    )
-    .await;
+    let response = post_key(proxy.addr(), "open").await;
     assert_eq!(response.status, 201);
     assert_eq!(upstream.executions("open"), 1);
 }

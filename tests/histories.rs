@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use support::client::{PooledClient, pooled_client, pooled_send, until_not};
 use support::history::{Contract, History, check};
-use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, send};
+use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, post_key, send};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
@@ -518,14 +518,7 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
     config.store_timeout = "10s".into();
     let proxy = config.start().await;
     // Load the scripts, so the claim below is one EVALSHA.
-    let warm = send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "warm")],
-        "{}",
-    )
-    .await;
+    let warm = post_key(proxy.addr(), "warm").await;
     assert_eq!(warm.status, 201);
 
     let mut control = redis.connection();
@@ -607,7 +600,7 @@ async fn stale_owner_race(complete_script: Option<&str>) -> bool {
 
     // One full request through A loads its scripts into Redis, so the late complete
     // below is one round trip, not NOSCRIPT, SCRIPT LOAD and a second try.
-    let warm = send(a_addr, "POST", "/v1/payments", &[("idempotency-key", "warm")], "{}").await;
+    let warm = post_key(a_addr, "warm").await;
     assert_eq!(warm.status, 201);
     let _: () = redis::cmd("DEL")
         .arg(redis.keys())

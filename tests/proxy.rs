@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use futures_free::join_all;
-use support::{RedisServer, StoreKind, TestConfig, Upstream, send, send_raw};
+use support::{RedisServer, StoreKind, TestConfig, Upstream, post_key, send, send_raw};
 
 /// `join_all` without a futures dependency: spawn each, await in order.
 mod futures_free {
@@ -163,7 +163,7 @@ async fn a_255_character_key_is_accepted() {
     let upstream = Upstream::start().await;
     let proxy = memory_proxy(&upstream).await;
     let key = "k".repeat(255);
-    let response = send(proxy.addr(), "POST", "/v1/payments", &[("idempotency-key", &key)], "{}").await;
+    let response = post_key(proxy.addr(), &key).await;
     assert_eq!(response.status, 201);
 }
 
@@ -553,22 +553,8 @@ async fn a_client_that_leaves_while_its_request_is_held_changes_nothing() {
 async fn admin_reports_health_readiness_and_metrics_without_keys() {
     let upstream = Upstream::start().await;
     let proxy = memory_proxy(&upstream).await;
-    send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "secret-key-value")],
-        "{}",
-    )
-    .await;
-    send(
-        proxy.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "secret-key-value")],
-        "{}",
-    )
-    .await;
+    post_key(proxy.addr(), "secret-key-value").await;
+    post_key(proxy.addr(), "secret-key-value").await;
     send(proxy.addr(), "POST", "/v1/payments", &[], "{}").await;
 
     assert_eq!(send(proxy.admin(), "GET", "/healthz", &[], "").await.status, 200);
@@ -645,14 +631,7 @@ async fn an_https_upstream_that_fails_the_tls_handshake_gets_502_and_the_key_is_
         .start()
         .await;
     for _ in 0..2 {
-        let response = send(
-            proxy.addr(),
-            "POST",
-            "/v1/payments",
-            &[("idempotency-key", "tls")],
-            "{}",
-        )
-        .await;
+        let response = post_key(proxy.addr(), "tls").await;
         assert_eq!(response.status, 502, "{response:?}");
         assert_eq!(response.problem(), "upstream-unavailable");
     }
@@ -714,13 +693,6 @@ async fn a_second_instance_may_share_the_port_only_with_a_shared_store() {
     config.listen = first.addr().to_string();
     let second = config.start().await;
     assert_eq!(second.addr(), first.addr());
-    let response = send(
-        first.addr(),
-        "POST",
-        "/v1/payments",
-        &[("idempotency-key", "shared")],
-        "{}",
-    )
-    .await;
+    let response = post_key(first.addr(), "shared").await;
     assert_eq!(response.status, 201);
 }

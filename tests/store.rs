@@ -69,6 +69,17 @@ async fn until_lease_expires<S: RecordStore>(store: &S, key: &StoreKey) {
     }
 }
 
+/// Every write `owner` tries on `key` is refused by compare-and-set.
+async fn assert_all_writes_fenced<S: RecordStore>(store: &S, key: &StoreKey, owner: OwnerToken) {
+    let complete = store.complete(key, owner, &response("late")).await.expect("complete");
+    let mark = store
+        .mark_unknown(key, owner, UnknownReason::UpstreamFailed)
+        .await
+        .expect("mark");
+    let release = store.release(key, owner).await.expect("release");
+    assert_eq!((complete, mark, release), (Write::Fenced, Write::Fenced, Write::Fenced));
+}
+
 // === the suite ===
 
 async fn first_claim_acquires_and_others_see_it_in_flight<S: RecordStore>(store: &S) {
@@ -121,18 +132,7 @@ async fn a_completed_record_replays_exactly<S: RecordStore>(store: &S) {
     );
     assert_eq!(state_of(store, &key).await, RecordState::Completed(stored.clone()));
     // A completed record is never overwritten, not even by its owner.
-    assert_eq!(
-        store.complete(&key, owner, &response("other")).await.expect("complete"),
-        Write::Fenced
-    );
-    assert_eq!(
-        store
-            .mark_unknown(&key, owner, UnknownReason::UpstreamFailed)
-            .await
-            .expect("mark"),
-        Write::Fenced
-    );
-    assert_eq!(store.release(&key, owner).await.expect("release"), Write::Fenced);
+    assert_all_writes_fenced(store, &key, owner).await;
     assert_eq!(state_of(store, &key).await, RecordState::Completed(stored));
 }
 
@@ -196,18 +196,7 @@ async fn only_the_owner_can_write<S: RecordStore>(store: &S) {
     let owner = OwnerToken::generate();
     let stranger = OwnerToken::generate();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
-    assert_eq!(
-        store.complete(&key, stranger, &response("x")).await.expect("complete"),
-        Write::Fenced
-    );
-    assert_eq!(
-        store
-            .mark_unknown(&key, stranger, UnknownReason::UpstreamFailed)
-            .await
-            .expect("mark"),
-        Write::Fenced
-    );
-    assert_eq!(store.release(&key, stranger).await.expect("release"), Write::Fenced);
+    assert_all_writes_fenced(store, &key, stranger).await;
     assert!(matches!(state_of(store, &key).await, RecordState::InFlight { .. }));
 }
 
@@ -262,18 +251,7 @@ async fn a_stale_owner_is_fenced_off<S: RecordStore>(store: &S) {
         ClaimOutcome::Acquired
     );
 
-    assert_eq!(
-        store.complete(&key, a, &response("from A")).await.expect("complete"),
-        Write::Fenced
-    );
-    assert_eq!(
-        store
-            .mark_unknown(&key, a, UnknownReason::UpstreamFailed)
-            .await
-            .expect("mark"),
-        Write::Fenced
-    );
-    assert_eq!(store.release(&key, a).await.expect("release"), Write::Fenced);
+    assert_all_writes_fenced(store, &key, a).await;
 
     assert!(matches!(state_of(store, &key).await, RecordState::InFlight { .. }));
     let from_b = response("from B");

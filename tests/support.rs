@@ -10,7 +10,7 @@ pub mod redis_server;
 pub mod relay;
 pub mod upstream;
 
-pub use client::{TestResponse, send, send_raw};
+pub use client::{TestResponse, post_key, send, send_raw};
 pub use proxy::{ChildProxy, ProxyHandle, StoreKind, TestConfig, free_port};
 pub use redis_server::RedisServer;
 pub use relay::{Mode, Relay};

@@ -161,3 +161,8 @@ where
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// `POST /v1/payments` with `{}` and one idempotency key: the tests' most common request.
+pub async fn post_key(addr: SocketAddr, key: &str) -> TestResponse {
+    send(addr, "POST", "/v1/payments", &[("idempotency-key", key)], "{}").await
+}
