@@ -8,19 +8,19 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
+use crate::body::{ProxyBody, full};
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::{AnyStore, RecordStore};
-use crate::upstream::{ProxyBody, full};
 
 #[derive(Clone)]
-pub struct Admin {
+pub(crate) struct Admin {
     store: AnyStore,
     metrics: Arc<Metrics>,
     timeout: Duration,
 }
 
 impl Admin {
-    pub fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration) -> Admin {
+    pub(crate) fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration) -> Admin {
         Admin {
             store,
             metrics,
@@ -28,7 +28,7 @@ impl Admin {
         }
     }
 
-    pub async fn handle(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+    pub(crate) async fn handle(&self, request: Request<Incoming>) -> Response<ProxyBody> {
         if request.method() != Method::GET && request.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         }

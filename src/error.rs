@@ -1,6 +1,7 @@
-//! One error enum per boundary, each saying whose fault it is, and the one exhaustive
-//! function that turns a rejection into an RFC 9457 problem response. No internal error
-//! text ever reaches a response body: details go to the log.
+//! One error enum per boundary, and the one exhaustive function that turns a rejection
+//! into an RFC 9457 problem: its status, its slug, whose fault it is (which decides the
+//! log level) and the outcome it is counted as. No internal error text ever reaches a
+//! response body: details go to the log.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,8 +10,10 @@ use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 
+use crate::metrics::Outcome;
+
 /// Any error, boxed, where the cause only goes to the log.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The configuration file is wrong or unreadable: the operator's fault.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +33,7 @@ pub enum ConfigError {
     },
 }
 
-/// The client sent an unusable idempotency key: the client's fault.
+/// The client sent an unusable idempotency key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
     #[error("the request carries no idempotency key")]
@@ -47,7 +50,7 @@ pub enum KeyError {
     MalformedString,
 }
 
-/// The store did not answer as it should: the store's fault.
+/// The store did not answer as it should.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("the store did not answer within {0:?}")]
@@ -60,9 +63,21 @@ pub enum StoreError {
     Protocol(&'static str),
 }
 
-/// The upstream failed the exchange: the upstream's fault.
+impl StoreError {
+    /// Whether the operation may have been applied although it failed: a timeout or a
+    /// lost connection says nothing about what the store did. Only a refusal the store
+    /// itself gave before writing (a full memory store) rules it out.
+    pub fn may_have_written(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) | StoreError::Unavailable(_) | StoreError::Protocol(_) => true,
+            StoreError::Full(_) => false,
+        }
+    }
+}
+
+/// The upstream failed the exchange.
 #[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
+pub(crate) enum UpstreamError {
     /// Nothing was sent: the connection could not be made.
     #[error("cannot connect to the upstream")]
     Unavailable(#[source] hyper_util::client::legacy::Error),
@@ -74,16 +89,20 @@ pub enum UpstreamError {
     Failed(#[source] BoxError),
 }
 
-impl UpstreamError {
-    /// True when the upstream cannot have seen the request.
-    pub fn nothing_sent(&self) -> bool {
-        matches!(self, UpstreamError::Unavailable(_))
-    }
+/// The proxy broke its own invariant: its fault, never the client's.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ProxyError {
+    #[error("cannot rewrite the request for the upstream")]
+    Rewrite(#[source] http::Error),
+    #[error("the exchange task ended without a response")]
+    ExchangeLost,
+    #[error("the operating system's random source failed")]
+    Random,
 }
 
 /// Everything the proxy answers itself instead of forwarding.
 #[derive(Debug, thiserror::Error)]
-pub enum Rejection {
+pub(crate) enum Rejection {
     #[error("no route matches the request")]
     NoRoute,
     #[error(transparent)]
@@ -104,33 +123,64 @@ pub enum Rejection {
     Store(#[from] StoreError),
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
-    /// The proxy broke its own invariant: its fault, never the client's.
-    #[error("the proxy failed")]
-    Internal(#[source] BoxError),
+    #[error(transparent)]
+    Internal(#[from] ProxyError),
+}
+
+/// Whose fault a rejection is, as pingora's `ErrorSource` says it. It decides the level
+/// a rejection is logged at; the status and the metric outcome come with it from
+/// `Rejection::problem`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fault {
+    /// The client sent something the proxy must refuse, or raced its own retry.
+    Client,
+    /// The upstream failed the exchange.
+    Upstream,
+    /// The store failed or is full.
+    Store,
+    /// The proxy broke its own invariant.
+    Proxy,
+}
+
+impl Fault {
+    /// The level a rejection with this fault is logged at.
+    pub(crate) fn level(self) -> tracing::Level {
+        match self {
+            Fault::Client => tracing::Level::INFO,
+            Fault::Upstream | Fault::Store => tracing::Level::WARN,
+            Fault::Proxy => tracing::Level::ERROR,
+        }
+    }
 }
 
 /// What a problem response says, before it is rendered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    pub status: StatusCode,
-    pub slug: &'static str,
-    pub title: &'static str,
-    pub detail: String,
-    pub retry_after: Option<u64>,
+pub(crate) struct Problem {
+    pub(crate) status: StatusCode,
+    pub(crate) slug: &'static str,
+    pub(crate) title: &'static str,
+    pub(crate) detail: String,
+    pub(crate) retry_after: Option<u64>,
+    pub(crate) fault: Fault,
+    pub(crate) outcome: Outcome,
 }
 
-pub const PROBLEM_TYPE_PREFIX: &str = "urn:idemproxy:problem:";
+pub(crate) const PROBLEM_TYPE_PREFIX: &str = "urn:idemproxy:problem:";
 
 impl Rejection {
-    /// The one mapping from a rejection to its status code and problem slug.
-    pub fn problem(&self) -> Problem {
-        let (status, slug, title, retry_after) = match self {
-            Rejection::NoRoute => (StatusCode::NOT_FOUND, "no-route", "No route", None),
+    /// The one mapping from a rejection to its status, problem slug, the sentence a
+    /// client may read, whose fault it is and how it is counted. Exhaustive: a new
+    /// variant cannot reach a client before it is given its own row here.
+    pub(crate) fn problem(&self) -> Problem {
+        use Fault::{Client, Proxy, Store, Upstream};
+        let (status, slug, title, fault, outcome) = match self {
+            Rejection::NoRoute => (StatusCode::NOT_FOUND, "no-route", "No route", Client, Outcome::Rejected),
             Rejection::Key(KeyError::Missing) => (
                 StatusCode::BAD_REQUEST,
                 "missing-idempotency-key",
                 "Missing idempotency key",
-                None,
+                Client,
+                Outcome::Rejected,
             ),
             Rejection::Key(
                 KeyError::Empty
@@ -142,72 +192,98 @@ impl Rejection {
                 StatusCode::BAD_REQUEST,
                 "invalid-idempotency-key",
                 "Invalid idempotency key",
-                None,
+                Client,
+                Outcome::Rejected,
             ),
             Rejection::BodyTooLarge(_) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "request-body-too-large",
                 "Request body too large",
-                None,
+                Client,
+                Outcome::Rejected,
             ),
             Rejection::BodyTimeout(_) => (
                 StatusCode::REQUEST_TIMEOUT,
                 "request-body-timeout",
                 "Request body too slow",
-                None,
+                Client,
+                Outcome::Rejected,
             ),
             Rejection::BodyIncomplete(_) => (
                 StatusCode::BAD_REQUEST,
                 "request-body-incomplete",
                 "Request body incomplete",
-                None,
+                Client,
+                Outcome::Rejected,
             ),
             Rejection::KeyReused => (
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "idempotency-key-reused",
                 "Idempotency key reused",
-                None,
+                Client,
+                Outcome::Mismatch,
             ),
-            Rejection::InProgress { retry_after } => (
+            Rejection::InProgress { .. } => (
                 StatusCode::CONFLICT,
                 "request-in-progress",
                 "Request in progress",
-                Some(retry_after.as_secs().max(1)),
+                Client,
+                Outcome::Conflict,
             ),
-            Rejection::OutcomeUnknown => (StatusCode::CONFLICT, "outcome-unknown", "Outcome unknown", None),
+            Rejection::OutcomeUnknown => (
+                StatusCode::CONFLICT,
+                "outcome-unknown",
+                "Outcome unknown",
+                Client,
+                Outcome::Conflict,
+            ),
             Rejection::Store(StoreError::Full(_)) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-full",
                 "Idempotency store full",
-                Some(1),
+                Store,
+                Outcome::StoreError,
             ),
-            Rejection::Store(StoreError::Timeout(_) | StoreError::Unavailable(_) | StoreError::Protocol(_)) => (
+            Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_) | StoreError::Timeout(_)) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "Idempotency store unavailable",
-                Some(1),
+                Store,
+                Outcome::StoreError,
             ),
             Rejection::Upstream(UpstreamError::Unavailable(_)) => (
                 StatusCode::BAD_GATEWAY,
                 "upstream-unavailable",
                 "Upstream unavailable",
-                None,
+                Upstream,
+                Outcome::UpstreamError,
             ),
             Rejection::Upstream(UpstreamError::Timeout(_)) => (
                 StatusCode::GATEWAY_TIMEOUT,
                 "upstream-timeout",
                 "Upstream timeout",
-                None,
+                Upstream,
+                Outcome::UpstreamError,
             ),
-            Rejection::Upstream(UpstreamError::Failed(_)) => {
-                (StatusCode::BAD_GATEWAY, "upstream-failed", "Upstream failed", None)
-            }
-            Rejection::Internal(_) => (
+            Rejection::Upstream(UpstreamError::Failed(_)) => (
+                StatusCode::BAD_GATEWAY,
+                "upstream-failed",
+                "Upstream failed",
+                Upstream,
+                Outcome::UpstreamError,
+            ),
+            Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal-error",
                 "Internal error",
-                None,
+                Proxy,
+                Outcome::InternalError,
             ),
+        };
+        let retry_after = match self {
+            Rejection::InProgress { retry_after } => Some(retry_after.as_secs().max(1)),
+            Rejection::Store(_) => Some(1),
+            _ => None,
         };
         Problem {
             status,
@@ -215,13 +291,27 @@ impl Rejection {
             title,
             detail: self.public_detail(),
             retry_after,
+            fault,
+            outcome,
         }
     }
 
-    /// The sentence a client may read: the error's own text, never its sources.
+    /// The sentence a client may read. Exhaustive, like `problem`: a client's own
+    /// mistakes are described by their `Display`; the store's, the upstream's and the
+    /// proxy's by a fixed sentence, so that no internal detail (an address, a capacity,
+    /// a cause) reaches a client.
     fn public_detail(&self) -> String {
         match self {
-            Rejection::Store(StoreError::Unavailable(_)) | Rejection::Store(StoreError::Protocol(_)) => {
+            Rejection::NoRoute
+            | Rejection::Key(_)
+            | Rejection::BodyTooLarge(_)
+            | Rejection::BodyTimeout(_)
+            | Rejection::BodyIncomplete(_)
+            | Rejection::KeyReused
+            | Rejection::InProgress { .. }
+            | Rejection::OutcomeUnknown => self.to_string(),
+            Rejection::Store(StoreError::Full(_)) => "the idempotency store is full; nothing was forwarded".into(),
+            Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_)) => {
                 "the idempotency store is unreachable; nothing was forwarded".into()
             }
             Rejection::Store(StoreError::Timeout(_)) => {
@@ -236,14 +326,14 @@ impl Rejection {
             Rejection::Upstream(UpstreamError::Failed(_)) => {
                 "the upstream exchange broke after the request was sent; its outcome is unknown, and retries with this key get 409".into()
             }
-            other => other.to_string(),
+            Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => "the proxy failed".into(),
         }
     }
 }
 
 impl Problem {
     /// Renders the problem as an `application/problem+json` response.
-    pub fn into_response(self) -> Response<Bytes> {
+    pub(crate) fn into_response(self) -> Response<Bytes> {
         let body = serde_json::json!({
             "type": format!("{PROBLEM_TYPE_PREFIX}{}", self.slug),
             "title": self.title,
@@ -259,5 +349,32 @@ impl Problem {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_memory_store_capacity_never_reaches_a_client() {
+        let problem = Rejection::Store(StoreError::Full(12345)).problem();
+        assert_eq!(problem.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(!problem.detail.contains("12345"), "{}", problem.detail);
+    }
+
+    #[test]
+    fn internal_errors_are_the_proxys_fault_and_counted_as_such() {
+        let problem = Rejection::Internal(ProxyError::ExchangeLost).problem();
+        assert_eq!(problem.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!((problem.fault, problem.outcome), (Fault::Proxy, Outcome::InternalError));
+        assert_eq!(problem.fault.level(), tracing::Level::ERROR);
+    }
+
+    #[test]
+    fn only_a_full_memory_store_rules_out_a_write() {
+        assert!(!StoreError::Full(1).may_have_written());
+        assert!(StoreError::Timeout(Duration::from_secs(1)).may_have_written());
+        assert!(StoreError::Protocol("x").may_have_written());
     }
 }

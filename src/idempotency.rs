@@ -10,7 +10,7 @@ use ring::digest;
 
 use crate::config::OnServerError;
 use crate::error::{KeyError, Rejection};
-use crate::store::{ClaimOutcome, Fingerprint, RecordState, StoreKey, StoredResponse, hex, push_hex};
+use crate::store::{ClaimOutcome, Existing, Fingerprint, RecordState, StoreKey, StoredResponse};
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -37,7 +37,12 @@ impl std::fmt::Debug for IdempotencyKey {
 
 /// The first 12 hex digits of the SHA-256 of `bytes`: how keys appear in logs.
 pub fn short_hash(bytes: &[u8]) -> String {
-    hex(&digest::digest(&digest::SHA256, bytes).as_ref()[..6])
+    const_hex::encode(
+        digest::digest(&digest::SHA256, bytes)
+            .as_ref()
+            .get(..6)
+            .unwrap_or_default(),
+    )
 }
 
 /// Reads the idempotency key from every field line of its header.
@@ -147,9 +152,12 @@ pub fn fingerprint(
         put_header(&mut context, headers, name);
     }
     put(&mut context, body);
-    let mut out = [0u8; 32];
-    out.copy_from_slice(context.finish().as_ref());
-    Fingerprint(out)
+    Fingerprint(digest_array(&context.finish()))
+}
+
+/// A SHA-256 digest as the 32-byte array it always is.
+fn digest_array(digest: &digest::Digest) -> [u8; 32] {
+    digest.as_ref().try_into().unwrap_or_default()
 }
 
 /// The one derivation of a record's store key:
@@ -173,7 +181,7 @@ pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &Idem
     derived.push(':');
     derived.push_str(route);
     derived.push(':');
-    push_hex(&mut derived, context.finish().as_ref());
+    derived.push_str(const_hex::Buffer::<32>::new().format(&digest_array(&context.finish())));
     StoreKey::from_derived(derived)
 }
 
@@ -185,11 +193,12 @@ pub fn scope_values<'a>(headers: &'a HeaderMap, scope_headers: &[HeaderName]) ->
         .collect()
 }
 
-/// What the proxy does with a guarded request once its claim has answered.
+/// What the proxy does with a guarded request once its claim has answered. `C` is what
+/// an acquired claim gives the claimant (see `ClaimOutcome`).
 #[derive(Debug)]
-pub enum Decision {
+pub(crate) enum Decision<C = ()> {
     /// The claim was acquired: forward the request.
-    Forward,
+    Forward(C),
     /// A response was recorded for this key and this request: replay it.
     Replay(StoredResponse),
     /// Answer with a problem and forward nothing.
@@ -197,10 +206,10 @@ pub enum Decision {
 }
 
 /// Turns a claim's outcome into a decision for a request with `fingerprint`.
-pub fn decide(outcome: ClaimOutcome, fingerprint: Fingerprint) -> Decision {
+pub(crate) fn decide<C>(outcome: ClaimOutcome<C>, fingerprint: Fingerprint) -> Decision<C> {
     let (recorded, state) = match outcome {
-        ClaimOutcome::Acquired => return Decision::Forward,
-        ClaimOutcome::Existing { fingerprint, state } => (fingerprint, state),
+        ClaimOutcome::Acquired(claim) => return Decision::Forward(claim),
+        ClaimOutcome::Existing(Existing { fingerprint, state }) => (fingerprint, state),
     };
     if recorded != fingerprint {
         return Decision::Reject(Rejection::KeyReused);

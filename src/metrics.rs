@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 /// How a request ended, as counted in `idemproxy_requests_total`.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 #[repr(usize)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Sent to the upstream, guarded or not.
     Forwarded,
     /// Answered from a recorded response.
@@ -28,10 +28,12 @@ pub enum Outcome {
     StoreError,
     /// 502 or 504: the upstream failed.
     UpstreamError,
+    /// 500: the proxy broke its own invariant.
+    InternalError,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub(crate) const ALL: [Outcome; 8] = [
         Outcome::Forwarded,
         Outcome::Replayed,
         Outcome::Conflict,
@@ -39,9 +41,10 @@ impl Outcome {
         Outcome::Rejected,
         Outcome::StoreError,
         Outcome::UpstreamError,
+        Outcome::InternalError,
     ];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Outcome::Forwarded => "forwarded",
             Outcome::Replayed => "replayed",
@@ -50,6 +53,7 @@ impl Outcome {
             Outcome::Rejected => "rejected",
             Outcome::StoreError => "store_error",
             Outcome::UpstreamError => "upstream_error",
+            Outcome::InternalError => "internal_error",
         }
     }
 }
@@ -62,7 +66,7 @@ struct RequestLabels {
 
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 #[repr(usize)]
-pub enum StoreOp {
+pub(crate) enum StoreOp {
     Claim,
     Complete,
     MarkUnknown,
@@ -71,7 +75,7 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
-    pub const ALL: [StoreOp; 5] = [
+    pub(crate) const ALL: [StoreOp; 5] = [
         StoreOp::Claim,
         StoreOp::Complete,
         StoreOp::MarkUnknown,
@@ -79,7 +83,7 @@ impl StoreOp {
         StoreOp::Ping,
     ];
 
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             StoreOp::Claim => "claim",
             StoreOp::Complete => "complete",
@@ -106,7 +110,7 @@ struct RouteLabels {
     route: String,
 }
 
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     upstream_latency: Family<RouteLabels, Histogram>,
@@ -119,17 +123,17 @@ pub struct Metrics {
 
 /// One route's metric handles, made once so a request only bumps atomics.
 #[derive(Clone)]
-pub struct RouteMetrics {
+pub(crate) struct RouteMetrics {
     requests: [Counter; Outcome::ALL.len()],
     upstream_latency: Histogram,
 }
 
 impl RouteMetrics {
-    pub fn request(&self, outcome: Outcome) {
+    pub(crate) fn request(&self, outcome: Outcome) {
         self.requests[outcome as usize].inc();
     }
 
-    pub fn upstream(&self, elapsed: Duration) {
+    pub(crate) fn upstream(&self, elapsed: Duration) {
         self.upstream_latency.observe(elapsed.as_secs_f64());
     }
 }
@@ -141,7 +145,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn new() -> Metrics {
+    pub(crate) fn new() -> Metrics {
         let mut registry = Registry::with_prefix("idemproxy");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register("requests", "Requests by route and outcome", requests.clone());
@@ -194,7 +198,7 @@ impl Metrics {
     }
 
     /// The handles for one route. Only outcomes that happen show in the exposition.
-    pub fn route(&self, route: &str) -> RouteMetrics {
+    pub(crate) fn route(&self, route: &str) -> RouteMetrics {
         RouteMetrics {
             requests: Outcome::ALL.map(|outcome| {
                 self.requests
@@ -213,21 +217,21 @@ impl Metrics {
         }
     }
 
-    pub fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
+    pub(crate) fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
         self.store_latency[op as usize][usize::from(ok)].observe(elapsed.as_secs_f64());
     }
 
-    pub fn fenced_write(&self, op: StoreOp) {
+    pub(crate) fn fenced_write(&self, op: StoreOp) {
         self.fenced_writes[op as usize].inc();
     }
 
-    pub fn pending_releases(&self) -> &Gauge {
+    pub(crate) fn pending_releases(&self) -> &Gauge {
         &self.pending_releases
     }
 
     /// The Prometheus text exposition of every metric. Every route's outcomes are
     /// there from the start, at zero, so `rate()` works from the first scrape.
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

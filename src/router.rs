@@ -1,21 +1,40 @@
 //! Routing: picks the route for a request by its Host and the longest matching path
-//! prefix. Pure: the router does no I/O and never looks at the body.
+//! prefix, and hands back the route as the request path uses it (its config, its
+//! parsed upstream and its metric handles), so nothing is looked up by name. Pure: the
+//! router does no I/O and never looks at the body.
 
 use std::sync::Arc;
 
 use crate::config::Route;
+use crate::metrics::{Metrics, RouteMetrics};
 
-#[derive(Debug, Clone)]
-pub struct Router {
+/// A configured route with everything a request on it needs, made once per config.
+#[derive(Clone)]
+pub(crate) struct RouteState {
+    pub(crate) route: Route,
+    pub(crate) metrics: RouteMetrics,
+}
+
+#[derive(Clone)]
+pub(crate) struct Router {
     /// Sorted so that the first match is the best one: host-specific routes first,
     /// then longer prefixes first.
-    routes: Arc<[Arc<Route>]>,
+    routes: Arc<[Arc<RouteState>]>,
 }
 
 impl Router {
-    pub fn new(routes: &[Route]) -> Router {
-        let mut routes: Vec<Arc<Route>> = routes.iter().cloned().map(Arc::new).collect();
+    pub(crate) fn new(routes: &[Route], metrics: &Metrics) -> Router {
+        let mut routes: Vec<Arc<RouteState>> = routes
+            .iter()
+            .map(|route| {
+                Arc::new(RouteState {
+                    metrics: metrics.route(&route.name),
+                    route: route.clone(),
+                })
+            })
+            .collect();
         routes.sort_by(|a, b| {
+            let (a, b) = (&a.route, &b.route);
             b.host
                 .is_some()
                 .cmp(&a.host.is_some())
@@ -28,8 +47,9 @@ impl Router {
     ///
     /// A prefix matches at a segment boundary: `/v1/pay` matches `/v1/pay` and
     /// `/v1/pay/x`, but not `/v1/payments`, unless the prefix itself ends in `/`.
-    pub fn route(&self, host: Option<&str>, path: &str) -> Option<&Arc<Route>> {
-        self.routes.iter().find(|route| {
+    pub(crate) fn route(&self, host: Option<&str>, path: &str) -> Option<&Arc<RouteState>> {
+        self.routes.iter().find(|state| {
+            let route = &state.route;
             let host_ok = match (&route.host, host) {
                 (None, _) => true,
                 (Some(want), Some(have)) => want.eq_ignore_ascii_case(have),
@@ -48,7 +68,7 @@ fn prefix_matches(prefix: &str, path: &str) -> bool {
 }
 
 /// The host part of a Host header or authority: the port and any brackets removed.
-pub fn host_without_port(authority: &str) -> &str {
+pub(crate) fn host_without_port(authority: &str) -> &str {
     if let Some(rest) = authority.strip_prefix('[') {
         return rest.split(']').next().unwrap_or(rest);
     }
@@ -64,6 +84,7 @@ pub fn host_without_port(authority: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Target;
     use std::time::Duration;
 
     fn route(name: &str, prefix: &str, host: Option<&str>) -> Route {
@@ -71,21 +92,25 @@ mod tests {
             name: name.into(),
             path_prefix: prefix.into(),
             host: host.map(Into::into),
-            upstream: "http://127.0.0.1:9".parse().expect("uri"),
+            upstream: Target::try_from("http://127.0.0.1:9".parse::<http::Uri>().expect("uri")).expect("target"),
             upstream_timeout: Duration::from_secs(1),
             idempotency: None,
         }
     }
 
+    fn router(routes: &[Route]) -> Router {
+        Router::new(routes, &Metrics::new())
+    }
+
     #[test]
     fn longest_prefix_wins_and_host_routes_come_first() {
-        let router = Router::new(&[
+        let router = router(&[
             route("root", "/", None),
             route("v1", "/v1", None),
             route("payments", "/v1/payments", None),
             route("api-host", "/v1", Some("api.example.com")),
         ]);
-        let name = |host, path| router.route(host, path).map(|r| r.name.clone());
+        let name = |host, path| router.route(host, path).map(|r| r.route.name.clone());
         assert_eq!(name(None, "/v1/payments/42").as_deref(), Some("payments"));
         assert_eq!(name(None, "/v1/paymentsx").as_deref(), Some("v1"));
         assert_eq!(name(None, "/v1").as_deref(), Some("v1"));
@@ -98,7 +123,7 @@ mod tests {
 
     #[test]
     fn no_match_is_none() {
-        let router = Router::new(&[route("v1", "/v1", None)]);
+        let router = router(&[route("v1", "/v1", None)]);
         assert!(router.route(None, "/v2").is_none());
         assert!(router.route(None, "/v10").is_none());
     }

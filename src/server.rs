@@ -16,16 +16,17 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
+use crate::body::{ClientInfo, ProxyBody};
 use crate::config::{Backend, Config};
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{AnyStore, MemoryStore, RedisStore};
-use crate::upstream::{ClientInfo, ProxyBody};
 
 /// hyper's HTTP/1 read buffer, which bounds the request head; a larger head gets 431.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -45,6 +46,10 @@ pub enum StartError {
     Store(#[source] StoreError),
     #[error("cannot start a worker runtime")]
     Runtime(#[source] std::io::Error),
+    #[error("cannot start a worker thread")]
+    Spawn(#[source] std::io::Error),
+    #[error("cannot set up TLS for upstream connections")]
+    UpstreamTls(#[source] rustls::Error),
     #[error("a worker thread stopped while starting")]
     Worker,
 }
@@ -53,6 +58,7 @@ pub enum StartError {
 pub struct Running {
     pub addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
+    #[cfg(feature = "test-util")]
     store: AnyStore,
     shutdown: CancellationToken,
     done: tokio::task::JoinHandle<()>,
@@ -77,6 +83,7 @@ impl Running {
     }
 
     /// A handle on the store (the shared one, for the memory backend).
+    #[cfg(feature = "test-util")]
     pub fn store(&self) -> &AnyStore {
         &self.store
     }
@@ -84,10 +91,13 @@ impl Running {
 
 /// Makes a store handle. Each worker thread calls it once, inside its own runtime, so
 /// every worker has its own Redis connection; the memory store is one shared map.
+#[cfg(feature = "test-util")]
 pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
+#[cfg(not(feature = "test-util"))]
+type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
 
 /// The factory for the configured store.
-pub fn store_factory(config: &Config) -> StoreFactory {
+fn store_factory(config: &Config) -> StoreFactory {
     match &config.store.backend {
         Backend::Memory { max_records } => {
             let shared = AnyStore::Memory(MemoryStore::new(*max_records));
@@ -108,11 +118,18 @@ pub fn store_factory(config: &Config) -> StoreFactory {
 /// listener and the memory store's sweeper.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let factory = store_factory(&config);
-    start_with_store(config, factory).await
+    launch(config, factory).await
 }
 
 /// Like `start`, with stores made by `factory` instead of from `config.store`.
+#[cfg(feature = "test-util")]
 pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<Running, StartError> {
+    launch(config, factory).await
+}
+
+/// Binds, starts the workers one by one (so that a worker's start-up error stops the
+/// start), then the admin listener.
+async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let shutdown = CancellationToken::new();
     let limits = Limits {
@@ -122,17 +139,11 @@ pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<R
     let store = factory().map_err(StartError::Store)?;
     // A memory store is one process's: a second instance must not share its port.
     let share_port = matches!(config.store.backend, Backend::Redis { .. });
-    let listeners = bind_workers(config.server.listen, config.server.workers, share_port)?;
-    let addr = listeners[0].local_addr().map_err(|source| StartError::Bind {
-        addr: config.server.listen,
-        source,
-    })?;
+    let (addr, listeners) = bind_workers(config.server.listen, config.server.workers, share_port)?;
 
     let config = Arc::new(config);
-    let mut workers = Vec::with_capacity(listeners.len());
+    let mut stopped = Vec::with_capacity(listeners.len() + 1);
     for (index, listener) in listeners.into_iter().enumerate() {
-        let (started, ready) = std::sync::mpsc::channel();
-        let (finished, done) = tokio::sync::oneshot::channel::<()>();
         let worker = Worker {
             config: config.clone(),
             factory: factory.clone(),
@@ -140,52 +151,23 @@ pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<R
             shutdown: shutdown.clone(),
             limits,
         };
-        std::thread::Builder::new()
-            .name(format!("idemproxy-worker-{index}"))
-            .spawn(move || {
-                worker.run(listener, started);
-                let _ = finished.send(());
-            })
-            .map_err(|source| StartError::Bind { addr, source })?;
-        // Wait for the worker's runtime and store, so start-up errors surface here.
-        match ready.recv() {
-            Ok(Ok(())) => {}
-            Ok(Err(error)) => {
+        match worker.start(index, listener).await {
+            Ok(done) => stopped.push(done),
+            Err(error) => {
                 shutdown.cancel();
                 return Err(error);
             }
-            Err(_) => {
-                shutdown.cancel();
-                return Err(StartError::Worker);
-            }
         }
-        workers.push(done);
     }
-
-    let admin = match &config.admin {
+    let admin_addr = match &config.admin {
         Some(admin) => {
-            let (listener, admin_addr) = bind(admin.listen).await?;
-            let admin = Admin::new(store.clone(), metrics, config.store.timeout);
-            let service = move |request: Request<Incoming>, _: ClientInfo| {
-                let admin = admin.clone();
-                async move { Ok::<_, Infallible>(admin.handle(request).await) }
-            };
-            Some((
-                tokio::spawn(serve(listener, limits, shutdown.clone(), service)),
-                admin_addr,
-            ))
+            let service = Admin::new(store.clone(), metrics, config.store.timeout);
+            let (admin_addr, done) = start_admin(admin.listen, service, limits, shutdown.clone()).await?;
+            stopped.push(done);
+            Some(admin_addr)
         }
         None => None,
     };
-    let admin_addr = admin.as_ref().map(|(_, addr)| *addr);
-    let done = tokio::spawn(async move {
-        for worker in workers {
-            let _ = worker.await;
-        }
-        if let Some((admin, _)) = admin {
-            let _ = admin.await;
-        }
-    });
     tracing::info!(
         %addr,
         admin = %admin_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
@@ -197,10 +179,36 @@ pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<R
     Ok(Running {
         addr,
         admin_addr,
+        #[cfg(feature = "test-util")]
         store,
         shutdown,
-        done,
+        done: tokio::spawn(async move {
+            for done in stopped {
+                let _ = done.await;
+            }
+        }),
     })
+}
+
+/// Serves the admin endpoints on the caller's runtime until shutdown; the receiver
+/// answers when it has stopped.
+async fn start_admin(
+    addr: SocketAddr,
+    admin: Admin,
+    limits: Limits,
+    shutdown: CancellationToken,
+) -> Result<(SocketAddr, oneshot::Receiver<()>), StartError> {
+    let (listener, bound) = bind(addr).await?;
+    let service = move |request: Request<Incoming>, _: ClientInfo| {
+        let admin = admin.clone();
+        async move { Ok::<_, Infallible>(admin.handle(request).await) }
+    };
+    let (finished, done) = oneshot::channel();
+    tokio::spawn(async move {
+        serve(listener, limits, shutdown, service).await;
+        let _ = finished.send(());
+    });
+    Ok((bound, done))
 }
 
 /// What one worker thread needs.
@@ -213,8 +221,27 @@ struct Worker {
 }
 
 impl Worker {
+    /// Starts the worker's thread and waits until it serves, so that its start-up
+    /// errors surface here; the receiver answers when the thread has stopped.
+    async fn start(self, index: usize, listener: std::net::TcpListener) -> Result<oneshot::Receiver<()>, StartError> {
+        let (started, ready) = oneshot::channel();
+        let (finished, done) = oneshot::channel();
+        std::thread::Builder::new()
+            .name(format!("idemproxy-worker-{index}"))
+            .spawn(move || {
+                self.run(listener, started);
+                let _ = finished.send(());
+            })
+            .map_err(StartError::Spawn)?;
+        match ready.await {
+            Ok(Ok(())) => Ok(done),
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(StartError::Worker),
+        }
+    }
+
     /// Runs on the worker's own thread until shutdown, then drains.
-    fn run(self, listener: std::net::TcpListener, started: std::sync::mpsc::Sender<Result<(), StartError>>) {
+    fn run(self, listener: std::net::TcpListener, started: oneshot::Sender<Result<(), StartError>>) {
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(runtime) => runtime,
             Err(source) => {
@@ -241,7 +268,13 @@ impl Worker {
                 }
             };
             let tasks = TaskTracker::new();
-            let proxy = Proxy::new(&self.config, store, self.metrics, tasks.clone());
+            let proxy = match Proxy::new(&self.config, store, self.metrics, tasks.clone()) {
+                Ok(proxy) => proxy,
+                Err(error) => {
+                    let _ = started.send(Err(StartError::UpstreamTls(error)));
+                    return;
+                }
+            };
             let _ = started.send(Ok(()));
             let service = move |request: Request<Incoming>, client: ClientInfo| {
                 let proxy = proxy.clone();
@@ -262,8 +295,12 @@ impl Worker {
 /// (and across a second idemproxy on the same address, which is safe with a shared
 /// store). Without it (the memory store), the workers share one socket, so a second
 /// instance fails to start instead of splitting traffic over two separate stores.
-/// Port 0 is resolved by the first socket.
-fn bind_workers(addr: SocketAddr, count: usize, share_port: bool) -> Result<Vec<std::net::TcpListener>, StartError> {
+/// Port 0 is resolved by the first socket, whose address is returned.
+fn bind_workers(
+    addr: SocketAddr,
+    count: usize,
+    share_port: bool,
+) -> Result<(SocketAddr, Vec<std::net::TcpListener>), StartError> {
     let error = |source| StartError::Bind { addr, source };
     let open = |bound: SocketAddr| -> Result<std::net::TcpListener, StartError> {
         let socket = if addr.is_ipv4() {
@@ -280,16 +317,17 @@ fn bind_workers(addr: SocketAddr, count: usize, share_port: bool) -> Result<Vec<
     };
     let first = open(addr)?;
     let bound = first.local_addr().map_err(error)?;
-    let mut listeners = vec![first];
+    let mut listeners = Vec::with_capacity(count.max(1));
     for _ in 1..count.max(1) {
         let listener = if share_port {
             open(bound)?
         } else {
-            listeners[0].try_clone().map_err(error)?
+            first.try_clone().map_err(error)?
         };
         listeners.push(listener);
     }
-    Ok(listeners)
+    listeners.insert(0, first);
+    Ok((bound, listeners))
 }
 
 fn store_name(config: &Config) -> &'static str {

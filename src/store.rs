@@ -7,9 +7,8 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use bytes::Bytes;
-
 use crate::error::StoreError;
+pub use crate::record::StoredResponse;
 
 pub mod memory;
 pub mod redis;
@@ -30,6 +29,13 @@ impl StoreKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The first 12 hex digits of the record hash: how a record is named in logs. It
+    /// identifies the record (route, scope and key) and reveals none of them.
+    pub fn short_hash(&self) -> &str {
+        let hash = self.0.rsplit(':').next().unwrap_or_default();
+        hash.get(..12).unwrap_or(hash)
+    }
 }
 
 impl fmt::Debug for StoreKey {
@@ -43,23 +49,23 @@ impl fmt::Debug for StoreKey {
 pub struct OwnerToken([u8; 16]);
 
 impl OwnerToken {
-    pub fn generate() -> OwnerToken {
+    /// A fresh token from the operating system's random source. Without one no claim
+    /// may be made, since two requests could then share a token.
+    pub fn generate() -> Result<OwnerToken, ring::error::Unspecified> {
         use ring::rand::SecureRandom;
         let mut bytes = [0u8; 16];
-        ring::rand::SystemRandom::new()
-            .fill(&mut bytes)
-            .expect("the operating system's random source failed");
-        OwnerToken(bytes)
+        ring::rand::SystemRandom::new().fill(&mut bytes)?;
+        Ok(OwnerToken(bytes))
     }
 
     pub fn to_hex(self) -> String {
-        hex(&self.0)
+        const_hex::encode(self.0)
     }
 }
 
 impl fmt::Debug for OwnerToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "OwnerToken({})", &self.to_hex()[..8])
+        write!(f, "OwnerToken({})", const_hex::encode(&self.0[..4]))
     }
 }
 
@@ -69,27 +75,18 @@ pub struct Fingerprint(pub [u8; 32]);
 
 impl Fingerprint {
     pub fn to_hex(self) -> String {
-        hex(&self.0)
+        const_hex::encode(self.0)
     }
 
     pub fn from_hex(text: &[u8]) -> Option<Fingerprint> {
-        let bytes = unhex(text)?;
-        bytes.try_into().ok().map(Fingerprint)
+        const_hex::decode_to_array(text).ok().map(Fingerprint)
     }
 }
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Fingerprint({})", &self.to_hex()[..12])
+        write!(f, "Fingerprint({})", const_hex::encode(&self.0[..6]))
     }
-}
-
-/// An upstream response as recorded for replay.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredResponse {
-    pub status: u16,
-    pub headers: Vec<(String, Bytes)>,
-    pub body: Bytes,
 }
 
 /// Why a record became unknown.
@@ -121,7 +118,7 @@ impl UnknownReason {
 
 /// What a claim asks for.
 #[derive(Debug, Clone)]
-pub struct Claim {
+pub struct ClaimRequest {
     pub key: StoreKey,
     pub owner: OwnerToken,
     pub fingerprint: Fingerprint,
@@ -131,16 +128,22 @@ pub struct Claim {
     pub lease: Duration,
 }
 
-/// What a claim found.
+/// What a claim found. `C` is what the claimant holds once the key is its own: nothing
+/// at the store, the owned claim in the proxy.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ClaimOutcome {
+pub enum ClaimOutcome<C = ()> {
     /// The record is now in flight and owned by the claimant.
-    Acquired,
+    Acquired(C),
     /// Another request owns or owned the key.
-    Existing {
-        fingerprint: Fingerprint,
-        state: RecordState,
-    },
+    Existing(Existing),
+}
+
+/// A record that another request claimed: the fingerprint of that request, and where
+/// its record stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Existing {
+    pub fingerprint: Fingerprint,
+    pub state: RecordState,
 }
 
 /// The state of a record that somebody else claimed.
@@ -168,7 +171,7 @@ pub enum Write {
 pub trait RecordStore: Send + Sync + 'static {
     /// Creates an `in_flight` record if none exists, else returns the existing one.
     /// Finding one's own in-flight claim counts as acquired.
-    fn claim(&self, claim: &Claim) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
+    fn claim(&self, claim: &ClaimRequest) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
 
     /// `in_flight` -> `completed`, while the lease holds.
     fn complete(
@@ -190,6 +193,7 @@ pub trait RecordStore: Send + Sync + 'static {
     fn release(&self, key: &StoreKey, owner: OwnerToken) -> impl Future<Output = Result<Write, StoreError>> + Send;
 
     /// Removes a record whatever its state: an operator's tool, never on the request path.
+    #[cfg(feature = "test-util")]
     fn purge(&self, key: &StoreKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Answers when the store is reachable.
@@ -213,7 +217,7 @@ macro_rules! delegate {
 }
 
 impl RecordStore for AnyStore {
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         delegate!(self, store => store.claim(claim))
     }
 
@@ -239,6 +243,7 @@ impl RecordStore for AnyStore {
         delegate!(self, store => store.release(key, owner))
     }
 
+    #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         delegate!(self, store => store.purge(key))
     }
@@ -248,100 +253,9 @@ impl RecordStore for AnyStore {
     }
 }
 
-// === record encoding ===
-
-/// Encodes response headers as a sequence of (u32 length, name, u32 length, value).
-pub fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
-    let size = headers.iter().map(|(n, v)| 8 + n.len() + v.len()).sum();
-    let mut out = Vec::with_capacity(size);
-    for (name, value) in headers {
-        out.extend_from_slice(&(name.len() as u32).to_be_bytes());
-        out.extend_from_slice(name.as_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-        out.extend_from_slice(value);
-    }
-    out
-}
-
-/// The inverse of `encode_headers`; `None` on any malformed input.
-pub fn decode_headers(mut input: &[u8]) -> Option<Vec<(String, Bytes)>> {
-    fn take<'a>(input: &mut &'a [u8]) -> Option<&'a [u8]> {
-        let (len, rest) = input.split_first_chunk::<4>()?;
-        let len = u32::from_be_bytes(*len) as usize;
-        if rest.len() < len {
-            return None;
-        }
-        let (field, rest) = rest.split_at(len);
-        *input = rest;
-        Some(field)
-    }
-    let mut headers = Vec::new();
-    while !input.is_empty() {
-        let name = std::str::from_utf8(take(&mut input)?).ok()?.to_string();
-        let value = Bytes::copy_from_slice(take(&mut input)?);
-        headers.push((name, value));
-    }
-    Some(headers)
-}
-
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len() * 2);
-    push_hex(&mut out, bytes);
-    out
-}
-
-/// Appends `bytes` to `out` as lower-case hex.
-pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut buffer = [0u8; 64];
-    for chunk in bytes.chunks(32) {
-        for (pair, byte) in buffer.chunks_exact_mut(2).zip(chunk) {
-            pair[0] = DIGITS[usize::from(byte >> 4)];
-            pair[1] = DIGITS[usize::from(byte & 0xf)];
-        }
-        // Only ASCII digits were written.
-        out.push_str(std::str::from_utf8(&buffer[..chunk.len() * 2]).unwrap_or_default());
-    }
-}
-
-fn unhex(text: &[u8]) -> Option<Vec<u8>> {
-    fn nibble(c: u8) -> Option<u8> {
-        match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            _ => None,
-        }
-    }
-    if !text.len().is_multiple_of(2) {
-        return None;
-    }
-    text.chunks(2)
-        .map(|pair| Some(nibble(pair[0])? << 4 | nibble(pair[1])?))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn headers_round_trip() {
-        let headers = vec![
-            ("content-type".to_string(), Bytes::from_static(b"application/json")),
-            ("x-empty".to_string(), Bytes::new()),
-            ("set-cookie".to_string(), Bytes::from_static(b"a=1")),
-            ("set-cookie".to_string(), Bytes::from_static(b"b=2")),
-        ];
-        assert_eq!(decode_headers(&encode_headers(&headers)), Some(headers));
-    }
-
-    #[test]
-    fn truncated_headers_are_rejected() {
-        let encoded = encode_headers(&[("a".to_string(), Bytes::from_static(b"bc"))]);
-        for cut in 1..encoded.len() {
-            assert_eq!(decode_headers(&encoded[..cut]), None, "cut at {cut}");
-        }
-    }
 
     #[test]
     fn fingerprint_hex_round_trip() {
@@ -351,10 +265,18 @@ mod tests {
             Some(fingerprint)
         );
         assert_eq!(Fingerprint::from_hex(b"zz"), None);
+        assert_eq!(Fingerprint::from_hex(&fingerprint.to_hex().as_bytes()[2..]), None);
     }
 
     #[test]
     fn owner_tokens_differ() {
         assert_ne!(OwnerToken::generate(), OwnerToken::generate());
+        assert!(OwnerToken::generate().is_ok());
+    }
+
+    #[test]
+    fn a_store_key_is_logged_by_its_record_hash_only() {
+        let key = StoreKey::from_derived(format!("idemproxy:payments:{}", "ab".repeat(32)));
+        assert_eq!(key.short_hash(), "abababababab");
     }
 }

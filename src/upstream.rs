@@ -1,56 +1,41 @@
 //! The upstream side: one pooled keep-alive client (HTTPS through rustls with ring and
-//! webpki roots), the header rules for both directions, and the bounded exchange.
-//! It never decides what to record: it reports what happened, and who was at fault.
+//! webpki roots), where a route sends its requests, the header rules for both
+//! directions, and the bounded exchange. It never decides what to record: it reports
+//! what happened, and who was at fault.
 
-use std::net::IpAddr;
-use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::fmt;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response, Version};
-use http_body::{Body, Frame, SizeHint};
-use http_body_util::BodyExt;
-use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 
-pub use crate::error::BoxError;
+use crate::body::{ClientInfo, ProxyBody};
 use crate::error::UpstreamError;
 
-/// The body type of everything the proxy sends, both ways.
-pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
 
-pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
-    http_body_util::Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed_unsync()
-}
-
-pub type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
-
-/// Builds the one upstream client the proxy shares.
-pub fn client() -> HttpClient {
+/// Builds the upstream client of one worker.
+pub(crate) fn client() -> Result<HttpClient, rustls::Error> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(Duration::from_secs(5)));
     let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())
-        .expect("ring supports the default TLS versions")
+        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
         .https_or_http()
         .enable_http1()
         .wrap_connector(http);
-    Client::builder(TokioExecutor::new())
+    Ok(Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(1024)
-        .build(https)
+        .build(https))
 }
 
 // === header rules ===
@@ -74,7 +59,7 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// that came with `Transfer-Encoding` also loses any `Content-Length`, which the
 /// transfer coding overrode (RFC 9112 §6.3): passing it on would give the next hop a
 /// framing the body does not have.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages carry none: one pass over the names finds out without hashing.
     if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
         return;
@@ -98,25 +83,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// What the proxy knows about the client side of a connection, worked out once per
-/// connection rather than once per request.
-#[derive(Debug, Clone)]
-pub struct ClientInfo {
-    pub addr: IpAddr,
-    /// `addr` as a header value, for `X-Forwarded-For`.
-    forwarded_for: HeaderValue,
-}
-
-impl ClientInfo {
-    pub fn new(addr: IpAddr) -> ClientInfo {
-        let forwarded_for = HeaderValue::from_str(&addr.to_string()).expect("an IP address is a valid header value");
-        ClientInfo { addr, forwarded_for }
-    }
-}
-
-/// Where a route sends its requests, parsed once from its validated upstream URL.
+/// Where a route sends its requests: made from the route's URL when the config is
+/// validated, so the request path parses nothing.
 #[derive(Debug, Clone)]
 pub struct Target {
+    uri: Uri,
     scheme: Scheme,
     authority: Authority,
     /// The URL's path without its trailing `/`, when it has one to prefix.
@@ -124,23 +95,48 @@ pub struct Target {
     host: HeaderValue,
 }
 
-impl Target {
-    /// `None` for a URL without a host, which config validation never lets through.
-    pub fn new(upstream: &Uri) -> Option<Target> {
-        let authority = upstream.authority()?.clone();
-        let base = upstream.path().trim_end_matches('/');
-        Some(Target {
-            scheme: upstream.scheme().cloned().unwrap_or(Scheme::HTTP),
-            host: HeaderValue::from_str(authority.as_str()).ok()?,
-            authority,
+impl TryFrom<Uri> for Target {
+    /// Why the URL cannot be an upstream, for the config error.
+    type Error = &'static str;
+
+    fn try_from(uri: Uri) -> Result<Target, &'static str> {
+        let scheme = match uri.scheme_str() {
+            Some("http") => Scheme::HTTP,
+            Some("https") => Scheme::HTTPS,
+            _ => return Err("the scheme must be http or https"),
+        };
+        let Some(authority) = uri.authority().cloned() else {
+            return Err("the URL needs a host");
+        };
+        if uri.query().is_some() {
+            return Err("the URL must not have a query");
+        }
+        let host =
+            HeaderValue::from_str(authority.as_str()).map_err(|_| "the URL's host is not a valid Host header")?;
+        let base = uri.path().trim_end_matches('/');
+        Ok(Target {
+            scheme,
             base_path: (!base.is_empty()).then(|| base.to_string()),
+            authority,
+            host,
+            uri,
         })
+    }
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.uri.fmt(f)
     }
 }
 
 /// Rewrites a client request for the upstream: the URI, `Host`, the hop-by-hop
 /// fields, and the `X-Forwarded-*` fields.
-pub fn prepare_request<B>(request: &mut Request<B>, target: &Target, client: &ClientInfo) -> Result<(), http::Error> {
+pub(crate) fn prepare_request<B>(
+    request: &mut Request<B>,
+    target: &Target,
+    client: &ClientInfo,
+) -> Result<(), http::Error> {
     let original_host = match request.headers().get(header::HOST) {
         Some(host) => Some(host.clone()),
         None => request
@@ -187,7 +183,7 @@ pub fn prepare_request<B>(request: &mut Request<B>, target: &Target, client: &Cl
 // === exchanges ===
 
 /// Sends `request` and waits for the response head, within `deadline`.
-pub async fn send(
+pub(crate) async fn send(
     client: &HttpClient,
     request: Request<ProxyBody>,
     deadline: Instant,
@@ -198,96 +194,5 @@ pub async fn send(
         Ok(Err(error)) if error.is_connect() => Err(UpstreamError::Unavailable(error)),
         Ok(Err(error)) => Err(UpstreamError::Failed(error.into())),
         Ok(Ok(response)) => Ok(response),
-    }
-}
-
-/// A response body read as far as the proxy may record it.
-pub enum Buffered {
-    /// The whole body, within the limit.
-    Whole(Bytes),
-    /// The limit was passed: what was read so far, and the rest, still to stream.
-    TooLarge { head: Bytes, rest: Incoming },
-}
-
-/// Reads `body` until it ends or passes `limit` bytes, within `deadline`.
-pub async fn buffer(
-    mut body: Incoming,
-    limit: u64,
-    deadline: Instant,
-    timeout: Duration,
-) -> Result<Buffered, UpstreamError> {
-    let read = async {
-        let mut collected = BytesMut::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|error| UpstreamError::Failed(error.into()))?;
-            if let Ok(data) = frame.into_data() {
-                collected.extend_from_slice(&data);
-                if collected.len() as u64 > limit {
-                    return Ok((collected.freeze(), false));
-                }
-            }
-        }
-        Ok::<_, UpstreamError>((collected.freeze(), true))
-    };
-    // `read` borrows `body`; the borrow ends with this statement.
-    let outcome = tokio::time::timeout_at(deadline, read).await;
-    match outcome {
-        Err(_) => Err(UpstreamError::Timeout(timeout)),
-        Ok(Err(error)) => Err(error),
-        Ok(Ok((whole, true))) => Ok(Buffered::Whole(whole)),
-        Ok(Ok((head, false))) => Ok(Buffered::TooLarge { head, rest: body }),
-    }
-}
-
-/// A streamed response body: an optional head already read, then the rest, cut off
-/// with an error if `deadline` passes first.
-pub struct StreamedBody {
-    head: Option<Bytes>,
-    rest: Incoming,
-    deadline: Pin<Box<Sleep>>,
-    timeout: Duration,
-}
-
-impl StreamedBody {
-    pub fn new(head: Option<Bytes>, rest: Incoming, deadline: Instant, timeout: Duration) -> StreamedBody {
-        StreamedBody {
-            head,
-            rest,
-            deadline: Box::pin(tokio::time::sleep_until(deadline)),
-            timeout,
-        }
-    }
-}
-
-impl Body for StreamedBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(head) = self.head.take() {
-            return Poll::Ready(Some(Ok(Frame::data(head))));
-        }
-        if let Poll::Ready(frame) = Pin::new(&mut self.rest).poll_frame(cx) {
-            return Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)));
-        }
-        match self.deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(UpstreamError::Timeout(self.timeout).into()))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.head.is_none() && self.rest.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        let rest = self.rest.size_hint();
-        let head = self.head.as_ref().map_or(0, |head| head.len() as u64);
-        let mut hint = SizeHint::new();
-        if let Some(upper) = rest.upper() {
-            hint.set_upper(upper + head);
-        }
-        hint.set_lower(rest.lower() + head);
-        hint
     }
 }

@@ -1,6 +1,9 @@
 //! The command line, run as the real binary: `check` and `serve` on good and bad
 //! configs, and the promise that every config error names the file, line and field.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 use std::path::PathBuf;
 use std::process::Command;
 

@@ -2,6 +2,9 @@
 //! Redis frozen with SIGSTOP past the store timeout, and the proxy binary killed with
 //! SIGKILL while its request is held at the upstream.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 mod support;
 
 use std::process::{Child, Command, Stdio};

@@ -6,6 +6,9 @@
 //! `IDEMPROXY_SOAK=1 cargo test --test histories -- --ignored soak --nocapture` runs
 //! for 10 minutes: every 30 s a fresh storm with the next of the four Redis faults.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 mod support;
 
 use std::net::SocketAddr;
@@ -585,7 +588,7 @@ async fn stale_owner_race(complete_script: Option<&str>) -> bool {
     let factory: idemproxy::StoreFactory = std::sync::Arc::new(move || {
         let store = idemproxy::store::RedisStore::new(&url, Duration::from_secs(10))?;
         Ok(idemproxy::store::AnyStore::Redis(match &script {
-            Some(lua) => store.with_complete_script_for_fault_injection(lua),
+            Some(lua) => store.with_script(idemproxy::store::redis::ScriptName::Complete, lua),
             None => store,
         }))
     });

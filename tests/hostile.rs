@@ -2,6 +2,9 @@
 //! frames its response two ways, header limits, slow clients, hostile idempotency keys.
 //! Each case checks what reaches the upstream, not only what the client sees.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -9,6 +9,9 @@
 //! never overwritten. Two negative controls must each find a counterexample: writes
 //! without compare-and-set, and takeover of records whose lease expired.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 

@@ -2,6 +2,9 @@
 //! proxy library on 127.0.0.1:0, a fake upstream, and a real `redis-server` where the
 //! property is about sharing one store. Races are driven by holding the upstream.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -2,15 +2,19 @@
 //! memory store and a real `redis-server`, so the two backends keep one semantics.
 //! Redis-only checks (TTLs read with PTTL, script cache loss) follow at the end.
 
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
 mod support;
 
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::{
-    Claim, ClaimOutcome, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore, StoreKey,
-    StoredResponse, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
+    StoreKey, StoredResponse, UnknownReason, Write,
 };
 use support::RedisServer;
 
@@ -19,8 +23,13 @@ fn key(name: &str) -> StoreKey {
     store_key("test", "payments", &[], &key)
 }
 
-fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> Claim {
-    Claim {
+/// A fresh owner token.
+fn new_owner() -> OwnerToken {
+    OwnerToken::generate().expect("random bytes")
+}
+
+fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> ClaimRequest {
+    ClaimRequest {
         key: key.clone(),
         owner,
         fingerprint: Fingerprint([1; 32]),
@@ -31,11 +40,14 @@ fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> Claim {
 
 fn response(body: &'static str) -> StoredResponse {
     StoredResponse {
-        status: 201,
+        status: StatusCode::CREATED,
         headers: vec![
-            ("content-type".into(), Bytes::from_static(b"application/json")),
-            ("set-cookie".into(), Bytes::from_static(b"a=1")),
-            ("set-cookie".into(), Bytes::from_static(b"b=2")),
+            (
+                HeaderName::from_static("content-type"),
+                HeaderValue::from_static("application/json"),
+            ),
+            (HeaderName::from_static("set-cookie"), HeaderValue::from_static("a=1")),
+            (HeaderName::from_static("set-cookie"), HeaderValue::from_static("b=2")),
         ],
         body: Bytes::from_static(body.as_bytes()),
     }
@@ -44,13 +56,9 @@ fn response(body: &'static str) -> StoredResponse {
 const LONG: Duration = Duration::from_secs(30);
 
 async fn state_of<S: RecordStore>(store: &S, key: &StoreKey) -> RecordState {
-    match store
-        .claim(&claim(key, OwnerToken::generate(), LONG))
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Existing { state, .. } => state,
-        ClaimOutcome::Acquired => panic!("the key was free"),
+    match store.claim(&claim(key, new_owner(), LONG)).await.expect("claim") {
+        ClaimOutcome::Existing(existing) => existing.state,
+        ClaimOutcome::Acquired(()) => panic!("the key was free"),
     }
 }
 
@@ -84,20 +92,16 @@ async fn assert_all_writes_fenced<S: RecordStore>(store: &S, key: &StoreKey, own
 
 async fn first_claim_acquires_and_others_see_it_in_flight<S: RecordStore>(store: &S) {
     let key = key("first");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     assert_eq!(
         store.claim(&claim(&key, owner, LONG)).await.expect("claim"),
-        ClaimOutcome::Acquired
+        ClaimOutcome::Acquired(())
     );
-    match store
-        .claim(&claim(&key, OwnerToken::generate(), LONG))
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Existing {
+    match store.claim(&claim(&key, new_owner(), LONG)).await.expect("claim") {
+        ClaimOutcome::Existing(Existing {
             fingerprint,
             state: RecordState::InFlight { lease_remaining },
-        } => {
+        }) => {
             assert_eq!(fingerprint, Fingerprint([1; 32]));
             assert!(
                 lease_remaining > Duration::from_secs(25) && lease_remaining <= LONG,
@@ -110,20 +114,20 @@ async fn first_claim_acquires_and_others_see_it_in_flight<S: RecordStore>(store:
 
 async fn a_claim_retried_by_its_owner_counts_as_acquired<S: RecordStore>(store: &S) {
     let key = key("retry");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     assert_eq!(
         store.claim(&claim(&key, owner, LONG)).await.expect("claim"),
-        ClaimOutcome::Acquired
+        ClaimOutcome::Acquired(())
     );
     assert_eq!(
         store.claim(&claim(&key, owner, LONG)).await.expect("claim"),
-        ClaimOutcome::Acquired
+        ClaimOutcome::Acquired(())
     );
 }
 
 async fn a_completed_record_replays_exactly<S: RecordStore>(store: &S) {
     let key = key("complete");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     let stored = response("{\"ok\":true}");
     assert_eq!(
@@ -138,10 +142,10 @@ async fn a_completed_record_replays_exactly<S: RecordStore>(store: &S) {
 
 async fn an_empty_response_round_trips<S: RecordStore>(store: &S) {
     let key = key("empty");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     let stored = StoredResponse {
-        status: 204,
+        status: StatusCode::NO_CONTENT,
         headers: vec![],
         body: Bytes::new(),
     };
@@ -154,7 +158,7 @@ async fn an_empty_response_round_trips<S: RecordStore>(store: &S) {
 
 async fn marked_unknown_stays_unknown<S: RecordStore>(store: &S) {
     let key = key("unknown");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     assert_eq!(
         store
@@ -180,21 +184,21 @@ async fn marked_unknown_stays_unknown<S: RecordStore>(store: &S) {
 
 async fn a_released_key_is_free_again<S: RecordStore>(store: &S) {
     let key = key("release");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Applied);
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Fenced);
-    let next = OwnerToken::generate();
+    let next = new_owner();
     assert_eq!(
         store.claim(&claim(&key, next, LONG)).await.expect("claim"),
-        ClaimOutcome::Acquired
+        ClaimOutcome::Acquired(())
     );
 }
 
 async fn only_the_owner_can_write<S: RecordStore>(store: &S) {
     let key = key("owner");
-    let owner = OwnerToken::generate();
-    let stranger = OwnerToken::generate();
+    let owner = new_owner();
+    let stranger = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     assert_all_writes_fenced(store, &key, stranger).await;
     assert!(matches!(state_of(store, &key).await, RecordState::InFlight { .. }));
@@ -202,7 +206,7 @@ async fn only_the_owner_can_write<S: RecordStore>(store: &S) {
 
 async fn an_expired_lease_reads_as_unknown_and_is_never_taken_over<S: RecordStore>(store: &S) {
     let key = key("lease");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store
         .claim(&claim(&key, owner, Duration::from_millis(300)))
         .await
@@ -210,10 +214,10 @@ async fn an_expired_lease_reads_as_unknown_and_is_never_taken_over<S: RecordStor
     until_lease_expires(store, &key).await;
     // Not even the owner gets it back, and its late complete is refused.
     match store.claim(&claim(&key, owner, LONG)).await.expect("claim") {
-        ClaimOutcome::Existing {
+        ClaimOutcome::Existing(Existing {
             state: RecordState::LeaseExpired,
             ..
-        } => {}
+        }) => {}
         other => panic!("expected lease expired, got {other:?}"),
     }
     assert_eq!(
@@ -239,16 +243,16 @@ async fn an_expired_lease_reads_as_unknown_and_is_never_taken_over<S: RecordStor
 /// mark-unknown and release all fail; B's record is intact.
 async fn a_stale_owner_is_fenced_off<S: RecordStore>(store: &S) {
     let key = key("fencing");
-    let a = OwnerToken::generate();
-    let b = OwnerToken::generate();
+    let a = new_owner();
+    let b = new_owner();
     assert_eq!(
         store.claim(&claim(&key, a, LONG)).await.expect("claim"),
-        ClaimOutcome::Acquired
+        ClaimOutcome::Acquired(())
     );
     assert!(store.purge(&key).await.expect("purge"));
     assert_eq!(
         store.claim(&claim(&key, b, LONG)).await.expect("claim"),
-        ClaimOutcome::Acquired
+        ClaimOutcome::Acquired(())
     );
 
     assert_all_writes_fenced(store, &key, a).await;
@@ -268,17 +272,13 @@ async fn a_stale_owner_is_fenced_off<S: RecordStore>(store: &S) {
 
 async fn the_fingerprint_is_kept_with_every_state<S: RecordStore>(store: &S) {
     let key = key("fingerprint");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     let mut first = claim(&key, owner, LONG);
     first.fingerprint = Fingerprint([9; 32]);
     store.claim(&first).await.expect("claim");
     store.complete(&key, owner, &response("x")).await.expect("complete");
-    match store
-        .claim(&claim(&key, OwnerToken::generate(), LONG))
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Existing { fingerprint, .. } => assert_eq!(fingerprint, Fingerprint([9; 32])),
+    match store.claim(&claim(&key, new_owner(), LONG)).await.expect("claim") {
+        ClaimOutcome::Existing(existing) => assert_eq!(existing.fingerprint, Fingerprint([9; 32])),
         other => panic!("{other:?}"),
     }
 }
@@ -324,12 +324,18 @@ against_both_stores!(
 #[tokio::test]
 async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() {
     let store = MemoryStore::new(2);
-    let short = |name: &str| Claim {
+    let short = |name: &str| ClaimRequest {
         retention: Duration::from_millis(400),
-        ..claim(&key(name), OwnerToken::generate(), Duration::from_millis(200))
+        ..claim(&key(name), new_owner(), Duration::from_millis(200))
     };
-    assert_eq!(store.claim(&short("a")).await.expect("claim"), ClaimOutcome::Acquired);
-    assert_eq!(store.claim(&short("b")).await.expect("claim"), ClaimOutcome::Acquired);
+    assert_eq!(
+        store.claim(&short("a")).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+    assert_eq!(
+        store.claim(&short("b")).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
     let refused = store.claim(&short("c")).await;
     assert!(
         matches!(refused, Err(idemproxy::error::StoreError::Full(2))),
@@ -348,7 +354,7 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
     let started = tokio::time::Instant::now();
     loop {
         match store.claim(&short("c")).await {
-            Ok(ClaimOutcome::Acquired) => break,
+            Ok(ClaimOutcome::Acquired(())) => break,
             Err(idemproxy::error::StoreError::Full(_)) => {}
             other => panic!("{other:?}"),
         }
@@ -385,7 +391,7 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     let lease = Duration::from_secs(1);
 
     let done = key("ttl-done");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&done, owner, lease)).await.expect("claim");
     assert_retention_ttl(&server, &done, "in flight");
     assert_eq!(
@@ -395,7 +401,7 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     assert_retention_ttl(&server, &done, "completed");
 
     let unknown = key("ttl-unknown");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&unknown, owner, lease)).await.expect("claim");
     store
         .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout)
@@ -406,7 +412,7 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     // Past the lease the record is still there, with its retention.
     let expired = key("ttl-expired");
     store
-        .claim(&claim(&expired, OwnerToken::generate(), Duration::from_millis(200)))
+        .claim(&claim(&expired, new_owner(), Duration::from_millis(200)))
         .await
         .expect("claim");
     until_lease_expires(&store, &expired).await;
@@ -429,7 +435,7 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
     let mut server = RedisServer::start();
     let store = RedisStore::new(&server.url(), Duration::from_secs(2)).expect("store");
     let key = key("flush");
-    let owner = OwnerToken::generate();
+    let owner = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
@@ -453,5 +459,5 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(outcome, ClaimOutcome::Acquired);
+    assert_eq!(outcome, ClaimOutcome::Acquired(()));
 }

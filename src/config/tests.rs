@@ -121,14 +121,36 @@ fn bad_values_are_refused_with_their_field() {
 }
 
 #[test]
-fn field_at_names_nested_tables() {
-    let source =
-        "[server]\nlisten = 1\n[[route]]\nname = 'a'\n[route.idempotency]\nretention = 'x'\n[[route]]\nname = 'b'\n";
-    let at = |needle: &str| field_at(source, source.find(needle).expect("needle"));
-    assert_eq!(at("listen"), "server.listen");
-    assert_eq!(at("name = 'a'"), "route[0].name");
-    assert_eq!(at("retention"), "route[0].idempotency.retention");
-    assert_eq!(at("name = 'b'"), "route[1].name");
+fn type_errors_name_the_field_through_nested_and_repeated_tables() {
+    let second = ROUTE.replace("payments", "other").replace("/v1/other", "/v2");
+    for (text, needle) in [
+        (format!("[server]\nlisten = 1\n{ROUTE}"), "t.toml:2: server.listen:"),
+        (
+            ROUTE.replace("name = \"payments\"", "name = 1"),
+            "t.toml:2: route[0].name:",
+        ),
+        (
+            format!("{ROUTE}[route.idempotency]\nretention = 'x'\n"),
+            "t.toml:6: route[0].idempotency.retention: invalid duration",
+        ),
+        (
+            format!("{ROUTE}{}", second.replace("name = \"other\"", "name = 1")),
+            "t.toml:6: route[1].name:",
+        ),
+        (
+            format!("{ROUTE}[route.idempotency]\nscope_headers = 'authorization'\n"),
+            "t.toml:6: route[0].idempotency.scope_headers:",
+        ),
+    ] {
+        let message = error(&text);
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+    }
+}
+
+#[test]
+fn syntax_errors_name_the_table_or_key_on_their_line() {
+    assert!(error(&format!("[server\n{ROUTE}")).contains("t.toml:1: server:"));
+    assert!(error(&format!("[store]\ntimeout = \"5s\n{ROUTE}")).contains("t.toml:2: timeout:"));
 }
 
 #[test]

@@ -139,10 +139,13 @@ fn the_recording_rules_follow_the_status() {
 fn decisions_follow_the_record() {
     let mine = Fingerprint([1; 32]);
     let other = Fingerprint([2; 32]);
-    let existing = |fingerprint, state| ClaimOutcome::Existing { fingerprint, state };
-    assert!(matches!(decide(ClaimOutcome::Acquired, mine), Decision::Forward));
+    let existing = |fingerprint, state| ClaimOutcome::<()>::Existing(crate::store::Existing { fingerprint, state });
+    assert!(matches!(
+        decide(ClaimOutcome::Acquired(()), mine),
+        Decision::Forward(())
+    ));
     let stored = StoredResponse {
-        status: 201,
+        status: http::StatusCode::CREATED,
         headers: vec![],
         body: bytes::Bytes::from_static(b"ok"),
     };

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    Claim, ClaimOutcome, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse, UnknownReason,
-    Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse,
+    UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -56,10 +56,12 @@ impl MemoryStore {
     }
 
     /// The number of records held, expired or not.
+    #[cfg(feature = "test-util")]
     pub fn len(&self) -> usize {
         self.shared.lock().len()
     }
 
+    #[cfg(feature = "test-util")]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -105,23 +107,23 @@ async fn sweep_forever(shared: Weak<Shared>) {
 }
 
 impl RecordStore for MemoryStore {
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
         if let Some(record) = records.get(&claim.key).filter(|record| record.expires_at > now) {
             let state = match &record.state {
                 State::InFlight { lease_until, .. } if *lease_until <= now => RecordState::LeaseExpired,
-                State::InFlight { owner, .. } if *owner == claim.owner => return Ok(ClaimOutcome::Acquired),
+                State::InFlight { owner, .. } if *owner == claim.owner => return Ok(ClaimOutcome::Acquired(())),
                 State::InFlight { lease_until, .. } => RecordState::InFlight {
                     lease_remaining: *lease_until - now,
                 },
                 State::Completed(response) => RecordState::Completed(response.clone()),
                 State::Unknown(reason) => RecordState::Unknown(*reason),
             };
-            return Ok(ClaimOutcome::Existing {
+            return Ok(ClaimOutcome::Existing(Existing {
                 fingerprint: record.fingerprint,
                 state,
-            });
+            }));
         }
         if records.len() >= self.shared.max_records {
             Shared::sweep(&mut records, now);
@@ -140,7 +142,7 @@ impl RecordStore for MemoryStore {
                 },
             },
         );
-        Ok(ClaimOutcome::Acquired)
+        Ok(ClaimOutcome::Acquired(()))
     }
 
     async fn complete(
@@ -185,6 +187,7 @@ impl RecordStore for MemoryStore {
         Ok(Write::Applied)
     }
 
+    #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         Ok(self.shared.lock().remove(key).is_some())
     }

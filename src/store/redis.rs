@@ -1,7 +1,8 @@
 //! The Redis store: one hash per record, and one Lua script per lifecycle step, so
 //! each step is a single atomic round trip. Deadlines come from Redis `TIME`, never
 //! from this process's clock. Scripts run by EVALSHA and fall back to EVAL when
-//! Redis has lost them (restart, `SCRIPT FLUSH`).
+//! Redis has lost them (restart, `SCRIPT FLUSH`). Replies are decoded here, once, into
+//! the store's types: a reply or record that does not decode is a store error.
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -11,21 +12,46 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script};
 
 use super::{
-    Claim, ClaimOutcome, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse, UnknownReason,
-    Write, decode_headers, encode_headers,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse,
+    UnknownReason, Write,
 };
 use crate::error::StoreError;
+use crate::record::FORMAT_VERSION;
 
-static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/claim.lua")));
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/complete.lua")));
-static MARK_UNKNOWN: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/mark_unknown.lua")));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("scripts/release.lua")));
+static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
+    Arc::new(Scripts {
+        claim: Script::new(include_str!("scripts/claim.lua")),
+        complete: Script::new(include_str!("scripts/complete.lua")),
+        mark_unknown: Script::new(include_str!("scripts/mark_unknown.lua")),
+        release: Script::new(include_str!("scripts/release.lua")),
+    })
+});
+
+/// The four lifecycle scripts. Every store shares the ones in `scripts/`; tests may
+/// load a mutated one on the side to show that the suite catches it.
+#[derive(Clone)]
+struct Scripts {
+    claim: Script,
+    complete: Script,
+    mark_unknown: Script,
+    release: Script,
+}
+
+/// One of the lifecycle scripts, to swap in a test.
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptName {
+    Claim,
+    Complete,
+    MarkUnknown,
+    Release,
+}
 
 /// A cheap-to-clone handle on one multiplexed, self-reconnecting Redis connection.
 #[derive(Clone)]
 pub struct RedisStore {
     connection: ConnectionManager,
-    complete: Arc<Script>,
+    scripts: Arc<Scripts>,
     timeout: Duration,
     url: Arc<str>,
 }
@@ -56,17 +82,25 @@ impl RedisStore {
         let connection = ConnectionManager::new_lazy_with_config(client, config).map_err(StoreError::Unavailable)?;
         Ok(RedisStore {
             connection,
-            complete: Arc::new(COMPLETE.clone()),
+            scripts: SCRIPTS.clone(),
             timeout,
             url: url.into(),
         })
     }
 
-    /// Replaces the complete script. Only for fault-injection tests that must show a
-    /// broken script is caught (for example, a plain write without compare-and-set).
-    #[doc(hidden)]
-    pub fn with_complete_script_for_fault_injection(mut self, lua: &str) -> RedisStore {
-        self.complete = Arc::new(Script::new(lua));
+    /// Replaces one lifecycle script with `lua`, for tests that must show a broken
+    /// script is caught (a plain write without compare-and-set, a dropped check).
+    #[cfg(feature = "test-util")]
+    pub fn with_script(mut self, name: ScriptName, lua: &str) -> RedisStore {
+        let mut scripts = Scripts::clone(&self.scripts);
+        let slot = match name {
+            ScriptName::Claim => &mut scripts.claim,
+            ScriptName::Complete => &mut scripts.complete,
+            ScriptName::MarkUnknown => &mut scripts.mark_unknown,
+            ScriptName::Release => &mut scripts.release,
+        };
+        *slot = Script::new(lua);
+        self.scripts = Arc::new(scripts);
         self
     }
 
@@ -86,16 +120,17 @@ impl RedisStore {
 }
 
 impl RecordStore for RedisStore {
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut connection = self.connection.clone();
-        let mut invocation = CLAIM.key(claim.key.as_str());
+        let mut invocation = self.scripts.claim.key(claim.key.as_str());
         invocation
             .arg(claim.owner.to_hex())
             .arg(claim.fingerprint.to_hex())
             .arg(millis(claim.retention))
-            .arg(millis(claim.lease));
+            .arg(millis(claim.lease))
+            .arg(FORMAT_VERSION);
         let reply: Vec<Bytes> = self.bounded(invocation.invoke_async(&mut connection)).await?;
-        parse_claim_reply(&reply).ok_or(StoreError::Protocol("malformed claim reply"))
+        parse_claim_reply(reply)
     }
 
     async fn complete(
@@ -104,11 +139,11 @@ impl RecordStore for RedisStore {
         owner: OwnerToken,
         response: &StoredResponse,
     ) -> Result<Write, StoreError> {
-        let mut invocation = self.complete.key(key.as_str());
+        let mut invocation = self.scripts.complete.key(key.as_str());
         invocation
             .arg(owner.to_hex())
-            .arg(response.status)
-            .arg(encode_headers(&response.headers))
+            .arg(response.status.as_u16())
+            .arg(response.encode_headers())
             .arg(response.body.as_ref());
         self.fenced_write(invocation).await
     }
@@ -119,17 +154,18 @@ impl RecordStore for RedisStore {
         owner: OwnerToken,
         reason: UnknownReason,
     ) -> Result<Write, StoreError> {
-        let mut invocation = MARK_UNKNOWN.key(key.as_str());
+        let mut invocation = self.scripts.mark_unknown.key(key.as_str());
         invocation.arg(owner.to_hex()).arg(reason.as_str());
         self.fenced_write(invocation).await
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
-        let mut invocation = RELEASE.key(key.as_str());
+        let mut invocation = self.scripts.release.key(key.as_str());
         invocation.arg(owner.to_hex());
         self.fenced_write(invocation).await
     }
 
+    #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let mut connection = self.connection.clone();
         let removed: i64 = self
@@ -149,50 +185,98 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// Parses the reply shapes documented in `scripts/claim.lua`.
-fn parse_claim_reply(reply: &[Bytes]) -> Option<ClaimOutcome> {
-    let (kind, rest) = reply.split_first()?;
+/// Decodes the reply shapes documented in `scripts/claim.lua`.
+fn parse_claim_reply(reply: Vec<Bytes>) -> Result<ClaimOutcome, StoreError> {
+    let mut fields = reply.into_iter();
+    let kind = fields.next().ok_or(StoreError::Protocol("an empty claim reply"))?;
     if kind.as_ref() == b"acquired" {
-        return Some(ClaimOutcome::Acquired);
+        return Ok(ClaimOutcome::Acquired(()));
     }
-    let (fingerprint, rest) = rest.split_first()?;
-    let fingerprint = Fingerprint::from_hex(fingerprint)?;
-    let state = match (kind.as_ref(), rest) {
-        (b"in_flight", [remaining]) => RecordState::InFlight {
-            lease_remaining: Duration::from_millis(std::str::from_utf8(remaining).ok()?.parse().ok()?),
-        },
-        (b"lease_expired", []) => RecordState::LeaseExpired,
-        (b"completed", [status, headers, body]) => RecordState::Completed(StoredResponse {
-            status: std::str::from_utf8(status).ok()?.parse().ok()?,
-            headers: decode_headers(headers)?,
-            body: body.clone(),
-        }),
-        (b"unknown", [reason]) => RecordState::Unknown(UnknownReason::parse(reason)?),
-        _ => return None,
+    let version = fields
+        .next()
+        .ok_or(StoreError::Protocol("a claim reply without a version"))?;
+    if version.as_ref() != FORMAT_VERSION.as_bytes() {
+        return Err(StoreError::Protocol(
+            "a record in a format this idemproxy does not understand",
+        ));
+    }
+    let fingerprint = fields
+        .next()
+        .and_then(|fingerprint| Fingerprint::from_hex(&fingerprint))
+        .ok_or(StoreError::Protocol("a record with a malformed fingerprint"))?;
+    let rest: Vec<Bytes> = fields.collect();
+    let state = match (kind.as_ref(), rest.as_slice()) {
+        (b"in_flight", [remaining]) => std::str::from_utf8(remaining)
+            .ok()
+            .and_then(|remaining| remaining.parse().ok())
+            .map(|remaining| RecordState::InFlight {
+                lease_remaining: Duration::from_millis(remaining),
+            }),
+        (b"lease_expired", []) => Some(RecordState::LeaseExpired),
+        (b"completed", [status, headers, body]) => {
+            StoredResponse::decode(status, headers, body.clone()).map(RecordState::Completed)
+        }
+        (b"unknown", [reason]) => UnknownReason::parse(reason).map(RecordState::Unknown),
+        _ => None,
     };
-    Some(ClaimOutcome::Existing { fingerprint, state })
+    let state = state.ok_or(StoreError::Protocol("a record that does not decode"))?;
+    Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn reply(fields: &[&str]) -> Vec<Bytes> {
+        fields
+            .iter()
+            .map(|field| Bytes::copy_from_slice(field.as_bytes()))
+            .collect()
+    }
+
     #[test]
-    fn claim_replies_parse() {
+    fn claim_replies_decode() {
         let fp = Fingerprint([7; 32]).to_hex();
-        let b = |s: &str| Bytes::copy_from_slice(s.as_bytes());
-        assert_eq!(parse_claim_reply(&[b("acquired")]), Some(ClaimOutcome::Acquired));
         assert_eq!(
-            parse_claim_reply(&[b("in_flight"), b(&fp), b("1500")]),
-            Some(ClaimOutcome::Existing {
+            parse_claim_reply(reply(&["acquired"])).ok(),
+            Some(ClaimOutcome::Acquired(()))
+        );
+        assert_eq!(
+            parse_claim_reply(reply(&["in_flight", "1", &fp, "1500"])).ok(),
+            Some(ClaimOutcome::Existing(Existing {
                 fingerprint: Fingerprint([7; 32]),
                 state: RecordState::InFlight {
                     lease_remaining: Duration::from_millis(1500)
                 }
-            })
+            }))
         );
-        assert_eq!(parse_claim_reply(&[b("in_flight"), b(&fp)]), None);
-        assert_eq!(parse_claim_reply(&[b("bogus"), b(&fp)]), None);
-        assert_eq!(parse_claim_reply(&[]), None);
+        assert_eq!(
+            parse_claim_reply(reply(&["unknown", "1", &fp, "upstream-timeout"])).ok(),
+            Some(ClaimOutcome::Existing(Existing {
+                fingerprint: Fingerprint([7; 32]),
+                state: RecordState::Unknown(UnknownReason::UpstreamTimeout),
+            }))
+        );
+    }
+
+    #[test]
+    fn malformed_or_foreign_replies_are_store_errors() {
+        let fp = Fingerprint([7; 32]).to_hex();
+        for bad in [
+            reply(&[]),
+            reply(&["in_flight", "1", &fp]),
+            reply(&["bogus", "1", &fp]),
+            reply(&["in_flight", "2", &fp, "1500"]),
+            reply(&["in_flight", "", &fp, "1500"]),
+            reply(&["completed", "1", &fp, "1000", "", ""]),
+            reply(&["completed", "1", &fp, "abc", "", ""]),
+            reply(&["unknown", "1", &fp, "because"]),
+            reply(&["lease_expired", "1", "not-hex"]),
+        ] {
+            assert!(
+                matches!(parse_claim_reply(bad.clone()), Err(StoreError::Protocol(_))),
+                "{bad:?}"
+            );
+        }
     }
 }

@@ -1,0 +1,168 @@
+//! Bodies and what the proxy knows about a client connection: the one body type the
+//! proxy sends both ways, a request body read whole within its limits, a response body
+//! read as far as it may be recorded, and one streamed on with a deadline. Nothing here
+//! decides what to record or where to send.
+
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::Request;
+use http::header::{self, HeaderMap, HeaderValue};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
+
+use crate::error::{BoxError, Rejection, UpstreamError};
+
+/// The body type of everything the proxy sends, both ways.
+pub(crate) type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A body that is all there already.
+pub(crate) fn full(bytes: impl Into<Bytes>) -> ProxyBody {
+    http_body_util::Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// A client request with its body streamed on as it arrives.
+pub(crate) fn streamed(request: Request<Incoming>) -> Request<ProxyBody> {
+    request.map(|body| body.map_err(BoxError::from).boxed_unsync())
+}
+
+/// What the proxy knows about the client side of a connection, worked out once per
+/// connection rather than once per request.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientInfo {
+    /// The client's address as a header value, for `X-Forwarded-For`.
+    pub(crate) forwarded_for: HeaderValue,
+}
+
+impl ClientInfo {
+    pub(crate) fn new(addr: IpAddr) -> ClientInfo {
+        // An IP address is always a valid header value: the fallback is never taken.
+        let forwarded_for =
+            HeaderValue::from_str(&addr.to_string()).unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+        ClientInfo { forwarded_for }
+    }
+}
+
+/// Reads a guarded request's whole body: at most `max` bytes (a declared larger
+/// length is refused before reading), within `timeout`.
+pub(crate) async fn read_request_body(
+    body: Incoming,
+    headers: &HeaderMap,
+    max: u64,
+    timeout: Duration,
+) -> Result<Bytes, Rejection> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > max) {
+        return Err(Rejection::BodyTooLarge(max));
+    }
+    let limit = usize::try_from(max).unwrap_or(usize::MAX);
+    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(Rejection::BodyTimeout(timeout)),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => Err(Rejection::BodyTooLarge(max)),
+        Ok(Err(error)) => Err(Rejection::BodyIncomplete(error)),
+    }
+}
+
+/// A response body read as far as the proxy may record it.
+pub(crate) enum Buffered {
+    /// The whole body, within the limit.
+    Whole(Bytes),
+    /// The limit was passed: what was read so far, and the rest, still to stream.
+    TooLarge { head: Bytes, rest: Incoming },
+}
+
+/// Reads `body` until it ends or passes `limit` bytes, within `deadline`; `timeout` is
+/// what the deadline stands for, for the error.
+pub(crate) async fn buffer_response(
+    mut body: Incoming,
+    limit: u64,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Buffered, UpstreamError> {
+    let read = async {
+        let mut collected = BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|error| UpstreamError::Failed(error.into()))?;
+            if let Ok(data) = frame.into_data() {
+                collected.extend_from_slice(&data);
+                if collected.len() as u64 > limit {
+                    return Ok((collected.freeze(), false));
+                }
+            }
+        }
+        Ok::<_, UpstreamError>((collected.freeze(), true))
+    };
+    // `read` borrows `body`; the borrow ends with this statement.
+    let outcome = tokio::time::timeout_at(deadline, read).await;
+    match outcome {
+        Err(_) => Err(UpstreamError::Timeout(timeout)),
+        Ok(Err(error)) => Err(error),
+        Ok(Ok((whole, true))) => Ok(Buffered::Whole(whole)),
+        Ok(Ok((head, false))) => Ok(Buffered::TooLarge { head, rest: body }),
+    }
+}
+
+/// A streamed response body: an optional head already read, then the rest, cut off
+/// with an error if `deadline` passes first.
+pub(crate) struct StreamedBody {
+    head: Option<Bytes>,
+    rest: Incoming,
+    deadline: Pin<Box<Sleep>>,
+    timeout: Duration,
+}
+
+impl StreamedBody {
+    pub(crate) fn new(head: Option<Bytes>, rest: Incoming, deadline: Instant, timeout: Duration) -> StreamedBody {
+        StreamedBody {
+            head,
+            rest,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
+            timeout,
+        }
+    }
+}
+
+impl Body for StreamedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(head) = self.head.take() {
+            return Poll::Ready(Some(Ok(Frame::data(head))));
+        }
+        if let Poll::Ready(frame) = Pin::new(&mut self.rest).poll_frame(cx) {
+            return Poll::Ready(frame.map(|frame| frame.map_err(BoxError::from)));
+        }
+        match self.deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(UpstreamError::Timeout(self.timeout).into()))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.head.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let rest = self.rest.size_hint();
+        let head = self.head.as_ref().map_or(0, |head| head.len() as u64);
+        let mut hint = SizeHint::new();
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + head);
+        }
+        hint.set_lower(rest.lower() + head);
+        hint
+    }
+}

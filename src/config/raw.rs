@@ -1,0 +1,148 @@
+//! The configuration exactly as users write it: serde structs with the defaults of
+//! DESIGN §2, unknown keys refused, and spans kept where validation may need to point
+//! at a value. Nothing here checks a value; `validate` does.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::{OnServerError, OnStoreError};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) server: RawServer,
+    pub(super) admin: Option<RawAdmin>,
+    #[serde(default)]
+    pub(super) store: RawStore,
+    #[serde(rename = "route")]
+    pub(super) routes: Option<Spanned<Vec<RawRoute>>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawServer {
+    pub(super) listen: SocketAddr,
+    pub(super) max_request_body_bytes: Spanned<u64>,
+    pub(super) header_read_timeout: Spanned<HumanDuration>,
+    pub(super) request_body_timeout: Spanned<HumanDuration>,
+    pub(super) shutdown_grace: HumanDuration,
+    pub(super) workers: Option<Spanned<usize>>,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        RawServer {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_request_body_bytes: Spanned::new(0..0, 1024 * 1024),
+            header_read_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(10))),
+            request_body_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(30))),
+            shutdown_grace: HumanDuration(Duration::from_secs(30)),
+            workers: None,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    #[serde(default = "default_admin_listen")]
+    pub(super) listen: SocketAddr,
+}
+
+fn default_admin_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9090))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum BackendKind {
+    Memory,
+    Redis,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawStore {
+    pub(super) backend: Spanned<BackendKind>,
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) key_prefix: Spanned<String>,
+    pub(super) timeout: Spanned<HumanDuration>,
+    pub(super) max_records: Option<Spanned<usize>>,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            backend: Spanned::new(0..0, BackendKind::Memory),
+            url: None,
+            key_prefix: Spanned::new(0..0, "idemproxy".to_string()),
+            timeout: Spanned::new(0..0, HumanDuration(Duration::from_millis(500))),
+            max_records: None,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub(super) name: Spanned<String>,
+    pub(super) path_prefix: Spanned<String>,
+    pub(super) host: Option<Spanned<String>>,
+    pub(super) upstream: Spanned<String>,
+    #[serde(default = "default_upstream_timeout")]
+    pub(super) upstream_timeout: Spanned<HumanDuration>,
+    pub(super) idempotency: Option<RawIdempotency>,
+}
+
+fn default_upstream_timeout() -> Spanned<HumanDuration> {
+    Spanned::new(0..0, HumanDuration(Duration::from_secs(30)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawIdempotency {
+    pub(super) methods: Spanned<Vec<String>>,
+    pub(super) header: Spanned<String>,
+    pub(super) required: bool,
+    pub(super) retention: Spanned<HumanDuration>,
+    pub(super) fingerprint_headers: Spanned<Vec<String>>,
+    pub(super) scope_headers: Spanned<Vec<String>>,
+    pub(super) max_response_body_bytes: Spanned<u64>,
+    pub(super) on_server_error: OnServerError,
+    pub(super) on_store_error: OnStoreError,
+}
+
+impl Default for RawIdempotency {
+    fn default() -> Self {
+        RawIdempotency {
+            methods: Spanned::new(0..0, vec!["POST".into(), "PATCH".into()]),
+            header: Spanned::new(0..0, "Idempotency-Key".into()),
+            required: true,
+            retention: Spanned::new(0..0, HumanDuration(Duration::from_secs(24 * 3600))),
+            fingerprint_headers: Spanned::new(0..0, vec!["content-type".into()]),
+            scope_headers: Spanned::new(0..0, Vec::new()),
+            max_response_body_bytes: Spanned::new(0..0, 1024 * 1024),
+            on_server_error: OnServerError::Release,
+            on_store_error: OnStoreError::Reject,
+        }
+    }
+}
+
+/// A humantime duration string such as `"250ms"`, `"30s"` or `"24h"`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct HumanDuration(pub(super) Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        humantime::parse_duration(&text).map(HumanDuration).map_err(|error| {
+            serde::de::Error::custom(format!(
+                "invalid duration {text:?}: {error} (write e.g. \"250ms\", \"30s\", \"24h\")"
+            ))
+        })
+    }
+}

@@ -1,0 +1,358 @@
+//! Validation: turns the raw TOML into the `Config` the proxy runs on, producing the
+//! runtime values the hot path uses (a parsed upstream `Target`, typed methods and
+//! header names), so nothing is parsed twice. Every error names the file, the line and
+//! the field: the field's path comes from `serde_path_to_error` for anything the TOML
+//! types refuse, and from the validator for anything its rules refuse.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use http::header::HeaderName;
+use toml::Spanned;
+
+use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawServer, RawStore};
+use super::{
+    AdminConfig, Backend, Config, DEFAULT_MAX_RECORDS, IdempotencyPolicy, LEASE_GRACE, Route, ServerConfig, StoreConfig,
+};
+use crate::error::ConfigError;
+use crate::upstream::Target;
+
+/// Parses and validates `source`; `path` only names the file in errors.
+pub(super) fn parse(source: &str, path: &Path) -> Result<Config, ConfigError> {
+    let invalid = |span: Option<Range<usize>>, field: String, reason: &str| ConfigError::Invalid {
+        path: path.to_path_buf(),
+        line: line_of(source, span.map_or(0, |span| span.start)),
+        field,
+        reason: reason.trim().to_string(),
+    };
+    let deserializer = toml::de::Deserializer::parse(source).map_err(|error| {
+        let field = syntax_field(source, error.span().map_or(0, |span| span.start));
+        invalid(error.span(), field, error.message())
+    })?;
+    let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|error| {
+        let field = field_path(error.path());
+        let error = error.into_inner();
+        invalid(error.span(), field, error.message())
+    })?;
+    Validator { source, path }.config(raw)
+}
+
+/// A deserializer path as users name fields: `route[1].idempotency.retention`, with
+/// the segments `toml::Spanned` adds left out.
+fn field_path(path: &serde_path_to_error::Path) -> String {
+    use serde_path_to_error::Segment;
+    let mut out = String::new();
+    for segment in path.iter() {
+        match segment {
+            Segment::Seq { index } => out.push_str(&format!("[{index}]")),
+            Segment::Map { key } if key.starts_with("$__serde_spanned_private") => {}
+            Segment::Map { key } | Segment::Enum { variant: key } => {
+                if !out.is_empty() {
+                    out.push('.');
+                }
+                out.push_str(key);
+            }
+            Segment::Unknown => out.push_str(".?"),
+        }
+    }
+    if out.is_empty() { "(top level)".into() } else { out }
+}
+
+/// Names the field at a syntax error, which the parser reports before any path exists:
+/// the table on that line (`[server` names `server`), or the key before its `=`.
+fn syntax_field(source: &str, offset: usize) -> String {
+    let (before, after) = source.split_at_checked(offset).unwrap_or((source, ""));
+    let line_start = before.rfind('\n').map_or(before, |i| &before[i + 1..]);
+    let line_end = after.split('\n').next().unwrap_or("");
+    let line = format!("{line_start}{line_end}");
+    let line = line.trim();
+    let field = match line.strip_prefix('[') {
+        Some(table) => table.trim_matches(|c| c == '[' || c == ']' || c == ' '),
+        None => line.split_once('=').map_or("", |(key, _)| key.trim().trim_matches('"')),
+    };
+    if field.is_empty() {
+        "(syntax)".into()
+    } else {
+        field.to_string()
+    }
+}
+
+/// The 1-based line that holds byte `offset` of `source`.
+fn line_of(source: &str, offset: usize) -> usize {
+    let before = source.as_bytes().get(..offset).unwrap_or(source.as_bytes());
+    before.iter().filter(|&&b| b == b'\n').count() + 1
+}
+
+struct Validator<'a> {
+    source: &'a str,
+    path: &'a Path,
+}
+
+impl Validator<'_> {
+    fn error(&self, span: Range<usize>, field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            path: self.path.to_path_buf(),
+            line: line_of(self.source, span.start),
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
+        let server = self.server(raw.server)?;
+        let store = self.store(raw.store)?;
+        let (routes_span, raw_routes) = match raw.routes {
+            Some(routes) => (routes.span(), routes.into_inner()),
+            None => (self.source.len()..self.source.len(), Vec::new()),
+        };
+        if raw_routes.is_empty() {
+            return Err(self.error(routes_span, "route", "at least one [[route]] is required"));
+        }
+        let mut routes: Vec<Route> = Vec::with_capacity(raw_routes.len());
+        for (index, raw_route) in raw_routes.into_iter().enumerate() {
+            let name_span = raw_route.name.span();
+            let route = self.route(index, raw_route)?;
+            if routes.iter().any(|r| r.name == route.name) {
+                return Err(self.error(
+                    name_span,
+                    format!("route[{index}].name"),
+                    format!("duplicate route name {:?}", route.name),
+                ));
+            }
+            if routes
+                .iter()
+                .any(|r| r.path_prefix == route.path_prefix && r.host == route.host)
+            {
+                return Err(self.error(
+                    name_span,
+                    format!("route[{index}].path_prefix"),
+                    format!(
+                        "another route already has path_prefix {:?} for the same host",
+                        route.path_prefix
+                    ),
+                ));
+            }
+            routes.push(route);
+        }
+        Ok(Config {
+            server,
+            admin: raw.admin.map(|admin| AdminConfig { listen: admin.listen }),
+            store,
+            routes,
+        })
+    }
+
+    fn server(&self, raw: RawServer) -> Result<ServerConfig, ConfigError> {
+        if *raw.max_request_body_bytes.get_ref() == 0 {
+            return Err(self.error(
+                raw.max_request_body_bytes.span(),
+                "server.max_request_body_bytes",
+                "must be greater than 0",
+            ));
+        }
+        for (field, value) in [
+            ("server.header_read_timeout", &raw.header_read_timeout),
+            ("server.request_body_timeout", &raw.request_body_timeout),
+        ] {
+            if value.get_ref().0.is_zero() {
+                return Err(self.error(value.span(), field, "must be greater than 0"));
+            }
+        }
+        let workers = match raw.workers {
+            Some(workers) if *workers.get_ref() == 0 || *workers.get_ref() > 1024 => {
+                return Err(self.error(workers.span(), "server.workers", "must be between 1 and 1024"));
+            }
+            Some(workers) => workers.into_inner(),
+            None => std::thread::available_parallelism().map_or(1, usize::from),
+        };
+        Ok(ServerConfig {
+            workers,
+            listen: raw.listen,
+            max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
+            header_read_timeout: raw.header_read_timeout.into_inner().0,
+            request_body_timeout: raw.request_body_timeout.into_inner().0,
+            shutdown_grace: raw.shutdown_grace.0,
+        })
+    }
+
+    fn store(&self, raw: RawStore) -> Result<StoreConfig, ConfigError> {
+        let key_prefix = raw.key_prefix.get_ref();
+        if key_prefix.is_empty() || !key_prefix.bytes().all(is_name_byte) {
+            return Err(self.error(
+                raw.key_prefix.span(),
+                "store.key_prefix",
+                "must be 1 or more of the characters A-Z a-z 0-9 _ - .",
+            ));
+        }
+        if raw.timeout.get_ref().0.is_zero() {
+            return Err(self.error(raw.timeout.span(), "store.timeout", "must be greater than 0"));
+        }
+        let backend = match *raw.backend.get_ref() {
+            BackendKind::Memory => {
+                if let Some(url) = &raw.url {
+                    return Err(self.error(url.span(), "store.url", "only the redis backend takes a url"));
+                }
+                let max_records = match &raw.max_records {
+                    Some(max) if *max.get_ref() == 0 => {
+                        return Err(self.error(max.span(), "store.max_records", "must be greater than 0"));
+                    }
+                    Some(max) => *max.get_ref(),
+                    None => DEFAULT_MAX_RECORDS,
+                };
+                Backend::Memory { max_records }
+            }
+            BackendKind::Redis => {
+                if let Some(max) = &raw.max_records {
+                    return Err(self.error(
+                        max.span(),
+                        "store.max_records",
+                        "only the memory backend takes max_records; bound Redis with maxmemory",
+                    ));
+                }
+                let Some(url) = raw.url else {
+                    return Err(self.error(
+                        raw.backend.span(),
+                        "store.url",
+                        "the redis backend needs url = \"redis://host:6379/0\"",
+                    ));
+                };
+                let scheme_ok = url.get_ref().starts_with("redis://") || url.get_ref().starts_with("rediss://");
+                if !scheme_ok || redis::Client::open(url.get_ref().as_str()).is_err() {
+                    return Err(self.error(url.span(), "store.url", "must be a redis:// or rediss:// URL"));
+                }
+                Backend::Redis { url: url.into_inner() }
+            }
+        };
+        Ok(StoreConfig {
+            backend,
+            key_prefix: raw.key_prefix.into_inner(),
+            timeout: raw.timeout.into_inner().0,
+        })
+    }
+
+    fn route(&self, index: usize, raw: RawRoute) -> Result<Route, ConfigError> {
+        let field = |name: &str| format!("route[{index}].{name}");
+        let name = raw.name.get_ref();
+        if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
+            return Err(self.error(
+                raw.name.span(),
+                field("name"),
+                "must be 1 to 64 of the characters A-Z a-z 0-9 _ - .",
+            ));
+        }
+        if !raw.path_prefix.get_ref().starts_with('/') {
+            return Err(self.error(raw.path_prefix.span(), field("path_prefix"), "must start with /"));
+        }
+        let host = match raw.host {
+            Some(host) if host.get_ref().is_empty() => {
+                return Err(self.error(host.span(), field("host"), "must not be empty"));
+            }
+            Some(host) => Some(host.into_inner().to_ascii_lowercase()),
+            None => None,
+        };
+        let upstream = self.upstream(&raw.upstream, field("upstream"))?;
+        let upstream_timeout = raw.upstream_timeout.get_ref().0;
+        if upstream_timeout.is_zero() {
+            return Err(self.error(
+                raw.upstream_timeout.span(),
+                field("upstream_timeout"),
+                "must be greater than 0",
+            ));
+        }
+        let idempotency = match raw.idempotency {
+            Some(policy) => Some(Arc::new(self.policy(index, policy, upstream_timeout)?)),
+            None => None,
+        };
+        Ok(Route {
+            name: raw.name.into_inner(),
+            path_prefix: raw.path_prefix.into_inner(),
+            host,
+            upstream,
+            upstream_timeout,
+            idempotency,
+        })
+    }
+
+    fn upstream(&self, raw: &Spanned<String>, field: String) -> Result<Target, ConfigError> {
+        let uri: http::Uri = raw
+            .get_ref()
+            .parse()
+            .map_err(|_| self.error(raw.span(), field.clone(), "not a valid URL"))?;
+        Target::try_from(uri).map_err(|reason| self.error(raw.span(), field, reason))
+    }
+
+    fn policy(
+        &self,
+        index: usize,
+        raw: RawIdempotency,
+        upstream_timeout: Duration,
+    ) -> Result<IdempotencyPolicy, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.{name}");
+        let mut methods = Vec::new();
+        for method in raw.methods.get_ref() {
+            let parsed = Method::from_bytes(method.to_ascii_uppercase().as_bytes()).map_err(|_| {
+                self.error(
+                    raw.methods.span(),
+                    field("methods"),
+                    format!("{method:?} is not an HTTP method"),
+                )
+            })?;
+            methods.push(parsed);
+        }
+        if methods.is_empty() {
+            return Err(self.error(raw.methods.span(), field("methods"), "must name at least one method"));
+        }
+        let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
+        let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
+        let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
+        let retention = raw.retention.get_ref().0;
+        if retention < upstream_timeout + LEASE_GRACE {
+            return Err(self.error(
+                raw.retention.span(),
+                field("retention"),
+                format!(
+                    "{} is shorter than the lease (upstream_timeout {} + 1s); a record would expire while its request is in flight",
+                    humantime::format_duration(retention),
+                    humantime::format_duration(upstream_timeout)
+                ),
+            ));
+        }
+        if *raw.max_response_body_bytes.get_ref() == 0 {
+            return Err(self.error(
+                raw.max_response_body_bytes.span(),
+                field("max_response_body_bytes"),
+                "must be greater than 0",
+            ));
+        }
+        Ok(IdempotencyPolicy {
+            methods,
+            header,
+            required: raw.required,
+            retention,
+            fingerprint_headers,
+            scope_headers,
+            max_response_body_bytes: raw.max_response_body_bytes.into_inner(),
+            on_server_error: raw.on_server_error,
+            on_store_error: raw.on_store_error,
+        })
+    }
+
+    fn header_name(&self, span: &Range<usize>, name: &str, field: String) -> Result<HeaderName, ConfigError> {
+        HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| self.error(span.clone(), field, format!("{name:?} is not a header name")))
+    }
+
+    fn header_names(&self, raw: &Spanned<Vec<String>>, field: String) -> Result<Vec<HeaderName>, ConfigError> {
+        raw.get_ref()
+            .iter()
+            .map(|name| self.header_name(&raw.span(), name, field.clone()))
+            .collect()
+    }
+}
+
+fn is_name_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || matches!(byte, b'_' | b'-' | b'.')
+}

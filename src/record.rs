@@ -1,0 +1,184 @@
+//! The recorded response, as every retry sees it: a status, the end-to-end headers and
+//! the body. It is made once from the upstream's response, encoded for the store, and
+//! decoded once at the store boundary into a value that cannot hold a bad status or a
+//! bad header: a record that does not decode is a store error, never a made-up answer.
+
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Response, StatusCode, response};
+
+use crate::body::{ProxyBody, full};
+
+/// Set on every replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The layout of a stored record. The Redis scripts write it into every record they
+/// create, and a record of any other format is refused when read, so that a future
+/// layout can never be misread as this one.
+pub const FORMAT_VERSION: &str = "1";
+
+/// An upstream response as recorded for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    pub status: StatusCode,
+    /// The end-to-end fields, in the order the upstream sent them; no `Content-Length`,
+    /// which is derived again from the body.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub body: Bytes,
+}
+
+impl StoredResponse {
+    /// The record of a response whose hop-by-hop fields are already removed.
+    pub fn from_parts(parts: &response::Parts, body: Bytes) -> StoredResponse {
+        let headers = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| *name != header::CONTENT_LENGTH)
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
+        StoredResponse {
+            status: parts.status,
+            headers,
+            body,
+        }
+    }
+
+    /// The response a retry gets: the recorded one, marked as replayed.
+    pub(crate) fn into_response(self) -> Response<ProxyBody> {
+        let mut response = Response::new(full(self.body));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.reserve(self.headers.len() + 1);
+        for (name, value) in self.headers {
+            headers.append(name, value);
+        }
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        response
+    }
+
+    /// The headers in the store's encoding: a sequence of (u32 length, name, u32
+    /// length, value), big-endian.
+    pub fn encode_headers(&self) -> Vec<u8> {
+        encode_headers(&self.headers)
+    }
+
+    /// Rebuilds a record from the store's fields; `None` when any of them is not what
+    /// `encode_headers` and a valid status would have written.
+    pub fn decode(status: &[u8], headers: &[u8], body: Bytes) -> Option<StoredResponse> {
+        let status = std::str::from_utf8(status).ok()?.parse::<u16>().ok()?;
+        Some(StoredResponse {
+            status: StatusCode::from_u16(status).ok()?,
+            headers: decode_headers(headers)?,
+            body,
+        })
+    }
+}
+
+/// Encodes response headers as a sequence of (u32 length, name, u32 length, value).
+pub fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> Vec<u8> {
+    let size = headers.iter().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum();
+    let mut out = Vec::with_capacity(size);
+    for (name, value) in headers {
+        for field in [name.as_str().as_bytes(), value.as_bytes()] {
+            // Header names and values are far below 4 GiB: hyper refuses heads over 64 KiB.
+            out.extend_from_slice(&u32::try_from(field.len()).unwrap_or(u32::MAX).to_be_bytes());
+            out.extend_from_slice(field);
+        }
+    }
+    out
+}
+
+/// The inverse of `encode_headers`; `None` on any malformed input, including a name
+/// or a value that is not a valid header field.
+pub fn decode_headers(mut input: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>> {
+    fn take<'a>(input: &mut &'a [u8]) -> Option<&'a [u8]> {
+        let (len, rest) = input.split_first_chunk::<4>()?;
+        let len = usize::try_from(u32::from_be_bytes(*len)).ok()?;
+        let (field, rest) = rest.split_at_checked(len)?;
+        *input = rest;
+        Some(field)
+    }
+    let mut headers = Vec::new();
+    while !input.is_empty() {
+        let name = HeaderName::from_bytes(take(&mut input)?).ok()?;
+        let value = HeaderValue::from_bytes(take(&mut input)?).ok()?;
+        headers.push((name, value));
+    }
+    Some(headers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers() -> Vec<(HeaderName, HeaderValue)> {
+        vec![
+            (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
+            (HeaderName::from_static("x-empty"), HeaderValue::from_static("")),
+            (header::SET_COOKIE, HeaderValue::from_static("a=1")),
+            (header::SET_COOKIE, HeaderValue::from_static("b=2")),
+        ]
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        assert_eq!(decode_headers(&encode_headers(&headers())), Some(headers()));
+    }
+
+    #[test]
+    fn truncated_headers_are_rejected() {
+        let encoded = encode_headers(&[(HeaderName::from_static("a"), HeaderValue::from_static("bc"))]);
+        for cut in 1..encoded.len() {
+            assert_eq!(decode_headers(&encoded[..cut]), None, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn a_corrupt_record_is_refused_never_guessed() {
+        let good = encode_headers(&headers());
+        assert!(StoredResponse::decode(b"201", &good, Bytes::new()).is_some());
+        assert_eq!(
+            StoredResponse::decode(b"1000", &good, Bytes::new()),
+            None,
+            "status out of range"
+        );
+        assert_eq!(StoredResponse::decode(b"abc", &good, Bytes::new()), None);
+        assert_eq!(StoredResponse::decode(b"", &good, Bytes::new()), None);
+        // A name with a space and a value with a newline are not header fields.
+        let mut bad_name = 3u32.to_be_bytes().to_vec();
+        bad_name.extend_from_slice(b"a b");
+        bad_name.extend_from_slice(&1u32.to_be_bytes());
+        bad_name.push(b'v');
+        assert_eq!(StoredResponse::decode(b"200", &bad_name, Bytes::new()), None);
+        let mut bad_value = 1u32.to_be_bytes().to_vec();
+        bad_value.push(b'a');
+        bad_value.extend_from_slice(&3u32.to_be_bytes());
+        bad_value.extend_from_slice(b"x\ny");
+        assert_eq!(StoredResponse::decode(b"200", &bad_value, Bytes::new()), None);
+    }
+
+    #[test]
+    fn a_replay_carries_the_record_and_the_marker() {
+        let mut parts = Response::new(()).into_parts().0;
+        parts.status = StatusCode::PAYMENT_REQUIRED;
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        for (name, value) in headers() {
+            parts.headers.append(name, value);
+        }
+        let stored = StoredResponse::from_parts(&parts, Bytes::from_static(b"{}"));
+        assert_eq!(
+            stored.headers,
+            headers(),
+            "content-length is derived again, never recorded"
+        );
+        let replay = stored.into_response();
+        assert_eq!(replay.status(), StatusCode::PAYMENT_REQUIRED);
+        assert_eq!(replay.headers().get_all(header::SET_COOKIE).iter().count(), 2);
+        assert_eq!(
+            replay.headers().get(&IDEMPOTENT_REPLAYED).map(HeaderValue::as_bytes),
+            Some(&b"true"[..])
+        );
+    }
+}
