@@ -11,12 +11,18 @@ fn idemproxy() -> Command {
     Command::new(env!("CARGO_BIN_EXE_idemproxy"))
 }
 
-fn write(name: &str, text: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("idemproxy-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join(name);
+/// Writes `text` to `name` in `dir`, a temporary directory removed when it drops.
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let path = dir.path().join(name);
     std::fs::write(&path, text).expect("write config");
     path
+}
+
+fn temp_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("idemproxy-cli-")
+        .tempdir()
+        .expect("temp dir")
 }
 
 /// Runs `check` and returns (success, stdout, stderr).
@@ -112,8 +118,9 @@ fn config_errors_name_the_file_the_line_and_the_field() {
             "unclosed table",
         ),
     ];
+    let dir = temp_dir();
     for (name, text, location, reason) in cases {
-        let path = write(name, text);
+        let path = write(&dir, name, text);
         let (ok, _, stderr) = check(&path);
         assert!(!ok, "{name} was accepted");
         let expected_location = format!("{}{location}", path.display());
@@ -133,7 +140,8 @@ fn config_errors_name_the_file_the_line_and_the_field() {
 
 #[test]
 fn serve_with_a_bad_config_exits_non_zero_with_one_line() {
-    let path = write("serve-bad.toml", &ROUTE.replace("http://", "gopher://"));
+    let dir = temp_dir();
+    let path = write(&dir, "serve-bad.toml", &ROUTE.replace("http://", "gopher://"));
     let output = idemproxy()
         .args(["serve", "--config"])
         .arg(&path)
@@ -161,7 +169,8 @@ fn a_missing_config_file_is_named() {
 
 #[test]
 fn the_config_path_comes_from_the_environment() {
-    let path = write("env.toml", ROUTE);
+    let dir = temp_dir();
+    let path = write(&dir, "env.toml", ROUTE);
     let output = idemproxy()
         .arg("check")
         .env("IDEMPROXY_CONFIG", &path)

@@ -10,8 +10,10 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use std::sync::atomic::Ordering;
+
 use support::client::until_not;
-use support::{RedisServer, StoreKind, TestConfig, Upstream, free_port, post_key, send};
+use support::{RedisServer, Relay, StoreKind, TestConfig, Upstream, free_port, post_key, send};
 use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,21 +55,35 @@ async fn redis_killed_then_restarted_on_the_same_port() {
     assert_eq!(send(proxy.admin(), "GET", "/readyz", &[], "").await.status, 200);
 }
 
+/// Redis frozen with SIGSTOP while a claim is on its way: the proxy answers 503 in
+/// time, and the claim, applied when Redis resumes, is released in the background so
+/// the key is not left behind as a ghost. The precondition that makes the test mean
+/// something is asserted: the claim's bytes reached Redis's socket while it was frozen
+/// (one worker, whose connection is open, and a relay that counts what it passes on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_paused_past_the_store_timeout_leaves_no_ghost_claim() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    let config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let mut config = TestConfig::new(StoreKind::Redis(format!("{}/0", relay.url("redis"))), &upstream.url());
+    config.server = "workers = 1".into();
     let proxy = config.start().await;
+    // Opens the one worker's connection and loads the scripts.
     let warm = post_key(proxy.addr(), "warm").await;
     assert_eq!(warm.status, 201);
 
     redis.pause();
+    let before = relay.sent.load(Ordering::SeqCst);
     let started = Instant::now();
     let paused = post_key(proxy.addr(), "ghost").await;
     assert_eq!(paused.status, 503);
     assert_eq!(paused.problem(), "store-unavailable");
     assert!(started.elapsed() < Duration::from_millis(1300));
+    let claim_bytes = relay.sent.load(Ordering::SeqCst) - before;
+    assert!(
+        claim_bytes > 0,
+        "precondition: the claim never reached Redis, so this run proves nothing"
+    );
     assert_eq!(upstream.executions("ghost"), 0);
     redis.resume();
 
@@ -104,13 +120,12 @@ async fn a_proxy_killed_mid_request_never_lets_the_request_run_twice() {
     config.listen = format!("127.0.0.1:{port}");
     config.admin_listen = format!("127.0.0.1:{admin_port}");
     config.upstream_timeout = "2s".into();
-    let path = std::env::temp_dir().join(format!("idemproxy-crash-{}-{port}.toml", std::process::id()));
-    config.write(&path);
+    let file = config.write_temp();
 
     let mut child = ChildProxy(
         Command::new(env!("CARGO_BIN_EXE_idemproxy"))
             .args(["serve", "--config"])
-            .arg(&path)
+            .arg(file.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -16,6 +16,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use idemproxy::idempotency::{parse_key_value, store_key};
+use idemproxy::store::memory::Plant;
+use idemproxy::store::redis::ScriptName;
+use idemproxy::store::{AnyStore, MemoryStore, RecordStore, RedisStore};
 use support::client::{PooledClient, pooled_client, pooled_send, until_not};
 use support::history::{Contract, History, check};
 use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, post_key, send};
@@ -97,6 +101,117 @@ impl Storm {
 
     fn total(&self) -> usize {
         self.logical * self.duplicates
+    }
+
+    /// Liveness, after the storm and its fault: each key is retried (through its first
+    /// target) while it is still in progress or the store refuses it, and must end in a
+    /// success or a definite `outcome-unknown`. The retries are recorded in the history,
+    /// so the checker sees them too.
+    async fn settle(&self, run: &StormRun) -> Liveness {
+        let client = pooled_client();
+        let permits = Arc::new(Semaphore::new(32));
+        let mut tasks = tokio::task::JoinSet::new();
+        for logical in 0..self.logical {
+            let permit = permits.clone().acquire_owned().await.expect("semaphore");
+            let (scope, key) = self.scope_and_key(logical);
+            let target = self.targets[logical % self.targets.len()];
+            let (client, history) = (client.clone(), run.history.clone());
+            tasks.spawn(async move {
+                let settled = settle_one(&client, target, &scope, &key, &history).await;
+                drop(permit);
+                settled
+            });
+        }
+        let mut liveness = Liveness::default();
+        while let Some(settled) = tasks.join_next().await {
+            liveness.keys += 1;
+            match settled.expect("settle task") {
+                Settled::Succeeded => liveness.succeeded += 1,
+                Settled::Unknown => liveness.unknown += 1,
+                Settled::Not(what) => liveness.unsettled.push(what),
+            }
+        }
+        liveness
+    }
+}
+
+enum Settled {
+    Succeeded,
+    Unknown,
+    /// Still not settled after 20 s, or an answer that is neither.
+    Not(String),
+}
+
+async fn settle_one(client: &PooledClient, target: SocketAddr, scope: &str, key: &str, history: &History) -> Settled {
+    let headers = [
+        ("idempotency-key", key),
+        ("authorization", scope),
+        ("content-type", "application/json"),
+    ];
+    let started = Instant::now();
+    loop {
+        let sent = Instant::now();
+        let outcome = pooled_send(
+            client,
+            target,
+            "/v1/payments",
+            &headers,
+            "{\"amount\":1}",
+            Duration::from_secs(15),
+        )
+        .await;
+        history.record(scope, key, sent, outcome.clone());
+        let last = match outcome {
+            Ok(response) if response.status.is_success() => return Settled::Succeeded,
+            Ok(response) if response.status == 409 && response.problem() == "outcome-unknown" => {
+                return Settled::Unknown;
+            }
+            Ok(response) if matches!(response.status.as_u16(), 409 | 503) => {
+                format!("{} {}", response.status, response.problem())
+            }
+            Ok(response) => return Settled::Not(format!("{key}: {response:?}")),
+            Err(error) => error,
+        };
+        if started.elapsed() > Duration::from_secs(20) {
+            return Settled::Not(format!("{key}: still {last} after 20 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// How the keys of a storm ended.
+#[derive(Debug, Default)]
+struct Liveness {
+    keys: usize,
+    succeeded: usize,
+    unknown: usize,
+    unsettled: Vec<String>,
+}
+
+impl Liveness {
+    /// Prints the figures, then fails unless every key settled and at least
+    /// `min_success` of them succeeded.
+    fn assert_live(&self, scenario: &str, min_success: f64) {
+        let share = self.succeeded as f64 / self.keys.max(1) as f64;
+        println!(
+            "liveness[{scenario}]: keys={} succeeded={} ({:.1} %) unknown={} unsettled={}",
+            self.keys,
+            self.succeeded,
+            share * 100.0,
+            self.unknown,
+            self.unsettled.len()
+        );
+        assert!(
+            self.unsettled.is_empty(),
+            "{scenario}: keys that never settled: {:?}",
+            self.unsettled
+        );
+        assert!(
+            share >= min_success,
+            "{scenario}: only {:.1} % of the keys succeeded (at least {:.1} % expected)",
+            share * 100.0,
+            min_success * 100.0
+        );
     }
 }
 
@@ -198,6 +313,7 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
     };
     let run = storm.start();
     storm.run(&run).await;
+    let liveness = storm.settle(&run).await;
     let report = check(
         &run.history,
         &upstream.log(),
@@ -211,7 +327,9 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
     );
     println!("storm: {} ops in {:.1?}", storm.total(), run.started.elapsed());
     report.assert_clean("storm 3 processes, 1000 keys x 20");
-    assert_eq!(report.ops, storm.total());
+    // Nothing fails here, so every key must end in a success.
+    liveness.assert_live("storm 3 processes", 1.0);
+    assert_eq!(report.ops, storm.total() + storm.logical);
     assert_eq!(report.max_executions_per_key, 1);
     assert_eq!(
         report.executions, storm.logical,
@@ -228,6 +346,21 @@ enum RedisFault {
     Pause,
     ClientPauseWrite,
     ScriptFlush,
+}
+
+impl RedisFault {
+    /// The share of keys that must end in a success after this fault. A key ends
+    /// unknown only when its first request was forwarded and the proxy could not record
+    /// the answer before the lease (here 6 s) ran out; these outages last well under a
+    /// second, so every key has succeeded in every run so far (see the README). The
+    /// bound leaves room for a slow machine, and still fails a proxy that turns even
+    /// one key in twenty into a 409 for good.
+    fn min_success(self) -> f64 {
+        match self {
+            RedisFault::ScriptFlush => 1.0,
+            RedisFault::KillAndRestart | RedisFault::Pause | RedisFault::ClientPauseWrite => 0.95,
+        }
+    }
 }
 
 async fn storm_with_redis_fault(fault: RedisFault) {
@@ -280,6 +413,7 @@ async fn storm_with_redis_fault(fault: RedisFault) {
         }
     };
     tokio::join!(storm.run(&run), inject);
+    let liveness = storm.settle(&run).await;
     let report = check(
         &run.history,
         &upstream.log(),
@@ -292,6 +426,7 @@ async fn storm_with_redis_fault(fault: RedisFault) {
         },
     );
     report.assert_clean(&format!("redis {fault:?}"));
+    liveness.assert_live(&format!("redis {fault:?}"), fault.min_success());
     if matches!(fault, RedisFault::ScriptFlush) {
         assert!(
             !report.failures.contains_key("store-unavailable"),
@@ -550,6 +685,17 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     drop(stream);
+    // Resume only once the proxy has seen its client go: the dropped claim then waits
+    // in the background to be released (the gauge), behind the claim inside Redis.
+    let admin = proxy.admin();
+    let started = Instant::now();
+    while metric(admin, "idemproxy_pending_releases").await != Some(1.0) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the proxy never noticed its client leave"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let _: () = redis::cmd("CLIENT")
         .arg("UNPAUSE")
         .query(&mut control)
@@ -569,7 +715,64 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
     rec.check("client leaves mid-claim", &upstream, &redis);
 }
 
-// === 6. the stale-owner race ===
+// === 6. stale owners, end to end ===
+//
+// Each fencing rule of the store (DESIGN §4.2) seen from the outside: a late write by
+// an owner that lost its record never changes what clients see. Each race runs once as
+// is and once with the rule planted out (a mutated script loaded on the side, or a
+// memory-store plant), which must be noticed: that is how each test shows it can fail.
+
+/// Starts a proxy on `config` whose every worker's Redis store has `script` swapped in.
+async fn start_with_script(config: &TestConfig, script: Option<(ScriptName, &str)>) -> idemproxy::Running {
+    let StoreKind::Redis(url) = &config.store else {
+        panic!("a Redis config");
+    };
+    let url = url.clone();
+    let script = script.map(|(name, lua)| (name, lua.to_string()));
+    let timeout = humantime::parse_duration(&config.store_timeout).expect("store timeout");
+    let factory: idemproxy::StoreFactory = Arc::new(move || {
+        let store = RedisStore::new(&url, timeout)?;
+        Ok(AnyStore::Redis(match &script {
+            Some((name, lua)) => store.with_script(*name, lua),
+            None => store,
+        }))
+    });
+    idemproxy::start_with_store(config.config(), factory)
+        .await
+        .expect("start the proxy")
+}
+
+/// Waits until the record for `key` (unscoped, on the payments route) is in Redis: a
+/// poll on a condition, bounded at 10 s.
+async fn until_recorded(redis: &RedisServer, key: &str) {
+    let record = store_key(
+        "idemproxy",
+        "payments",
+        &[],
+        &parse_key_value(key.as_bytes()).expect("key"),
+    );
+    let started = Instant::now();
+    loop {
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(record.as_str())
+            .query(&mut redis.connection())
+            .expect("EXISTS");
+        if exists {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{key} never reached Redis");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The value of one metric line on `admin`'s `/metrics`, e.g.
+/// `idemproxy_fenced_writes_total{op="complete"}`.
+async fn metric(admin: SocketAddr, line: &str) -> Option<f64> {
+    let metrics = send(admin, "GET", "/metrics", &[], "").await;
+    String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+}
 
 const PLAIN_WRITE_COMPLETE: &str = "redis.call('HSET', KEYS[1], 'state', 'completed', 'status', ARGV[2], 'headers', ARGV[3], 'body', ARGV[4]) return 1";
 
@@ -582,19 +785,7 @@ async fn stale_owner_race(complete_script: Option<&str>) -> bool {
     let mut config_a = TestConfig::new(StoreKind::Redis(relay.url("redis")), &upstream.url());
     config_a.store_timeout = "10s".into();
     config_a.upstream_timeout = "1s".into();
-    let url = format!("{}/0", relay.url("redis"));
-    let script = complete_script.map(str::to_string);
-    // Each of A's workers makes its own store, with the script under test.
-    let factory: idemproxy::StoreFactory = std::sync::Arc::new(move || {
-        let store = idemproxy::store::RedisStore::new(&url, Duration::from_secs(10))?;
-        Ok(idemproxy::store::AnyStore::Redis(match &script {
-            Some(lua) => store.with_script(idemproxy::store::redis::ScriptName::Complete, lua),
-            None => store,
-        }))
-    });
-    let a = idemproxy::start_with_store(config_a.config(), factory)
-        .await
-        .expect("start A");
+    let a = start_with_script(&config_a, complete_script.map(|lua| (ScriptName::Complete, lua))).await;
     // B's own exchange may take long: its record must stay in flight meanwhile.
     let mut config_b = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
     config_b.upstream_timeout = "30s".into();
@@ -692,6 +883,226 @@ async fn the_stale_owner_race_catches_a_plain_write_complete() {
     assert!(
         !stale_owner_race(Some(PLAIN_WRITE_COMPLETE)).await,
         "a plain-write complete went unnoticed: the race test cannot fail"
+    );
+}
+
+/// A's lease (500 ms + 1 s) runs out while A's complete sits in the relay: the claim is
+/// applied 1.5 s after it is sent, the complete 4.5 s after, past the lease. Clients
+/// must then read the key as unknown for good, never as a replay of A's late answer.
+/// Returns whether they did.
+async fn late_complete_race(complete_script: Option<&str>) -> bool {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let mut config_a = TestConfig::new(StoreKind::Redis(format!("{}/0", relay.url("redis"))), &upstream.url());
+    config_a.store_timeout = "10s".into();
+    config_a.upstream_timeout = "500ms".into();
+    let a = start_with_script(&config_a, complete_script.map(|lua| (ScriptName::Complete, lua))).await;
+    let b = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
+    // A full request through A loads its scripts, so each late write is one round trip.
+    assert_eq!(post_key(a.addr, "warm").await.status, 201);
+
+    relay.set(Mode::Delay(Duration::from_millis(1500)));
+    let a_addr = a.addr;
+    let a_request = tokio::spawn(async move { post_key(a_addr, "late").await });
+    until_recorded(&redis, "late").await;
+    // Through B: in flight until A's lease ends, then unknown.
+    let unknown = until_not(|| post_key(b.addr(), "late"), &[(409, "request-in-progress")]).await;
+    assert_eq!(
+        (unknown.status.as_u16(), unknown.problem()),
+        (409, "outcome-unknown".into())
+    );
+    // A's client is answered once the store has answered A's complete.
+    assert_eq!(a_request.await.expect("A").status, 201);
+    relay.set(Mode::Pass);
+    let after = post_key(b.addr(), "late").await;
+    println!(
+        "late complete: B then sees {} {}",
+        after.status,
+        String::from_utf8_lossy(&after.body)
+    );
+    let admin = a.admin_addr.expect("A has an admin listener");
+    let fenced = metric(admin, "idemproxy_fenced_writes_total{op=\"complete\"}").await;
+    assert_eq!(upstream.executions("late"), 1);
+    a.shutdown().await;
+    let held = after.status == 409 && after.problem() == "outcome-unknown";
+    if held {
+        assert_eq!(fenced, Some(1.0), "the refused complete is counted");
+    }
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_complete_that_arrives_after_the_lease_is_refused() {
+    assert!(
+        late_complete_race(None).await,
+        "a complete after the lease turned an unknown key into a replay"
+    );
+}
+
+/// The negative control: complete.lua without its lease check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_late_complete_race_catches_a_complete_without_the_lease_check() {
+    let lua = include_str!("../src/store/scripts/complete.lua");
+    let planted = lua.replace("if now >= tonumber(record[3]) then", "if false then");
+    assert_ne!(planted, lua, "the plant no longer fits complete.lua");
+    assert!(
+        !late_complete_race(Some(&planted)).await,
+        "a complete without the lease check went unnoticed: the race test cannot fail"
+    );
+}
+
+/// A's upstream answers 503 (a retryable status: the claim is released), and A's
+/// release sits in the relay while the record is purged (as retention would) and B
+/// claims the key and forwards. A's late release must not delete B's record: a third
+/// request C must find B's claim in flight. Returns whether it did.
+async fn stale_release_race(release_script: Option<&str>) -> bool {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let mut config_a = TestConfig::new(StoreKind::Redis(format!("{}/0", relay.url("redis"))), &upstream.url());
+    config_a.store_timeout = "10s".into();
+    let a = start_with_script(&config_a, release_script.map(|lua| (ScriptName::Release, lua))).await;
+    let b = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
+    // Requests through A load its claim, complete and release scripts, so that each
+    // late write is one round trip, not NOSCRIPT, SCRIPT LOAD and a second try.
+    assert_eq!(post_key(a.addr, "warm").await.status, 201);
+    let retryable = [("idempotency-key", "warm-release"), ("x-test-status", "503")];
+    assert_eq!(send(a.addr, "POST", "/v1/payments", &retryable, "{}").await.status, 503);
+    let headers_a = [
+        ("idempotency-key", "release"),
+        ("x-test-hold", "a"),
+        ("x-test-status", "503"),
+    ];
+    let a_addr = a.addr;
+    let a_request = tokio::spawn(async move { send(a_addr, "POST", "/v1/payments", &headers_a, "{}").await });
+    upstream.wait_for_key("release").await;
+    relay.set(Mode::Delay(Duration::from_secs(1)));
+    upstream.release("a");
+    // While A's release is in the relay: the record goes, and B claims and forwards.
+    let _: () = redis::cmd("DEL")
+        .arg(redis.keys())
+        .query(&mut redis.connection())
+        .expect("DEL");
+    let b_addr = b.addr();
+    let headers_b = [("idempotency-key", "release"), ("x-test-hold", "b")];
+    let b_request = tokio::spawn(async move { send(b_addr, "POST", "/v1/payments", &headers_b, "{}").await });
+    upstream.wait_for_total(4).await;
+    // A's client is answered once the store has answered A's release.
+    assert_eq!(a_request.await.expect("A").status, 503);
+    relay.set(Mode::Pass);
+    let c = post_key(b.addr(), "release").await;
+    println!(
+        "stale release: C sees {} {}",
+        c.status,
+        String::from_utf8_lossy(&c.body)
+    );
+    let intact = c.status == 409 && c.problem() == "request-in-progress";
+    upstream.release("b");
+    assert_eq!(b_request.await.expect("B").status, 201);
+    let admin = a.admin_addr.expect("A has an admin listener");
+    let fenced = metric(admin, "idemproxy_fenced_writes_total{op=\"release\"}").await;
+    a.shutdown().await;
+    if intact {
+        assert_eq!(upstream.executions("release"), 2, "A's and B's, never C's");
+        assert_eq!(fenced, Some(1.0), "the refused release is counted");
+    }
+    intact
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_release_cannot_free_the_new_owners_key() {
+    assert!(
+        stale_release_race(None).await,
+        "A's late release deleted B's record and a retry ran again"
+    );
+}
+
+/// The negative control: release.lua without compare-and-set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stale_release_race_catches_a_release_without_compare_and_set() {
+    let lua = include_str!("../src/store/scripts/release.lua");
+    let planted = lua.replace(
+        "if record[1] ~= 'in_flight' or record[2] ~= ARGV[1] then",
+        "if false then",
+    );
+    assert_ne!(planted, lua, "the plant no longer fits release.lua");
+    assert!(
+        !stale_release_race(Some(&planted)).await,
+        "a release without compare-and-set went unnoticed: the race test cannot fail"
+    );
+}
+
+/// The memory store: A is held at the upstream, its record is purged and B claims the
+/// key and is held too; then A's complete arrives. B's claim must stand: a third
+/// request C finds it in flight, and then replays B's answer. Returns whether it did.
+async fn memory_stale_complete_race(plant: Option<Plant>) -> bool {
+    let upstream = Upstream::start().await;
+    let store = match plant {
+        Some(plant) => MemoryStore::with_plant(1000, plant),
+        None => MemoryStore::new(1000),
+    };
+    let shared = AnyStore::Memory(store);
+    let factory: idemproxy::StoreFactory = {
+        let shared = shared.clone();
+        Arc::new(move || Ok(shared.clone()))
+    };
+    let config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    let proxy = idemproxy::start_with_store(config.config(), factory)
+        .await
+        .expect("start the proxy");
+    let addr = proxy.addr;
+    let post = |hold: Option<&'static str>| async move {
+        let mut headers = vec![("idempotency-key", "memory")];
+        headers.extend(hold.map(|hold| ("x-test-hold", hold)));
+        send(addr, "POST", "/v1/payments", &headers, "{}").await
+    };
+    let a_request = tokio::spawn(post(Some("a")));
+    upstream.wait_for_key("memory").await;
+    let key = store_key("idemproxy", "payments", &[], &parse_key_value(b"memory").expect("key"));
+    assert!(shared.purge(&key).await.expect("purge"));
+    let b_request = tokio::spawn(post(Some("b")));
+    upstream.wait_for_total(2).await;
+    upstream.release("a");
+    let a_response = a_request.await.expect("A");
+    assert_eq!(a_response.status, 201);
+    let c = post(None).await;
+    println!(
+        "memory stale complete: C sees {} {}",
+        c.status,
+        String::from_utf8_lossy(&c.body)
+    );
+    let intact = c.status == 409 && c.problem() == "request-in-progress";
+    upstream.release("b");
+    let b_response = b_request.await.expect("B");
+    if intact {
+        let replay = post(None).await;
+        assert!(replay.replayed());
+        assert_eq!(replay.body, b_response.body, "the replay must be B's response");
+        assert_eq!(upstream.executions("memory"), 2);
+    }
+    proxy.shutdown().await;
+    intact
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_owner_cannot_complete_the_new_owners_memory_record() {
+    assert!(
+        memory_stale_complete_race(None).await,
+        "A's late complete overwrote B's record in the memory store"
+    );
+}
+
+/// The negative control: the memory store without its owner check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_race_catches_a_store_without_the_owner_check() {
+    assert!(
+        !memory_stale_complete_race(Some(Plant::OwnerCheckDropped)).await,
+        "a memory store without the owner check went unnoticed: the race test cannot fail"
     );
 }
 

@@ -36,6 +36,21 @@ proptest! {
     }
 
     #[test]
+    fn visible_ascii_keys_are_accepted_up_to_255_characters_and_no_further(
+        key in "[!#-+--~]{230,280}",
+        quoted in any::<bool>(),
+    ) {
+        // Any visible ASCII but '"' and ','; a backslash is escaped in the quoted form.
+        let raw = if quoted { format!("\"{}\"", key.replace('\\', "\\\\")) } else { key.clone() };
+        let parsed = parse_key_value(raw.as_bytes());
+        if key.len() <= 255 {
+            prop_assert_eq!(parsed.map(|k| k.as_str().to_string()), Ok(key));
+        } else {
+            prop_assert_eq!(parsed, Err(KeyError::TooLong));
+        }
+    }
+
+    #[test]
     fn quoted_and_bare_forms_name_the_same_key(key in "[!#-+--~]{1,255}") {
         // Any visible ASCII but '"', ',' and '\\' (the class above skips them).
         prop_assume!(!key.contains('\\'));

@@ -305,6 +305,77 @@ async fn hop_by_hop_headers_are_removed_and_forwarding_headers_added() {
     );
 }
 
+/// An upstream on a raw socket that answers every request on a connection with a
+/// response carrying hop-by-hop fields, including one named in its `Connection`.
+async fn hop_by_hop_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                loop {
+                    // One request: its head, then its body by Content-Length.
+                    let mut length = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        match stream.read_line(&mut line).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        if let Some((name, value)) = line.split_once(':')
+                            && name.eq_ignore_ascii_case("content-length")
+                        {
+                            length = value.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0u8; length];
+                    if stream.read_exact(&mut body).await.is_err() {
+                        return;
+                    }
+                    let response = "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\n\
+                        connection: x-private, keep-alive\r\nkeep-alive: timeout=5\r\nx-private: secret\r\n\
+                        proxy-connection: keep-alive\r\nupgrade: h2c\r\nx-end-to-end: kept\r\n\
+                        content-length: 2\r\n\r\n{}";
+                    if stream.get_mut().write_all(response.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn hop_by_hop_response_headers_are_neither_forwarded_nor_replayed() {
+    let upstream = hop_by_hop_upstream().await;
+    let proxy = TestConfig::new(StoreKind::Memory, &format!("http://{upstream}"))
+        .start()
+        .await;
+    let guarded = [("idempotency-key", "hop-response")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &guarded, "{}").await;
+    let replay = send(proxy.addr(), "POST", "/v1/payments", &guarded, "{}").await;
+    let unguarded = send(proxy.addr(), "GET", "/v1/reads/x", &[], "").await;
+    assert!(!first.replayed() && replay.replayed(), "{first:?} {replay:?}");
+    for (which, response) in [("first", &first), ("replay", &replay), ("unguarded", &unguarded)] {
+        assert_eq!(response.status, 201, "{which}");
+        for gone in ["connection", "keep-alive", "x-private", "proxy-connection", "upgrade"] {
+            assert!(
+                response.header(gone).is_none(),
+                "{which}: {gone} reached the client: {response:?}"
+            );
+        }
+        assert_eq!(response.header("x-end-to-end"), Some("kept"), "{which}");
+        assert_eq!(response.header("content-type"), Some("application/json"), "{which}");
+        assert_eq!(&response.body[..], b"{}", "{which}");
+    }
+}
+
 #[tokio::test]
 async fn a_connection_header_naming_the_key_does_not_disable_the_guard() {
     let upstream = Upstream::start().await;

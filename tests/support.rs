@@ -5,6 +5,8 @@
 
 pub mod client;
 pub mod history;
+pub mod model;
+pub mod protocol;
 pub mod proxy;
 pub mod redis_server;
 pub mod relay;

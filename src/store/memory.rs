@@ -27,6 +27,35 @@ pub struct MemoryStore {
 struct Shared {
     records: Mutex<HashMap<StoreKey, Record>>,
     max_records: usize,
+    #[cfg(feature = "test-util")]
+    plant: Option<Plant>,
+}
+
+/// A bug planted on purpose, so that a test can show it catches it. Only with the
+/// `test-util` feature; without it, every `planted!` is `false` and compiles away.
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plant {
+    /// Complete, mark unknown and release accept any owner of an in-flight record.
+    OwnerCheckDropped,
+    /// Complete is accepted after the lease has run out.
+    LeaseCheckDropped,
+    /// A claim takes over a record whose lease has run out.
+    ExpiredLeaseTakenOver,
+}
+
+#[cfg(feature = "test-util")]
+macro_rules! planted {
+    ($store:expr, $plant:ident) => {
+        $store.shared.plant == Some(Plant::$plant)
+    };
+}
+
+#[cfg(not(feature = "test-util"))]
+macro_rules! planted {
+    ($store:expr, $plant:ident) => {
+        false
+    };
 }
 
 #[derive(Debug)]
@@ -50,6 +79,20 @@ impl MemoryStore {
         let shared = Arc::new(Shared {
             records: Mutex::new(HashMap::new()),
             max_records,
+            #[cfg(feature = "test-util")]
+            plant: None,
+        });
+        tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
+        MemoryStore { shared }
+    }
+
+    /// A store with `plant` in it, for the negative controls of the conformance test.
+    #[cfg(feature = "test-util")]
+    pub fn with_plant(max_records: usize, plant: Plant) -> MemoryStore {
+        let shared = Arc::new(Shared {
+            records: Mutex::new(HashMap::new()),
+            max_records,
+            plant: Some(plant),
         });
         tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
         MemoryStore { shared }
@@ -68,6 +111,7 @@ impl MemoryStore {
 
     /// The owner's live in-flight record and its lease deadline, if it still is one.
     fn owned<'a>(
+        &self,
         records: &'a mut HashMap<StoreKey, Record>,
         key: &StoreKey,
         owner: OwnerToken,
@@ -78,7 +122,7 @@ impl MemoryStore {
             State::InFlight {
                 owner: holder,
                 lease_until,
-            } if holder == owner => Some((record, lease_until)),
+            } if holder == owner || planted!(self, OwnerCheckDropped) => Some((record, lease_until)),
             _ => None,
         }
     }
@@ -110,7 +154,14 @@ impl RecordStore for MemoryStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
-        if let Some(record) = records.get(&claim.key).filter(|record| record.expires_at > now) {
+        let taken_over = |record: &Record| {
+            planted!(self, ExpiredLeaseTakenOver)
+                && matches!(record.state, State::InFlight { lease_until, .. } if lease_until <= now)
+        };
+        if let Some(record) = records
+            .get(&claim.key)
+            .filter(|record| record.expires_at > now && !taken_over(record))
+        {
             let state = match &record.state {
                 State::InFlight { lease_until, .. } if *lease_until <= now => RecordState::LeaseExpired,
                 State::InFlight { owner, .. } if *owner == claim.owner => return Ok(ClaimOutcome::Acquired(())),
@@ -153,8 +204,8 @@ impl RecordStore for MemoryStore {
     ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
-        Ok(match MemoryStore::owned(&mut records, key, owner, now) {
-            Some((record, lease_until)) if lease_until > now => {
+        Ok(match self.owned(&mut records, key, owner, now) {
+            Some((record, lease_until)) if lease_until > now || planted!(self, LeaseCheckDropped) => {
                 record.state = State::Completed(response.clone());
                 Write::Applied
             }
@@ -169,7 +220,7 @@ impl RecordStore for MemoryStore {
         reason: UnknownReason,
     ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
-        Ok(match MemoryStore::owned(&mut records, key, owner, Instant::now()) {
+        Ok(match self.owned(&mut records, key, owner, Instant::now()) {
             Some((record, _)) => {
                 record.state = State::Unknown(reason);
                 Write::Applied
@@ -180,7 +231,7 @@ impl RecordStore for MemoryStore {
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
-        if MemoryStore::owned(&mut records, key, owner, Instant::now()).is_none() {
+        if self.owned(&mut records, key, owner, Instant::now()).is_none() {
             return Ok(Write::Fenced);
         }
         records.remove(key);

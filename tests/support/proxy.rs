@@ -115,9 +115,16 @@ upstream_timeout = "{upstream_timeout}"
         ProxyHandle { running }
     }
 
-    /// Writes the config to a file, for tests that run the binary.
-    pub fn write(&self, path: &Path) {
-        std::fs::write(path, self.toml()).expect("write the test config");
+    /// Writes the config to a file of its own, for tests that run the binary; the
+    /// file is removed when the returned handle drops.
+    pub fn write_temp(&self) -> tempfile::NamedTempFile {
+        let file = tempfile::Builder::new()
+            .prefix("idemproxy-")
+            .suffix(".toml")
+            .tempfile()
+            .expect("create a temporary config file");
+        std::fs::write(file.path(), self.toml()).expect("write the test config");
+        file
     }
 }
 
@@ -147,6 +154,8 @@ pub struct ChildProxy {
     pub child: std::process::Child,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
+    /// The config file the child reads, removed with it.
+    _config: tempfile::NamedTempFile,
 }
 
 impl ChildProxy {
@@ -158,11 +167,10 @@ impl ChildProxy {
         let admin_port = free_port();
         config.listen = format!("127.0.0.1:{port}");
         config.admin_listen = format!("127.0.0.1:{admin_port}");
-        let path = std::env::temp_dir().join(format!("idemproxy-child-{}-{port}.toml", std::process::id()));
-        config.write(&path);
+        let file = config.write_temp();
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
             .args(["serve", "--config"])
-            .arg(&path)
+            .arg(file.path())
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -172,6 +180,7 @@ impl ChildProxy {
             child,
             addr: ([127, 0, 0, 1], port).into(),
             admin: ([127, 0, 0, 1], admin_port).into(),
+            _config: file,
         };
         let started = tokio::time::Instant::now();
         loop {

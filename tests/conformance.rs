@@ -1,0 +1,542 @@
+//! Model-based conformance: both real stores (the memory store on a paused Tokio clock,
+//! and a real `redis-server`) are driven through sequences of the record protocol's
+//! events (claims, completes, mark-unknowns and releases from several owners; leases
+//! and retention running out) and held, at every step, to `protocol::Record::apply`,
+//! the function the model check (`tests/model.rs`) proves safe. The sequences are the
+//! model's own explored traces plus random ones from proptest. On Redis every step also
+//! checks the record's TTL: the retention from its claim, never moved, and no key once
+//! the model says the record is gone.
+//!
+//! Negative controls: bugs planted in mutated copies of the Lua scripts (loaded on the
+//! side) and in the memory store (the `test-util` plants) must each be caught.
+//!
+//! The clock: the memory store runs on Tokio's paused clock, advanced past the lease or
+//! the retention. Redis's clock cannot be moved, so the lease runs out by moving the
+//! record's lease deadline into the past (the scripts read it from that field and
+//! nothing else), and the retention by `PEXPIREAT` in the past.
+
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, StatusCode};
+use idemproxy::idempotency::{parse_key_value, store_key};
+use idemproxy::store::memory::Plant;
+use idemproxy::store::redis::ScriptName;
+use idemproxy::store::{
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
+    StoreKey, StoredResponse, UnknownReason, Write,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
+use support::RedisServer;
+use support::model::explore;
+use support::protocol::{CORRECT, Event, Op, Record, Reply};
+
+/// Owners 0..OWNERS write; the last token observes the final state with a claim.
+const OWNERS: u8 = 3;
+const OBSERVER: u8 = OWNERS;
+/// On Redis the lease is real and long (it only runs out when a step says so), and
+/// shorter than the retention, so an expiry set to the lease shows in the TTL check.
+const LEASE: Duration = Duration::from_secs(3600);
+const RETENTION: Duration = Duration::from_secs(7200);
+
+// === what each owner writes ===
+
+fn fingerprint(owner: u8) -> Fingerprint {
+    Fingerprint([owner + 1; 32])
+}
+
+fn response(owner: u8) -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::from_u16(200 + u16::from(owner)).expect("status"),
+        headers: vec![(HeaderName::from_static("x-owner"), HeaderValue::from(u16::from(owner)))],
+        body: Bytes::from(format!("from owner {owner}")),
+    }
+}
+
+fn reason(owner: u8) -> UnknownReason {
+    [
+        UnknownReason::UpstreamTimeout,
+        UnknownReason::UpstreamFailed,
+        UnknownReason::ResponseTooLarge,
+    ][usize::from(owner % 3)]
+}
+
+/// The owner whose fingerprint this is.
+fn owner_of(fingerprint: Fingerprint) -> Option<u8> {
+    (0..=OBSERVER).find(|owner| self::fingerprint(*owner) == fingerprint)
+}
+
+/// What a store answered a claim, in the model's terms; `Err` when the answer cannot
+/// be one the model gives (a fingerprint, response or reason of the wrong owner).
+fn observed_claim(outcome: ClaimOutcome) -> Result<Reply, String> {
+    let Existing { fingerprint, state } = match outcome {
+        ClaimOutcome::Acquired(()) => return Ok(Reply::Acquired),
+        ClaimOutcome::Existing(existing) => existing,
+    };
+    let owner = owner_of(fingerprint).ok_or_else(|| format!("a fingerprint no owner sent: {fingerprint:?}"))?;
+    let record = match state {
+        RecordState::InFlight { .. } => Record::InFlight {
+            owner,
+            lease_valid: true,
+        },
+        RecordState::LeaseExpired => Record::InFlight {
+            owner,
+            lease_valid: false,
+        },
+        RecordState::Completed(stored) if stored == response(owner) => Record::Completed { owner },
+        RecordState::Completed(stored) => return Err(format!("owner {owner}'s record holds {stored:?}")),
+        RecordState::Unknown(why) if why == reason(owner) => Record::Unknown { owner },
+        RecordState::Unknown(why) => return Err(format!("owner {owner}'s record is unknown for {why:?}")),
+    };
+    Ok(Reply::Existing(record))
+}
+
+fn observed_write(write: Write) -> Reply {
+    match write {
+        Write::Applied => Reply::Applied,
+        Write::Fenced => Reply::Fenced,
+    }
+}
+
+// === the stores under test ===
+
+/// One store, one record, and the clock that runs it.
+trait Driver {
+    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String>;
+    async fn expire_lease(&mut self);
+    async fn expire_retention(&mut self);
+    /// Checks what can be seen of the record besides the answers (Redis: its TTL).
+    async fn check(&mut self, model: Record) -> Result<(), String>;
+}
+
+/// A store and the tokens and key of one sequence.
+struct Subject<S> {
+    store: S,
+    key: StoreKey,
+    tokens: Vec<OwnerToken>,
+}
+
+impl<S: RecordStore> Subject<S> {
+    fn new(store: S, key: StoreKey) -> Subject<S> {
+        let tokens = (0..=OBSERVER)
+            .map(|_| OwnerToken::generate().expect("random bytes"))
+            .collect();
+        Subject { store, key, tokens }
+    }
+
+    async fn apply(&self, owner: u8, op: Op, lease: Duration) -> Result<Reply, String> {
+        let token = self.tokens[usize::from(owner)];
+        let failed = |error| format!("the store failed: {error}");
+        match op {
+            Op::Claim => {
+                let request = ClaimRequest {
+                    key: self.key.clone(),
+                    owner: token,
+                    fingerprint: fingerprint(owner),
+                    retention: RETENTION,
+                    lease,
+                };
+                observed_claim(self.store.claim(&request).await.map_err(failed)?)
+            }
+            Op::Complete => Ok(observed_write(
+                self.store
+                    .complete(&self.key, token, &response(owner))
+                    .await
+                    .map_err(failed)?,
+            )),
+            Op::MarkUnknown => Ok(observed_write(
+                self.store
+                    .mark_unknown(&self.key, token, reason(owner))
+                    .await
+                    .map_err(failed)?,
+            )),
+            Op::Release => Ok(observed_write(
+                self.store.release(&self.key, token).await.map_err(failed)?,
+            )),
+        }
+    }
+}
+
+/// The memory store, on Tokio's paused clock.
+struct Memory(Subject<MemoryStore>);
+
+/// The memory store's lease: short, so that a few lease expiries never reach the
+/// retention.
+const MEMORY_LEASE: Duration = Duration::from_secs(1);
+
+impl Driver for Memory {
+    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
+        self.0.apply(owner, op, MEMORY_LEASE).await
+    }
+
+    async fn expire_lease(&mut self) {
+        tokio::time::advance(MEMORY_LEASE).await;
+    }
+
+    async fn expire_retention(&mut self) {
+        tokio::time::advance(RETENTION).await;
+    }
+
+    async fn check(&mut self, _: Record) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// A real `redis-server`, with a connection of the test's own for the clock and the
+/// TTL checks.
+struct Redis {
+    subject: Subject<RedisStore>,
+    control: redis::aio::MultiplexedConnection,
+}
+
+impl Driver for Redis {
+    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
+        self.subject.apply(owner, op, LEASE).await
+    }
+
+    async fn expire_lease(&mut self) {
+        let key = self.subject.key.as_str();
+        let state: Option<String> = redis::cmd("HGET")
+            .arg(key)
+            .arg("state")
+            .query_async(&mut self.control)
+            .await
+            .expect("HGET");
+        if state.as_deref() == Some("in_flight") {
+            let _: () = redis::cmd("HSET")
+                .arg(key)
+                .arg("lease")
+                .arg(0)
+                .query_async(&mut self.control)
+                .await
+                .expect("HSET");
+        }
+    }
+
+    async fn expire_retention(&mut self) {
+        let _: () = redis::cmd("PEXPIREAT")
+            .arg(self.subject.key.as_str())
+            .arg(1)
+            .query_async(&mut self.control)
+            .await
+            .expect("PEXPIREAT");
+    }
+
+    async fn check(&mut self, model: Record) -> Result<(), String> {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(self.subject.key.as_str())
+            .query_async(&mut self.control)
+            .await
+            .expect("PTTL");
+        let retention = i64::try_from(RETENTION.as_millis()).expect("ms");
+        match (model, ttl) {
+            (Record::Free, -2) => Ok(()),
+            (Record::Free, ttl) => Err(format!("the model has no record, Redis has one with PTTL {ttl}")),
+            (_, ttl) if ttl > retention - 60_000 && ttl <= retention => Ok(()),
+            (_, ttl) => Err(format!("PTTL {ttl} ms is not the retention {retention} ms")),
+        }
+    }
+}
+
+/// Runs `events` (then the observer's claim) on `driver` and on the model side by side;
+/// `Err` names the first step where they part.
+async fn conform(driver: &mut impl Driver, events: &[Event]) -> Result<(), String> {
+    let mut model = Record::Free;
+    let observe = Event::Apply {
+        owner: OBSERVER,
+        op: Op::Claim,
+    };
+    for (step, event) in events.iter().chain([&observe]).enumerate() {
+        let expected = model.step(*event, CORRECT);
+        let actual = match *event {
+            Event::Apply { owner, op } => Some(driver.apply(owner, op).await),
+            Event::LeaseExpires => {
+                driver.expire_lease().await;
+                None
+            }
+            Event::RetentionExpires => {
+                driver.expire_retention().await;
+                None
+            }
+        };
+        let parted = |why: String| format!("step {step} ({event:?}) of {events:?}: {why}");
+        if let Some(actual) = actual {
+            let actual = actual.map_err(parted)?;
+            if Some(actual) != expected {
+                return Err(parted(format!("the store answered {actual:?}, the model {expected:?}")));
+            }
+        }
+        driver.check(model).await.map_err(parted)?;
+    }
+    Ok(())
+}
+
+// === the sequences ===
+
+fn events() -> impl Strategy<Value = Vec<Event>> {
+    let op = prop_oneof![
+        7 => Just(Op::Claim),
+        4 => Just(Op::Complete),
+        3 => Just(Op::MarkUnknown),
+        3 => Just(Op::Release),
+    ];
+    let event = prop_oneof![
+        17 => (0..OWNERS, op).prop_map(|(owner, op)| Event::Apply { owner, op }),
+        2 => Just(Event::LeaseExpires),
+        1 => Just(Event::RetentionExpires),
+    ];
+    proptest::collection::vec(event, 1..40)
+}
+
+/// What a conformance run covered, for the figures the tests print.
+#[derive(Debug, Default)]
+struct Coverage {
+    traces: usize,
+    trace_steps: usize,
+    random: usize,
+}
+
+fn key(n: usize) -> StoreKey {
+    let key = parse_key_value(format!("conformance-{n}").as_bytes()).expect("key");
+    store_key("conformance", "payments", &[], &key)
+}
+
+/// The model's explored store traces with `proxies` proxies.
+fn model_traces(proxies: usize) -> (usize, Vec<Vec<Event>>) {
+    let outcome = explore(proxies, CORRECT);
+    assert!(outcome.counterexample.is_none(), "the model itself is unsafe");
+    (outcome.states, outcome.store_traces())
+}
+
+/// Runs every trace, then `cases` random sequences, each on a fresh store (memory) or
+/// a fresh record (Redis) made by `make`; returns the first failure, if any.
+fn run<D: Driver>(
+    runtime: &tokio::runtime::Runtime,
+    traces: &[Vec<Event>],
+    cases: u32,
+    mut make: impl FnMut(usize) -> D,
+) -> (Coverage, Result<(), String>) {
+    let mut coverage = Coverage::default();
+    for (n, trace) in traces.iter().enumerate() {
+        coverage.traces += 1;
+        coverage.trace_steps += trace.len();
+        if let Err(error) = runtime.block_on(conform(&mut make(n), trace)) {
+            return (coverage, Err(format!("model trace: {error}")));
+        }
+    }
+    let mut runner = TestRunner::new(ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    // proptest's runner takes an `Fn`: the counters and the maker go in cells.
+    let n = std::cell::Cell::new(traces.len());
+    let random = std::cell::Cell::new(0);
+    let make = std::cell::RefCell::new(make);
+    let result = runner.run(&events(), |events| {
+        n.set(n.get() + 1);
+        random.set(random.get() + 1);
+        let mut driver = (make.borrow_mut())(n.get());
+        runtime
+            .block_on(conform(&mut driver, &events))
+            .map_err(TestCaseError::fail)
+    });
+    coverage.random = random.get();
+    let result = match result {
+        Ok(()) => Ok(()),
+        Err(TestError::Fail(why, minimal)) => Err(format!("random, shrunk to {minimal:?}: {why}")),
+        Err(TestError::Abort(why)) => Err(format!("proptest aborted: {why}")),
+    };
+    (coverage, result)
+}
+
+fn memory_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("runtime")
+}
+
+fn memory_driver(runtime: &tokio::runtime::Runtime, plant: Option<Plant>, n: usize) -> Memory {
+    let _entered = runtime.enter();
+    let store = match plant {
+        Some(plant) => MemoryStore::with_plant(1000, plant),
+        None => MemoryStore::new(1000),
+    };
+    Memory(Subject::new(store, key(n)))
+}
+
+/// One `redis-server` for a whole run; every sequence gets a record of its own.
+struct RedisRun {
+    _server: RedisServer,
+    runtime: tokio::runtime::Runtime,
+    store: RedisStore,
+    control: redis::aio::MultiplexedConnection,
+}
+
+impl RedisRun {
+    fn start(script: Option<(ScriptName, &str)>) -> RedisRun {
+        let server = RedisServer::start();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (store, control) = runtime.block_on(async {
+            let store = RedisStore::new(&server.url(), Duration::from_secs(5)).expect("store");
+            let store = match script {
+                Some((name, lua)) => store.with_script(name, lua),
+                None => store,
+            };
+            let control = redis::Client::open(server.url())
+                .expect("url")
+                .get_multiplexed_async_connection()
+                .await
+                .expect("control connection");
+            (store, control)
+        });
+        RedisRun {
+            _server: server,
+            runtime,
+            store,
+            control,
+        }
+    }
+
+    fn run(&self, traces: &[Vec<Event>], cases: u32) -> (Coverage, Result<(), String>) {
+        run(&self.runtime, traces, cases, |n| Redis {
+            subject: Subject::new(self.store.clone(), key(n)),
+            control: self.control.clone(),
+        })
+    }
+}
+
+// === the tests ===
+
+#[test]
+fn the_memory_store_conforms_to_the_model() {
+    let (states_2, traces_2) = model_traces(2);
+    let (states_3, traces_3) = model_traces(3);
+    let runtime = memory_runtime();
+    let traces: Vec<_> = traces_2.iter().chain(&traces_3).cloned().collect();
+    let (coverage, result) = run(&runtime, &traces, 512, |n| memory_driver(&runtime, None, n));
+    println!(
+        "conformance (memory): model traces from {states_2} + {states_3} states: {} traces, {} steps; \
+         {} random sequences; {result:?}",
+        coverage.traces, coverage.trace_steps, coverage.random
+    );
+    result.expect("the memory store strays from the model");
+    assert_eq!(coverage.random, 512);
+}
+
+#[test]
+fn the_redis_store_conforms_to_the_model() {
+    let (states, traces) = model_traces(2);
+    let run = RedisRun::start(None);
+    let (coverage, result) = run.run(&traces, 256);
+    println!(
+        "conformance (redis): model traces from {states} states: {} traces, {} steps; {} random sequences; \
+         {result:?}",
+        coverage.traces, coverage.trace_steps, coverage.random
+    );
+    result.expect("the Redis store strays from the model");
+    assert_eq!(coverage.random, 256);
+}
+
+// === negative controls ===
+
+const CLAIM_LUA: &str = include_str!("../src/store/scripts/claim.lua");
+const COMPLETE_LUA: &str = include_str!("../src/store/scripts/complete.lua");
+const MARK_UNKNOWN_LUA: &str = include_str!("../src/store/scripts/mark_unknown.lua");
+const RELEASE_LUA: &str = include_str!("../src/store/scripts/release.lua");
+
+/// `lua` with `from` replaced by `to`, which must occur exactly once: a plant that no
+/// longer applies to the script must fail loudly, not test the correct script.
+fn plant(lua: &str, from: &str, to: &str) -> String {
+    assert_eq!(
+        lua.matches(from).count(),
+        1,
+        "the plant no longer fits the script: {from:?}"
+    );
+    lua.replace(from, to)
+}
+
+#[test]
+fn bugs_planted_in_the_lua_scripts_are_caught() {
+    let owner_check = "if record[1] ~= 'in_flight' or record[2] ~= ARGV[1] then";
+    let plants: Vec<(&str, ScriptName, String)> = vec![
+        (
+            "complete without the owner check",
+            ScriptName::Complete,
+            plant(COMPLETE_LUA, owner_check, "if record[1] ~= 'in_flight' then"),
+        ),
+        (
+            "complete without the lease check",
+            ScriptName::Complete,
+            plant(COMPLETE_LUA, "if now >= tonumber(record[3]) then", "if false then"),
+        ),
+        (
+            "mark_unknown without the owner check",
+            ScriptName::MarkUnknown,
+            plant(MARK_UNKNOWN_LUA, owner_check, "if record[1] ~= 'in_flight' then"),
+        ),
+        (
+            "release without compare-and-set",
+            ScriptName::Release,
+            plant(RELEASE_LUA, owner_check, "if false then"),
+        ),
+        (
+            "claim takes over an expired lease",
+            ScriptName::Claim,
+            plant(
+                CLAIM_LUA,
+                "return {'lease_expired', version, record[3]}",
+                "redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fp', ARGV[2], \
+                 'lease', string.format('%.0f', now + tonumber(ARGV[4]))) return {'acquired'}",
+            ),
+        ),
+        (
+            "claim sets the expiry to the lease",
+            ScriptName::Claim,
+            plant(
+                CLAIM_LUA,
+                "string.format('%.0f', now + tonumber(ARGV[3])))",
+                "string.format('%.0f', now + tonumber(ARGV[4])))",
+            ),
+        ),
+    ];
+    let (_, traces) = model_traces(2);
+    for (name, script, lua) in plants {
+        let run = RedisRun::start(Some((script, &lua)));
+        let (coverage, result) = run.run(&traces, 256);
+        let caught = result.expect_err(&format!("a planted bug went unnoticed: {name}"));
+        println!(
+            "negative control (redis: {name}), caught after {} traces and {} random sequences: {caught}",
+            coverage.traces, coverage.random
+        );
+    }
+}
+
+#[test]
+fn bugs_planted_in_the_memory_store_are_caught() {
+    let (_, traces) = model_traces(2);
+    let runtime = memory_runtime();
+    for plant in [
+        Plant::OwnerCheckDropped,
+        Plant::LeaseCheckDropped,
+        Plant::ExpiredLeaseTakenOver,
+    ] {
+        let (coverage, result) = run(&runtime, &traces, 512, |n| memory_driver(&runtime, Some(plant), n));
+        let caught = result.expect_err(&format!("a planted bug went unnoticed: {plant:?}"));
+        println!(
+            "negative control (memory: {plant:?}), caught after {} traces and {} random sequences: {caught}",
+            coverage.traces, coverage.random
+        );
+    }
+}
