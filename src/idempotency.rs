@@ -101,8 +101,8 @@ fn unquote(quoted: &[u8]) -> Result<Vec<u8>, KeyError> {
                 _ => return Err(KeyError::MalformedString),
             },
             Some(b'"') => break,
-            Some(&c) if (0x20..=0x7e).contains(&c) => out.push(c),
-            Some(_) => return Err(KeyError::NotVisibleAscii),
+            // Any other byte: the caller refuses what is not visible ASCII.
+            Some(&c) => out.push(c),
         }
     }
     match bytes.as_slice() {

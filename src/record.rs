@@ -48,7 +48,6 @@ impl StoredResponse {
         let mut response = Response::new(full(self.body));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
-        headers.reserve(self.headers.len() + 1);
         for (name, value) in self.headers {
             headers.append(name, value);
         }
@@ -123,6 +122,14 @@ mod tests {
     #[test]
     fn headers_round_trip() {
         assert_eq!(decode_headers(&encode_headers(&headers())), Some(headers()));
+    }
+
+    #[test]
+    fn the_encoding_is_allocated_once_at_its_exact_size() {
+        let encoded = encode_headers(&headers());
+        let expected: usize = headers().iter().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum();
+        assert_eq!(encoded.len(), expected);
+        assert_eq!(encoded.capacity(), encoded.len(), "no growth, no spare capacity");
     }
 
     #[test]

@@ -85,7 +85,7 @@ fn config_errors_name_the_file_the_line_and_the_field() {
             "retention.toml",
             format!("{ROUTE}upstream_timeout = \"30s\"\n[route.idempotency]\nretention = \"10s\"\n"),
             ":7: route[0].idempotency.retention:",
-            "shorter than the lease",
+            "does not exceed the lease",
         ),
         (
             "enum.toml",

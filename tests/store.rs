@@ -336,6 +336,8 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
         store.claim(&short("b")).await.expect("claim"),
         ClaimOutcome::Acquired(())
     );
+    assert_eq!(store.len(), 2);
+    assert!(!store.is_empty());
     let refused = store.claim(&short("c")).await;
     assert!(
         matches!(refused, Err(idemproxy::error::StoreError::Full(2))),
@@ -365,6 +367,25 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(store.len() <= 2);
+}
+
+/// The sweeper drops expired records on its own, one sweep after they expire, without
+/// waiting for the store to fill up. Tokio's paused clock makes the sweep's timing exact.
+#[tokio::test(start_paused = true)]
+async fn the_memory_store_sweeps_expired_records_in_the_background() {
+    let store = MemoryStore::new(100);
+    let claim = ClaimRequest {
+        retention: Duration::from_secs(5),
+        ..claim(&key("swept"), new_owner(), Duration::from_secs(2))
+    };
+    store.claim(&claim).await.expect("claim");
+    assert_eq!(store.len(), 1);
+    // Just before the expiry the record is still held.
+    tokio::time::sleep(Duration::from_millis(4_900)).await;
+    assert_eq!(store.len(), 1, "swept before it expired");
+    // One sweep period (1 s) after the expiry it is gone.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert!(store.is_empty(), "an expired record was never swept");
 }
 
 // === redis only ===

@@ -148,8 +148,81 @@ fn type_errors_name_the_field_through_nested_and_repeated_tables() {
 }
 
 #[test]
+fn bounds_are_inclusive_where_the_design_says_so() {
+    let name = |length: usize| ROUTE.replace("payments\"\npath", &format!("{}\"\npath", "n".repeat(length)));
+    assert!(parse(&name(64)).is_ok(), "a 64-character route name is allowed");
+    assert!(error(&name(65)).contains("route[0].name: must be 1 to 64"));
+    for workers in [1, 1024] {
+        let config = parse(&format!("[server]\nworkers = {workers}\n{ROUTE}")).expect("valid");
+        assert_eq!(config.server.workers, workers);
+    }
+    for workers in [0, 1025] {
+        let message = error(&format!("[server]\nworkers = {workers}\n{ROUTE}"));
+        assert!(
+            message.contains("t.toml:2: server.workers: must be between 1 and 1024"),
+            "{message}"
+        );
+    }
+    let one = parse(&format!("[store]\nmax_records = 1\n{ROUTE}")).expect("valid");
+    assert!(matches!(one.store.backend, Backend::Memory { max_records: 1 }));
+    assert!(
+        error(&format!("[store]\nmax_records = 0\n{ROUTE}"))
+            .contains("t.toml:2: store.max_records: must be greater than 0")
+    );
+}
+
+#[test]
+fn retention_must_exceed_the_lease() {
+    let with = |retention: &str| {
+        format!("{ROUTE}upstream_timeout = \"30s\"\n[route.idempotency]\nretention = \"{retention}\"\n")
+    };
+    let message = error(&with("31s"));
+    assert!(
+        message.contains("t.toml:7: route[0].idempotency.retention: 31s does not exceed the lease"),
+        "{message}"
+    );
+    let config = parse(&with("31s 1ms")).expect("valid");
+    let policy = config.routes[0].idempotency.as_ref().expect("guarded");
+    assert_eq!(policy.retention, Duration::from_millis(31_001));
+}
+
+#[test]
+fn a_host_must_not_be_empty() {
+    let host = |value: &str| ROUTE.replace("upstream =", &format!("host = \"{value}\"\nupstream ="));
+    assert!(error(&host("")).contains("route[0].host: must not be empty"));
+    let config = parse(&host("API.example.com")).expect("valid");
+    assert_eq!(
+        config.routes[0].host.as_deref(),
+        Some("api.example.com"),
+        "hosts are matched lower-case"
+    );
+}
+
+#[test]
+fn a_redis_url_needs_the_redis_scheme_and_must_parse() {
+    for url in [
+        "unix:///tmp/redis.sock",
+        "valkey://127.0.0.1/0",
+        "redis://127.0.0.1:99999/0",
+    ] {
+        let message = error(&format!("[store]\nbackend = \"redis\"\nurl = \"{url}\"\n{ROUTE}"));
+        assert!(
+            message.contains("t.toml:3: store.url: must be a redis:// or rediss:// URL"),
+            "{url}: {message}"
+        );
+    }
+    assert!(
+        parse(&format!(
+            "[store]\nbackend = \"redis\"\nurl = \"rediss://h:6380/0\"\n{ROUTE}"
+        ))
+        .is_ok()
+    );
+}
+
+#[test]
 fn syntax_errors_name_the_table_or_key_on_their_line() {
     assert!(error(&format!("[server\n{ROUTE}")).contains("t.toml:1: server:"));
+    assert!(error(&format!("[[route]\n{}", &ROUTE["[[route]]\n".len()..])).contains("t.toml:1: route:"));
     assert!(error(&format!("[store]\ntimeout = \"5s\n{ROUTE}")).contains("t.toml:2: timeout:"));
 }
 

@@ -65,8 +65,8 @@ fn field_path(path: &serde_path_to_error::Path) -> String {
 /// the table on that line (`[server` names `server`), or the key before its `=`.
 fn syntax_field(source: &str, offset: usize) -> String {
     let (before, after) = source.split_at_checked(offset).unwrap_or((source, ""));
-    let line_start = before.rfind('\n').map_or(before, |i| &before[i + 1..]);
-    let line_end = after.split('\n').next().unwrap_or("");
+    let line_start = before.rsplit('\n').next().unwrap_or_default();
+    let line_end = after.split('\n').next().unwrap_or_default();
     let line = format!("{line_start}{line_end}");
     let line = line.trim();
     let field = match line.strip_prefix('[') {
@@ -309,12 +309,12 @@ impl Validator<'_> {
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
         let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
         let retention = raw.retention.get_ref().0;
-        if retention < upstream_timeout + LEASE_GRACE {
+        if retention <= upstream_timeout + LEASE_GRACE {
             return Err(self.error(
                 raw.retention.span(),
                 field("retention"),
                 format!(
-                    "{} is shorter than the lease (upstream_timeout {} + 1s); a record would expire while its request is in flight",
+                    "{} does not exceed the lease (upstream_timeout {} + 1s); a record would expire while its request may still be in flight",
                     humantime::format_duration(retention),
                     humantime::format_duration(upstream_timeout)
                 ),
