@@ -57,7 +57,28 @@ pub struct StoreConfig {
 #[derive(Debug, Clone)]
 pub enum Backend {
     Memory { max_records: usize },
-    Redis { url: String },
+    Redis(RedisConfig),
+}
+
+/// A Redis store: where it is, and how durable a claim must be before it counts.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    pub topology: RedisTopology,
+    /// More than 0: a claim counts only once this many replicas acknowledged it
+    /// (`WAIT`); fewer within `replica_ack_timeout` releases it and answers 503.
+    pub min_replica_acks: u32,
+    pub replica_ack_timeout: Duration,
+}
+
+/// The three shapes of a Redis deployment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTopology {
+    /// One primary: `url`.
+    Standalone { url: String },
+    /// A primary found through Sentinel: `urls` are the sentinels.
+    Sentinel { urls: Vec<String>, master_name: String },
+    /// A Redis Cluster: `urls` are seed nodes.
+    Cluster { urls: Vec<String> },
 }
 
 #[derive(Debug, Clone)]
@@ -124,6 +145,9 @@ impl Config {
 /// The memory store's bound when `store.max_records` is not set.
 pub const DEFAULT_MAX_RECORDS: usize = 100_000;
 
+/// How long a claim waits for its replicas when `store.replica_ack_timeout` is not set.
+pub const DEFAULT_REPLICA_ACK_TIMEOUT: Duration = Duration::from_millis(100);
+
 impl std::fmt::Display for Config {
     /// The summary `idemproxy check` prints.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -133,7 +157,7 @@ impl std::fmt::Display for Config {
         }
         match &self.store.backend {
             Backend::Memory { max_records } => writeln!(f, "store  memory (max_records {max_records})")?,
-            Backend::Redis { url } => writeln!(f, "store  redis {}", redact_url(url))?,
+            Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
         }
         for route in &self.routes {
             let guard = match &route.idempotency {
@@ -155,6 +179,32 @@ impl std::fmt::Display for Config {
             )?;
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Display for RedisConfig {
+    /// The topology as `idemproxy check` prints it, passwords redacted.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |urls: &[String]| urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>().join(", ");
+        match &self.topology {
+            RedisTopology::Standalone { url } => write!(f, "redis (one primary) {}", redact_url(url))?,
+            RedisTopology::Sentinel { urls, master_name } => {
+                write!(
+                    f,
+                    "redis-sentinel (master {master_name:?} via sentinels {})",
+                    list(urls)
+                )?;
+            }
+            RedisTopology::Cluster { urls } => write!(f, "redis-cluster (seed nodes {})", list(urls))?,
+        }
+        match self.min_replica_acks {
+            0 => write!(f, "; claims are not replica-acknowledged"),
+            acks => write!(
+                f,
+                "; a claim waits for {acks} replica acknowledgement(s) within {}",
+                humantime::format_duration(self.replica_ack_timeout)
+            ),
+        }
     }
 }
 

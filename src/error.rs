@@ -61,6 +61,14 @@ pub enum StoreError {
     Full(usize),
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
+    /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
+    /// in time: a failover could lose it.
+    #[error("only {acks} of the {wanted} replica acknowledgements the claim needs arrived in time")]
+    NotReplicated { acks: u32, wanted: u32 },
+    /// The store answers but cannot serve (a cluster with uncovered slots, a sentinel's
+    /// primary that is not a primary).
+    #[error("the store cannot serve: {0}")]
+    Unready(&'static str),
 }
 
 impl StoreError {
@@ -69,8 +77,11 @@ impl StoreError {
     /// itself gave before writing (a full memory store) rules it out.
     pub fn may_have_written(&self) -> bool {
         match self {
-            StoreError::Timeout(_) | StoreError::Unavailable(_) | StoreError::Protocol(_) => true,
-            StoreError::Full(_) => false,
+            StoreError::Timeout(_)
+            | StoreError::Unavailable(_)
+            | StoreError::Protocol(_)
+            | StoreError::NotReplicated { .. } => true,
+            StoreError::Full(_) | StoreError::Unready(_) => false,
         }
     }
 }
@@ -244,7 +255,13 @@ impl Rejection {
                 Store,
                 Outcome::StoreError,
             ),
-            Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_) | StoreError::Timeout(_)) => (
+            Rejection::Store(
+                StoreError::Unavailable(_)
+                | StoreError::Protocol(_)
+                | StoreError::Timeout(_)
+                | StoreError::NotReplicated { .. }
+                | StoreError::Unready(_),
+            ) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "Idempotency store unavailable",
@@ -311,8 +328,11 @@ impl Rejection {
             | Rejection::InProgress { .. }
             | Rejection::OutcomeUnknown => self.to_string(),
             Rejection::Store(StoreError::Full(_)) => "the idempotency store is full; nothing was forwarded".into(),
-            Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_)) => {
+            Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_) | StoreError::Unready(_)) => {
                 "the idempotency store is unreachable; nothing was forwarded".into()
+            }
+            Rejection::Store(StoreError::NotReplicated { .. }) => {
+                "the idempotency store could not replicate the claim in time; nothing was forwarded".into()
             }
             Rejection::Store(StoreError::Timeout(_)) => {
                 "the idempotency store did not answer in time; nothing was forwarded".into()

@@ -161,7 +161,8 @@ fn digest_array(digest: &digest::Digest) -> [u8; 32] {
 }
 
 /// The one derivation of a record's store key:
-/// `{key_prefix}:{route}:{hex(sha256(length-prefixed scope values and key))}`.
+/// `{key_prefix}:{route}:{{hex(sha256(length-prefixed scope values and key))}}`, the
+/// hash in braces (the Redis Cluster hash tag).
 ///
 /// `scope` holds, for each of the route's `scope_headers`, all of its values. Every
 /// part is length-prefixed, so ("a:b", "c") and ("a", "b:c") never meet. Raw client
@@ -176,12 +177,16 @@ pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &Idem
         }
     }
     put(&mut context, key.as_str().as_bytes());
-    let mut derived = String::with_capacity(key_prefix.len() + route.len() + 2 + 64);
+    let mut derived = String::with_capacity(key_prefix.len() + route.len() + 4 + 64);
     derived.push_str(key_prefix);
     derived.push(':');
     derived.push_str(route);
-    derived.push(':');
+    // The hash in braces is the key's Redis Cluster hash tag: a record's slot comes
+    // from its hash alone, so records spread over every shard, and every key one record
+    // may use shares the tag and the slot. No client byte can reach the tag.
+    derived.push_str(":{");
     derived.push_str(const_hex::Buffer::<32>::new().format(&digest_array(&context.finish())));
+    derived.push('}');
     StoreKey::from_derived(derived)
 }
 

@@ -119,6 +119,7 @@ pub(crate) struct Metrics {
     /// Writes refused by compare-and-set, by op.
     fenced_writes: [Counter; StoreOp::ALL.len()],
     pending_releases: Gauge,
+    replica_acks_missed: Counter,
 }
 
 /// One route's metric handles, made once so a request only bumps atomics.
@@ -187,7 +188,14 @@ impl Metrics {
             "Claims waiting for the store to come back so they can be released",
             pending_releases.clone(),
         );
+        let replica_acks_missed = Counter::default();
+        registry.register(
+            "replica_acks_missed",
+            "Claims released because fewer replicas than min_replica_acks acknowledged them in time",
+            replica_acks_missed.clone(),
+        );
         Metrics {
+            replica_acks_missed,
             registry,
             requests,
             upstream_latency,
@@ -223,6 +231,10 @@ impl Metrics {
 
     pub(crate) fn fenced_write(&self, op: StoreOp) {
         self.fenced_writes[op as usize].inc();
+    }
+
+    pub(crate) fn replica_acks_missed(&self) {
+        self.replica_acks_missed.inc();
     }
 
     pub(crate) fn pending_releases(&self) -> &Gauge {

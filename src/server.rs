@@ -22,7 +22,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
 use crate::body::{ClientInfo, ProxyBody};
-use crate::config::{Backend, Config};
+use crate::config::{Backend, Config, RedisTopology};
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
@@ -103,9 +103,9 @@ fn store_factory(config: &Config) -> StoreFactory {
             let shared = AnyStore::Memory(MemoryStore::new(*max_records));
             Arc::new(move || Ok(shared.clone()))
         }
-        Backend::Redis { url } => {
-            let (url, timeout) = (url.clone(), config.store.timeout);
-            Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&url, timeout)?)))
+        Backend::Redis(redis) => {
+            let (redis, timeout) = (redis.clone(), config.store.timeout);
+            Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?)))
         }
     }
 }
@@ -138,7 +138,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     };
     let store = factory().map_err(StartError::Store)?;
     // A memory store is one process's: a second instance must not share its port.
-    let share_port = matches!(config.store.backend, Backend::Redis { .. });
+    let share_port = matches!(config.store.backend, Backend::Redis(_));
     let (addr, listeners) = bind_workers(config.server.listen, config.server.workers, share_port)?;
 
     let config = Arc::new(config);
@@ -331,9 +331,13 @@ fn bind_workers(
 }
 
 fn store_name(config: &Config) -> &'static str {
-    match config.store.backend {
+    match &config.store.backend {
         Backend::Memory { .. } => "memory",
-        Backend::Redis { .. } => "redis",
+        Backend::Redis(redis) => match redis.topology {
+            RedisTopology::Standalone { .. } => "redis",
+            RedisTopology::Sentinel { .. } => "redis-sentinel",
+            RedisTopology::Cluster { .. } => "redis-cluster",
+        },
     }
 }
 

@@ -179,3 +179,24 @@ fn the_config_path_comes_from_the_environment() {
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
     assert!(String::from_utf8_lossy(&output.stdout).contains("route  payments"));
 }
+
+#[test]
+fn check_prints_the_redis_topology_and_its_durability() {
+    let dir = temp_dir();
+    for (store, expected) in [
+        (
+            "backend = \"redis-sentinel\"\nurls = [\"redis://10.0.0.1:26379\", \"redis://10.0.0.2:26379\"]\nmaster_name = \"orders\"\nmin_replica_acks = 1",
+            "store  redis-sentinel (master \"orders\" via sentinels redis://10.0.0.1:26379, redis://10.0.0.2:26379); a claim waits for 1 replica acknowledgement(s) within 100ms",
+        ),
+        (
+            "backend = \"redis-cluster\"\nurls = [\"redis://:secret@10.0.1.1:6379\"]",
+            "store  redis-cluster (seed nodes redis://:***@10.0.1.1:6379); claims are not replica-acknowledged",
+        ),
+    ] {
+        let path = write(&dir, "topology.toml", &format!("[store]\n{store}\n{ROUTE}"));
+        let (ok, stdout, stderr) = check(&path);
+        assert!(ok, "{stderr}");
+        assert!(stdout.contains(expected), "{expected:?} not in {stdout:?}");
+        assert!(!stdout.contains("secret"), "{stdout}");
+    }
+}

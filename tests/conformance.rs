@@ -389,7 +389,7 @@ impl RedisRun {
             .build()
             .expect("runtime");
         let (store, control) = runtime.block_on(async {
-            let store = RedisStore::new(&server.url(), Duration::from_secs(5)).expect("store");
+            let store = RedisStore::standalone(&server.url(), Duration::from_secs(5)).expect("store");
             let store = match script {
                 Some((name, lua)) => store.with_script(name, lua),
                 None => store,

@@ -13,17 +13,17 @@ mod support;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::ScriptName;
 use idemproxy::store::{AnyStore, MemoryStore, RecordStore, RedisStore};
-use support::client::{PooledClient, pooled_client, pooled_send, until_not};
+use support::client::until_not;
 use support::history::{Contract, History, check};
+use support::storm::{Storm, until_progress};
 use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, post_key, send};
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 const RETENTION: Duration = Duration::from_secs(3600);
@@ -33,215 +33,6 @@ fn storm_config(redis: &str, upstream: &str, store_timeout: &str) -> TestConfig 
     config.store_timeout = store_timeout.into();
     config.idempotency = "scope_headers = [\"authorization\"]".into();
     config
-}
-
-/// Many logical operations, each sent `duplicates` times across the targets.
-struct Storm {
-    name: &'static str,
-    targets: Vec<SocketAddr>,
-    logical: usize,
-    duplicates: usize,
-    concurrency: usize,
-    jitter_ms: u64,
-}
-
-struct StormRun {
-    history: Arc<History>,
-    progress: Arc<AtomicUsize>,
-    started: Instant,
-}
-
-impl Storm {
-    /// Two tenants share each key name, so a replay across scopes would show.
-    fn scope_and_key(&self, logical: usize) -> (String, String) {
-        let half = self.logical.div_ceil(2);
-        (
-            format!("Bearer tenant-{}", logical / half),
-            format!("{}-{}", self.name, logical % half),
-        )
-    }
-
-    fn raw_keys(&self) -> Vec<String> {
-        (0..self.logical).map(|l| self.scope_and_key(l).1).collect()
-    }
-
-    fn start(&self) -> StormRun {
-        StormRun {
-            history: Arc::new(History::default()),
-            progress: Arc::new(AtomicUsize::new(0)),
-            started: Instant::now(),
-        }
-    }
-
-    async fn run(&self, run: &StormRun) {
-        let client = pooled_client();
-        let permits = Arc::new(Semaphore::new(self.concurrency));
-        let mut tasks = tokio::task::JoinSet::new();
-        let jitter = self.jitter_ms.to_string();
-        for logical in 0..self.logical {
-            for copy in 0..self.duplicates {
-                let permit = permits.clone().acquire_owned().await.expect("semaphore");
-                let (scope, key) = self.scope_and_key(logical);
-                let target = self.targets[(logical + copy) % self.targets.len()];
-                let (client, history, progress, jitter) = (
-                    client.clone(),
-                    run.history.clone(),
-                    run.progress.clone(),
-                    jitter.clone(),
-                );
-                tasks.spawn(async move {
-                    one_op(&client, target, &scope, &key, &jitter, &history).await;
-                    progress.fetch_add(1, Ordering::SeqCst);
-                    drop(permit);
-                });
-            }
-        }
-        while tasks.join_next().await.is_some() {}
-    }
-
-    fn total(&self) -> usize {
-        self.logical * self.duplicates
-    }
-
-    /// Liveness, after the storm and its fault: each key is retried (through its first
-    /// target) while it is still in progress or the store refuses it, and must end in a
-    /// success or a definite `outcome-unknown`. The retries are recorded in the history,
-    /// so the checker sees them too.
-    async fn settle(&self, run: &StormRun) -> Liveness {
-        let client = pooled_client();
-        let permits = Arc::new(Semaphore::new(32));
-        let mut tasks = tokio::task::JoinSet::new();
-        for logical in 0..self.logical {
-            let permit = permits.clone().acquire_owned().await.expect("semaphore");
-            let (scope, key) = self.scope_and_key(logical);
-            let target = self.targets[logical % self.targets.len()];
-            let (client, history) = (client.clone(), run.history.clone());
-            tasks.spawn(async move {
-                let settled = settle_one(&client, target, &scope, &key, &history).await;
-                drop(permit);
-                settled
-            });
-        }
-        let mut liveness = Liveness::default();
-        while let Some(settled) = tasks.join_next().await {
-            liveness.keys += 1;
-            match settled.expect("settle task") {
-                Settled::Succeeded => liveness.succeeded += 1,
-                Settled::Unknown => liveness.unknown += 1,
-                Settled::Not(what) => liveness.unsettled.push(what),
-            }
-        }
-        liveness
-    }
-}
-
-enum Settled {
-    Succeeded,
-    Unknown,
-    /// Still not settled after 20 s, or an answer that is neither.
-    Not(String),
-}
-
-async fn settle_one(client: &PooledClient, target: SocketAddr, scope: &str, key: &str, history: &History) -> Settled {
-    let headers = [
-        ("idempotency-key", key),
-        ("authorization", scope),
-        ("content-type", "application/json"),
-    ];
-    let started = Instant::now();
-    loop {
-        let sent = Instant::now();
-        let outcome = pooled_send(
-            client,
-            target,
-            "/v1/payments",
-            &headers,
-            "{\"amount\":1}",
-            Duration::from_secs(15),
-        )
-        .await;
-        history.record(scope, key, sent, outcome.clone());
-        let last = match outcome {
-            Ok(response) if response.status.is_success() => return Settled::Succeeded,
-            Ok(response) if response.status == 409 && response.problem() == "outcome-unknown" => {
-                return Settled::Unknown;
-            }
-            Ok(response) if matches!(response.status.as_u16(), 409 | 503) => {
-                format!("{} {}", response.status, response.problem())
-            }
-            Ok(response) => return Settled::Not(format!("{key}: {response:?}")),
-            Err(error) => error,
-        };
-        if started.elapsed() > Duration::from_secs(20) {
-            return Settled::Not(format!("{key}: still {last} after 20 s"));
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// How the keys of a storm ended.
-#[derive(Debug, Default)]
-struct Liveness {
-    keys: usize,
-    succeeded: usize,
-    unknown: usize,
-    unsettled: Vec<String>,
-}
-
-impl Liveness {
-    /// Prints the figures, then fails unless every key settled and at least
-    /// `min_success` of them succeeded.
-    fn assert_live(&self, scenario: &str, min_success: f64) {
-        let share = self.succeeded as f64 / self.keys.max(1) as f64;
-        println!(
-            "liveness[{scenario}]: keys={} succeeded={} ({:.1} %) unknown={} unsettled={}",
-            self.keys,
-            self.succeeded,
-            share * 100.0,
-            self.unknown,
-            self.unsettled.len()
-        );
-        assert!(
-            self.unsettled.is_empty(),
-            "{scenario}: keys that never settled: {:?}",
-            self.unsettled
-        );
-        assert!(
-            share >= min_success,
-            "{scenario}: only {:.1} % of the keys succeeded (at least {:.1} % expected)",
-            share * 100.0,
-            min_success * 100.0
-        );
-    }
-}
-
-async fn one_op(client: &PooledClient, target: SocketAddr, scope: &str, key: &str, jitter: &str, history: &History) {
-    let headers = [
-        ("idempotency-key", key),
-        ("authorization", scope),
-        ("content-type", "application/json"),
-        ("x-test-jitter-ms", jitter),
-    ];
-    let started = Instant::now();
-    let outcome = pooled_send(
-        client,
-        target,
-        "/v1/payments",
-        &headers,
-        "{\"amount\":1}",
-        Duration::from_secs(15),
-    )
-    .await;
-    history.record(scope, key, started, outcome);
-}
-
-/// Waits until the storm has made `count` more operations: a condition, bounded.
-async fn until_progress(run: &StormRun, count: usize) {
-    let started = Instant::now();
-    while run.progress.load(Ordering::SeqCst) < count {
-        assert!(started.elapsed() < Duration::from_secs(60), "the storm stalled");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Records every request a scenario sends, for the history checker.
@@ -731,7 +522,7 @@ async fn start_with_script(config: &TestConfig, script: Option<(ScriptName, &str
     let script = script.map(|(name, lua)| (name, lua.to_string()));
     let timeout = humantime::parse_duration(&config.store_timeout).expect("store timeout");
     let factory: idemproxy::StoreFactory = Arc::new(move || {
-        let store = RedisStore::new(&url, timeout)?;
+        let store = RedisStore::standalone(&url, timeout)?;
         Ok(AnyStore::Redis(match &script {
             Some((name, lua)) => store.with_script(*name, lua),
             None => store,

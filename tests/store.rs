@@ -298,7 +298,7 @@ macro_rules! against_both_stores {
                 #[tokio::test]
                 async fn $name() {
                     let server = super::RedisServer::start();
-                    let store = super::RedisStore::new(&server.url(), super::Duration::from_secs(2)).expect("store");
+                    let store = super::RedisStore::standalone(&server.url(), super::Duration::from_secs(2)).expect("store");
                     super::$name(&store).await;
                 }
             )*
@@ -408,7 +408,7 @@ fn assert_retention_ttl(server: &RedisServer, key: &StoreKey, when: &str) {
 #[tokio::test]
 async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     let server = RedisServer::start();
-    let store = RedisStore::new(&server.url(), Duration::from_secs(2)).expect("store");
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
     let lease = Duration::from_secs(1);
 
     let done = key("ttl-done");
@@ -454,7 +454,7 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
 #[tokio::test]
 async fn scripts_survive_a_script_flush_and_a_restart() {
     let mut server = RedisServer::start();
-    let store = RedisStore::new(&server.url(), Duration::from_secs(2)).expect("store");
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
     let key = key("flush");
     let owner = new_owner();
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");

@@ -10,6 +10,8 @@ pub mod protocol;
 pub mod proxy;
 pub mod redis_server;
 pub mod relay;
+pub mod storm;
+pub mod topology;
 pub mod upstream;
 
 pub use client::{TestResponse, post_key, send, send_raw};

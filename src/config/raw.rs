@@ -58,10 +58,12 @@ fn default_admin_listen() -> SocketAddr {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "kebab-case")]
 pub(super) enum BackendKind {
     Memory,
     Redis,
+    RedisSentinel,
+    RedisCluster,
 }
 
 #[derive(Deserialize)]
@@ -69,9 +71,13 @@ pub(super) enum BackendKind {
 pub(super) struct RawStore {
     pub(super) backend: Spanned<BackendKind>,
     pub(super) url: Option<Spanned<String>>,
+    pub(super) urls: Option<Spanned<Vec<String>>>,
+    pub(super) master_name: Option<Spanned<String>>,
     pub(super) key_prefix: Spanned<String>,
     pub(super) timeout: Spanned<HumanDuration>,
     pub(super) max_records: Option<Spanned<usize>>,
+    pub(super) min_replica_acks: Option<Spanned<u32>>,
+    pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
 }
 
 impl Default for RawStore {
@@ -79,9 +85,13 @@ impl Default for RawStore {
         RawStore {
             backend: Spanned::new(0..0, BackendKind::Memory),
             url: None,
+            urls: None,
+            master_name: None,
             key_prefix: Spanned::new(0..0, "idemproxy".to_string()),
             timeout: Spanned::new(0..0, HumanDuration(Duration::from_millis(500))),
             max_records: None,
+            min_replica_acks: None,
+            replica_ack_timeout: None,
         }
     }
 }

@@ -232,3 +232,107 @@ fn redact_url_hides_passwords() {
     assert_eq!(redact_url("redis://user:hunter2@host/0"), "redis://user:***@host/0");
     assert_eq!(redact_url("redis://host:6379"), "redis://host:6379");
 }
+
+#[test]
+fn the_three_redis_topologies_and_their_fields() {
+    let sentinel = parse(&format!(
+        "[store]\nbackend = \"redis-sentinel\"\nurls = [\"redis://10.0.0.1:26379\", \"redis://:pw@10.0.0.2:26379\"]\n\
+         master_name = \"idemproxy\"\nmin_replica_acks = 1\nreplica_ack_timeout = \"250ms\"\n{ROUTE}"
+    ))
+    .expect("valid");
+    let Backend::Redis(redis) = &sentinel.store.backend else {
+        panic!("a redis backend")
+    };
+    assert_eq!(
+        redis.topology,
+        RedisTopology::Sentinel {
+            urls: vec!["redis://10.0.0.1:26379".into(), "redis://:pw@10.0.0.2:26379".into()],
+            master_name: "idemproxy".into()
+        }
+    );
+    assert_eq!(
+        (redis.min_replica_acks, redis.replica_ack_timeout),
+        (1, Duration::from_millis(250))
+    );
+    let printed = sentinel.to_string();
+    assert!(
+        printed.contains("store  redis-sentinel (master \"idemproxy\" via sentinels redis://10.0.0.1:26379, redis://:***@10.0.0.2:26379); a claim waits for 1 replica acknowledgement(s) within 250ms"),
+        "{printed}"
+    );
+
+    let cluster = parse(&format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [\"redis://10.0.1.1:6379\"]\n{ROUTE}"
+    ))
+    .expect("valid");
+    let Backend::Redis(redis) = &cluster.store.backend else {
+        panic!("a redis backend")
+    };
+    assert_eq!(
+        redis.topology,
+        RedisTopology::Cluster {
+            urls: vec!["redis://10.0.1.1:6379".into()]
+        }
+    );
+    assert_eq!(
+        (redis.min_replica_acks, redis.replica_ack_timeout),
+        (0, DEFAULT_REPLICA_ACK_TIMEOUT)
+    );
+    assert!(
+        cluster
+            .to_string()
+            .contains("redis-cluster (seed nodes redis://10.0.1.1:6379); claims are not replica-acknowledged")
+    );
+}
+
+#[test]
+fn each_topology_refuses_the_fields_of_the_others() {
+    for (store, needle) in [
+        (
+            "backend = \"redis-sentinel\"\nurls = [\"redis://s:26379\"]",
+            "t.toml:2: store.master_name: the redis-sentinel backend needs master_name",
+        ),
+        (
+            "backend = \"redis-sentinel\"\nmaster_name = \"m\"",
+            "t.toml:2: store.urls: the redis-sentinel backend needs urls",
+        ),
+        (
+            "backend = \"redis-sentinel\"\nurl = \"redis://s:26379\"\nmaster_name = \"m\"",
+            "t.toml:3: store.url: the redis-sentinel backend takes urls",
+        ),
+        (
+            "backend = \"redis-sentinel\"\nurls = []\nmaster_name = \"m\"",
+            "t.toml:3: store.urls: must name at least one node",
+        ),
+        (
+            "backend = \"redis-sentinel\"\nurls = [\"redis://s:26379\"]\nmaster_name = \"\"",
+            "t.toml:4: store.master_name: must not be empty",
+        ),
+        (
+            "backend = \"redis-cluster\"\nurls = [\"redis://n:6379\", \"http://n:6379\"]",
+            "t.toml:3: store.urls[1]: must be a redis:// or rediss:// URL",
+        ),
+        (
+            "backend = \"redis-cluster\"\nurls = [\"redis://n:6379\"]\nmaster_name = \"m\"",
+            "t.toml:4: store.master_name: only the redis-sentinel backend",
+        ),
+        (
+            "backend = \"redis\"\nurl = \"redis://n:6379\"\nurls = [\"redis://n:6379\"]",
+            "t.toml:4: store.urls: the redis backend takes one url",
+        ),
+        (
+            "backend = \"redis\"\nurl = \"redis://n\"\nreplica_ack_timeout = \"500us\"",
+            "t.toml:4: store.replica_ack_timeout: must be at least 1ms",
+        ),
+        (
+            "min_replica_acks = 1",
+            "t.toml:2: store.min_replica_acks: only the redis backends",
+        ),
+        (
+            "urls = [\"redis://n:6379\"]",
+            "t.toml:2: store.urls: only the redis backends",
+        ),
+    ] {
+        let message = error(&format!("[store]\n{store}\n{ROUTE}"));
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+    }
+}

@@ -15,7 +15,8 @@ use toml::Spanned;
 
 use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawServer, RawStore};
 use super::{
-    AdminConfig, Backend, Config, DEFAULT_MAX_RECORDS, IdempotencyPolicy, LEASE_GRACE, Route, ServerConfig, StoreConfig,
+    AdminConfig, Backend, Config, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT, IdempotencyPolicy, LEASE_GRACE,
+    RedisConfig, RedisTopology, Route, ServerConfig, StoreConfig,
 };
 use crate::error::ConfigError;
 use crate::upstream::Target;
@@ -192,8 +193,21 @@ impl Validator<'_> {
         }
         let backend = match *raw.backend.get_ref() {
             BackendKind::Memory => {
-                if let Some(url) = &raw.url {
-                    return Err(self.error(url.span(), "store.url", "only the redis backend takes a url"));
+                let redis_only = [
+                    ("store.url", raw.url.as_ref().map(Spanned::span)),
+                    ("store.urls", raw.urls.as_ref().map(Spanned::span)),
+                    ("store.master_name", raw.master_name.as_ref().map(Spanned::span)),
+                    (
+                        "store.min_replica_acks",
+                        raw.min_replica_acks.as_ref().map(Spanned::span),
+                    ),
+                    (
+                        "store.replica_ack_timeout",
+                        raw.replica_ack_timeout.as_ref().map(Spanned::span),
+                    ),
+                ];
+                if let Some((field, Some(span))) = redis_only.into_iter().find(|(_, span)| span.is_some()) {
+                    return Err(self.error(span, field, "only the redis backends take this"));
                 }
                 let max_records = match &raw.max_records {
                     Some(max) if *max.get_ref() == 0 => {
@@ -204,33 +218,128 @@ impl Validator<'_> {
                 };
                 Backend::Memory { max_records }
             }
-            BackendKind::Redis => {
-                if let Some(max) = &raw.max_records {
-                    return Err(self.error(
-                        max.span(),
-                        "store.max_records",
-                        "only the memory backend takes max_records; bound Redis with maxmemory",
-                    ));
-                }
-                let Some(url) = raw.url else {
-                    return Err(self.error(
-                        raw.backend.span(),
-                        "store.url",
-                        "the redis backend needs url = \"redis://host:6379/0\"",
-                    ));
-                };
-                let scheme_ok = url.get_ref().starts_with("redis://") || url.get_ref().starts_with("rediss://");
-                if !scheme_ok || redis::Client::open(url.get_ref().as_str()).is_err() {
-                    return Err(self.error(url.span(), "store.url", "must be a redis:// or rediss:// URL"));
-                }
-                Backend::Redis { url: url.into_inner() }
-            }
+            kind => Backend::Redis(self.redis(kind, &raw)?),
         };
         Ok(StoreConfig {
             backend,
             key_prefix: raw.key_prefix.into_inner(),
             timeout: raw.timeout.into_inner().0,
         })
+    }
+
+    /// The Redis backends: which fields each topology takes, every URL checked.
+    fn redis(&self, kind: BackendKind, raw: &RawStore) -> Result<RedisConfig, ConfigError> {
+        if let Some(max) = &raw.max_records {
+            return Err(self.error(
+                max.span(),
+                "store.max_records",
+                "only the memory backend takes max_records; bound Redis with maxmemory",
+            ));
+        }
+        let refuse = |value: Option<Range<usize>>, field: &str, reason: &str| match value {
+            Some(span) => Err(self.error(span, field, reason)),
+            None => Ok(()),
+        };
+        let topology = match kind {
+            BackendKind::Redis => {
+                refuse(
+                    raw.urls.as_ref().map(Spanned::span),
+                    "store.urls",
+                    "the redis backend takes one url; urls is for redis-sentinel and redis-cluster",
+                )?;
+                refuse(
+                    raw.master_name.as_ref().map(Spanned::span),
+                    "store.master_name",
+                    "only the redis-sentinel backend takes master_name",
+                )?;
+                let Some(url) = &raw.url else {
+                    return Err(self.error(
+                        raw.backend.span(),
+                        "store.url",
+                        "the redis backend needs url = \"redis://host:6379/0\"",
+                    ));
+                };
+                self.redis_url(url.get_ref(), url.span(), "store.url")?;
+                RedisTopology::Standalone {
+                    url: url.get_ref().clone(),
+                }
+            }
+            BackendKind::RedisSentinel | BackendKind::RedisCluster => {
+                let name = if kind == BackendKind::RedisSentinel {
+                    "redis-sentinel"
+                } else {
+                    "redis-cluster"
+                };
+                refuse(
+                    raw.url.as_ref().map(Spanned::span),
+                    "store.url",
+                    &format!("the {name} backend takes urls = [...], not url"),
+                )?;
+                let urls = match &raw.urls {
+                    Some(urls) if !urls.get_ref().is_empty() => urls,
+                    Some(urls) => return Err(self.error(urls.span(), "store.urls", "must name at least one node")),
+                    None => {
+                        let example = if kind == BackendKind::RedisSentinel {
+                            "the redis-sentinel backend needs urls = [\"redis://sentinel:26379\", ...] and master_name"
+                        } else {
+                            "the redis-cluster backend needs urls = [\"redis://node:6379\", ...] (seed nodes)"
+                        };
+                        return Err(self.error(raw.backend.span(), "store.urls", example));
+                    }
+                };
+                for (index, url) in urls.get_ref().iter().enumerate() {
+                    self.redis_url(url, urls.span(), &format!("store.urls[{index}]"))?;
+                }
+                let urls = urls.get_ref().clone();
+                if kind == BackendKind::RedisCluster {
+                    refuse(
+                        raw.master_name.as_ref().map(Spanned::span),
+                        "store.master_name",
+                        "only the redis-sentinel backend takes master_name",
+                    )?;
+                    RedisTopology::Cluster { urls }
+                } else {
+                    let master_name = match &raw.master_name {
+                        Some(name) if !name.get_ref().is_empty() => name.get_ref().clone(),
+                        Some(name) => return Err(self.error(name.span(), "store.master_name", "must not be empty")),
+                        None => {
+                            return Err(self.error(
+                                raw.backend.span(),
+                                "store.master_name",
+                                "the redis-sentinel backend needs master_name, the name the sentinels monitor",
+                            ));
+                        }
+                    };
+                    RedisTopology::Sentinel { urls, master_name }
+                }
+            }
+            BackendKind::Memory => unreachable!("the memory backend is not a Redis one"),
+        };
+        let replica_ack_timeout = match &raw.replica_ack_timeout {
+            Some(timeout) if timeout.get_ref().0 < Duration::from_millis(1) => {
+                return Err(self.error(
+                    timeout.span(),
+                    "store.replica_ack_timeout",
+                    "must be at least 1ms (WAIT 0 would wait forever)",
+                ));
+            }
+            Some(timeout) => timeout.get_ref().0,
+            None => DEFAULT_REPLICA_ACK_TIMEOUT,
+        };
+        Ok(RedisConfig {
+            topology,
+            min_replica_acks: raw.min_replica_acks.as_ref().map_or(0, |acks| *acks.get_ref()),
+            replica_ack_timeout,
+        })
+    }
+
+    /// A `redis://` or `rediss://` URL the redis crate can open.
+    fn redis_url(&self, url: &str, span: Range<usize>, field: &str) -> Result<(), ConfigError> {
+        let scheme_ok = url.starts_with("redis://") || url.starts_with("rediss://");
+        if !scheme_ok || redis::Client::open(url).is_err() {
+            return Err(self.error(span, field, "must be a redis:// or rediss:// URL"));
+        }
+        Ok(())
     }
 
     fn route(&self, index: usize, raw: RawRoute) -> Result<Route, ConfigError> {

@@ -58,7 +58,10 @@ fn store_keys_hide_client_bytes_and_never_collide_across_boundaries() {
     let derived = store_key("idemproxy", "payments", &[], &k);
     assert!(derived.as_str().starts_with("idemproxy:payments:"));
     assert!(!derived.as_str().contains("order-1"));
-    assert_eq!(derived.as_str().len(), "idemproxy:payments:".len() + 64);
+    assert_eq!(derived.as_str().len(), "idemproxy:payments:{}".len() + 64);
+    // The record hash is the key's cluster hash tag: nothing before it has braces.
+    assert_eq!(derived.as_str().find('{'), Some("idemproxy:payments:".len()));
+    assert!(derived.as_str().ends_with('}'));
     // Length prefixes keep ("a:b", "c") and ("a", "b:c") apart.
     let one = store_key("p", "r", &[vec![b"a:b"], vec![b"c"]], &k);
     let two = store_key("p", "r", &[vec![b"a"], vec![b"b:c"]], &k);

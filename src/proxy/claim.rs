@@ -59,6 +59,10 @@ impl Ledger {
                 Ok(ClaimOutcome::Existing(existing))
             }
             Err(error) if error.may_have_written() => {
+                if let StoreError::NotReplicated { acks, wanted } = error {
+                    self.metrics.replica_acks_missed();
+                    tracing::warn!(acks, wanted, "too few replicas acknowledged the claim; releasing it");
+                }
                 claim.release_in_background();
                 Err(error)
             }

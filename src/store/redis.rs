@@ -1,22 +1,33 @@
 //! The Redis store: one hash per record, and one Lua script per lifecycle step, so
-//! each step is a single atomic round trip. Deadlines come from Redis `TIME`, never
-//! from this process's clock. Scripts run by EVALSHA and fall back to EVAL when
-//! Redis has lost them (restart, `SCRIPT FLUSH`). Replies are decoded here, once, into
-//! the store's types: a reply or record that does not decode is a store error.
+//! each step is a single atomic round trip on the node that holds the record, whatever
+//! the topology (`topology`: one primary, Sentinel, Cluster). Deadlines come from
+//! Redis `TIME`, never from this process's clock. Scripts run by EVALSHA and fall back
+//! to loading them when Redis has lost them (restart, failover, `SCRIPT FLUSH`).
+//! Replies are decoded here, once, into the store's types: a reply or record that does
+//! not decode is a store error.
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisError, Script};
+use redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind};
+use tokio::time::Instant;
 
+use self::topology::{Connection, Unready, is_transient};
 use super::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse,
     UnknownReason, Write,
 };
+use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
 use crate::record::FORMAT_VERSION;
+
+mod topology;
+
+/// The first pause between two tries of an operation the store refused for a moment,
+/// and the longest.
+const FIRST_PAUSE: Duration = Duration::from_millis(5);
+const MAX_PAUSE: Duration = Duration::from_millis(100);
 
 static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
     Arc::new(Scripts {
@@ -47,45 +58,76 @@ pub enum ScriptName {
     Release,
 }
 
-/// A cheap-to-clone handle on one multiplexed, self-reconnecting Redis connection.
+/// How many replicas must hold a claim before it counts, and how long to wait for them.
+#[derive(Debug, Clone, Copy)]
+struct Durability {
+    acks: u32,
+    timeout: Duration,
+}
+
+/// Which failures an operation is tried again after, within the store's timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// Only refusals that say the command did not run (a failover, a slot moving, a
+    /// load): any write may be tried again after one.
+    Refused,
+    /// Those, and a lost connection, after which the command may or may not have run:
+    /// only for the claim, which finds its own token when it did.
+    Transient,
+}
+
+/// A cheap-to-clone handle on the Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: ConnectionManager,
+    connection: Connection,
     scripts: Arc<Scripts>,
     timeout: Duration,
-    url: Arc<str>,
+    durability: Option<Durability>,
+    topology: Arc<RedisTopology>,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let topology = match &*self.topology {
+            RedisTopology::Standalone { url } => crate::config::redact_url(url),
+            RedisTopology::Sentinel { master_name, .. } => format!("sentinel master {master_name:?}"),
+            RedisTopology::Cluster { .. } => "cluster".into(),
+        };
         f.debug_struct("RedisStore")
-            .field("url", &crate::config::redact_url(&self.url))
+            .field("topology", &topology)
             .field("timeout", &self.timeout)
+            .field("durability", &self.durability)
             .finish()
     }
 }
 
 impl RedisStore {
-    /// Prepares a connection to `url`. It connects lazily, so the proxy starts while
-    /// Redis is down and `/readyz` reports it; every operation is bounded by `timeout`.
-    pub fn new(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url).map_err(StoreError::Unavailable)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            // Each call is bounded by `timeout` below instead: a response timeout inside
-            // the driver would not tell us more, and must not tear the connection down
-            // while a release is queued behind a slow claim.
-            .set_response_timeout(None)
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(50))
-            .set_max_delay(Duration::from_millis(500));
-        let connection = ConnectionManager::new_lazy_with_config(client, config).map_err(StoreError::Unavailable)?;
+    /// Prepares the store described by `config`. It connects lazily, so the proxy
+    /// starts while Redis is down and `/readyz` reports it; every operation is bounded
+    /// by `timeout`, and a claim that waits for replicas by `timeout` plus the
+    /// configured wait.
+    pub fn new(config: &RedisConfig, timeout: Duration) -> Result<RedisStore, StoreError> {
+        let connection = Connection::new(&config.topology, timeout).map_err(StoreError::Unavailable)?;
         Ok(RedisStore {
             connection,
             scripts: SCRIPTS.clone(),
             timeout,
-            url: url.into(),
+            durability: (config.min_replica_acks > 0).then_some(Durability {
+                acks: config.min_replica_acks,
+                timeout: config.replica_ack_timeout,
+            }),
+            topology: Arc::new(config.topology.clone()),
         })
+    }
+
+    /// One primary at `url`, claims not waiting for replicas.
+    pub fn standalone(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
+        let config = RedisConfig {
+            topology: RedisTopology::Standalone { url: url.to_string() },
+            min_replica_acks: 0,
+            replica_ack_timeout: crate::config::DEFAULT_REPLICA_ACK_TIMEOUT,
+        };
+        RedisStore::new(&config, timeout)
     }
 
     /// Replaces one lifecycle script with `lua`, for tests that must show a broken
@@ -104,33 +146,137 @@ impl RedisStore {
         self
     }
 
-    async fn bounded<T>(&self, call: impl Future<Output = Result<T, RedisError>>) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(StoreError::Unavailable(error)),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+    /// Runs `op` until it answers, trying again after the failures `retry` names while
+    /// `budget` lasts; then the last error, or a timeout.
+    async fn attempt<T, F, Fut>(&self, retry: Retry, budget: Duration, mut op: F) -> Result<T, StoreError>
+    where
+        F: FnMut(Connection) -> Fut,
+        Fut: Future<Output = RedisResult<T>>,
+    {
+        let deadline = Instant::now() + budget;
+        let mut pause = FIRST_PAUSE;
+        loop {
+            let error = match tokio::time::timeout_at(deadline, op(self.connection.clone())).await {
+                Err(_) => return Err(StoreError::Timeout(budget)),
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(error)) => error,
+            };
+            let again = match retry {
+                Retry::Refused => is_refused(&error),
+                Retry::Transient => is_transient(&error),
+            };
+            if !again || Instant::now() + pause >= deadline {
+                return Err(StoreError::Unavailable(error));
+            }
+            tracing::debug!(%error, "the store refused for a moment; trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(MAX_PAUSE);
         }
     }
 
     async fn fenced_write(&self, invocation: redis::ScriptInvocation<'_>) -> Result<Write, StoreError> {
-        let mut connection = self.connection.clone();
-        let applied: i64 = self.bounded(invocation.invoke_async(&mut connection)).await?;
+        let applied: i64 = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut connection).await }
+            })
+            .await?;
         Ok(if applied == 1 { Write::Applied } else { Write::Fenced })
     }
+
+    /// The claim and a `WAIT` for `durability.acks` replicas, in one pipeline on one
+    /// connection: `WAIT` counts the writes of the connection it runs on, so on a
+    /// connection made after the claim's it would count nothing and answer at once.
+    async fn claim_durably(
+        &self,
+        claim: &ClaimRequest,
+        durability: Durability,
+    ) -> Result<(Vec<Bytes>, u32), StoreError> {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha
+            .arg(self.scripts.claim.get_hash())
+            .arg(1)
+            .arg(claim.key.as_str());
+        for arg in claim_args(claim) {
+            evalsha.arg(arg);
+        }
+        let mut pipeline = redis::pipe();
+        pipeline
+            .add_command(evalsha)
+            .cmd("WAIT")
+            .arg(durability.acks)
+            .arg(u64::try_from(durability.timeout.as_millis()).unwrap_or(u64::MAX));
+        let budget = self.timeout + durability.timeout;
+        let (reply, acks): (Vec<Bytes>, i64) = self
+            .attempt(Retry::Transient, budget, |mut connection| {
+                let (pipeline, script) = (&pipeline, &self.scripts.claim);
+                async move {
+                    match pipeline.query_async(&mut connection).await {
+                        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                            script.load_async(&mut connection).await?;
+                            pipeline.query_async(&mut connection).await
+                        }
+                        result => result,
+                    }
+                }
+            })
+            .await?;
+        Ok((reply, u32::try_from(acks).unwrap_or(0)))
+    }
+}
+
+/// The claim script's arguments after its key.
+fn claim_args(claim: &ClaimRequest) -> [String; 5] {
+    [
+        claim.owner.to_hex(),
+        claim.fingerprint.to_hex(),
+        millis(claim.retention).to_string(),
+        millis(claim.lease).to_string(),
+        FORMAT_VERSION.to_string(),
+    ]
+}
+
+/// Whether the store said it did not run the command, and a moment later may.
+fn is_refused(error: &RedisError) -> bool {
+    matches!(
+        error.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::MasterDown
+        ) | ErrorKind::MasterNameNotFoundBySentinel
+    ) || error.code() == Some("NOREPLICAS")
+        || error.is_connection_refusal()
 }
 
 impl RecordStore for RedisStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let mut connection = self.connection.clone();
-        let mut invocation = self.scripts.claim.key(claim.key.as_str());
-        invocation
-            .arg(claim.owner.to_hex())
-            .arg(claim.fingerprint.to_hex())
-            .arg(millis(claim.retention))
-            .arg(millis(claim.lease))
-            .arg(FORMAT_VERSION);
-        let reply: Vec<Bytes> = self.bounded(invocation.invoke_async(&mut connection)).await?;
-        parse_claim_reply(reply)
+        let Some(durability) = self.durability else {
+            let mut invocation = self.scripts.claim.key(claim.key.as_str());
+            for arg in claim_args(claim) {
+                invocation.arg(arg);
+            }
+            let reply: Vec<Bytes> = self
+                .attempt(Retry::Transient, self.timeout, |mut connection| {
+                    let invocation = &invocation;
+                    async move { invocation.invoke_async(&mut connection).await }
+                })
+                .await?;
+            return parse_claim_reply(reply);
+        };
+        let (reply, acks) = self.claim_durably(claim, durability).await?;
+        let outcome = parse_claim_reply(reply)?;
+        // Only a claim this request wrote needs its replicas; another's record was
+        // acknowledged (or not) when it was written.
+        if outcome == ClaimOutcome::Acquired(()) && acks < durability.acks {
+            return Err(StoreError::NotReplicated {
+                acks,
+                wanted: durability.acks,
+            });
+        }
+        Ok(outcome)
     }
 
     async fn complete(
@@ -167,17 +313,22 @@ impl RecordStore for RedisStore {
 
     #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        let mut connection = self.connection.clone();
         let removed: i64 = self
-            .bounded(redis::cmd("DEL").arg(key.as_str()).query_async(&mut connection))
+            .attempt(Retry::Refused, self.timeout, |mut connection| async move {
+                redis::cmd("DEL").arg(key.as_str()).query_async(&mut connection).await
+            })
             .await?;
         Ok(removed == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         let mut connection = self.connection.clone();
-        let _: String = self.bounded(redis::cmd("PING").query_async(&mut connection)).await?;
-        Ok(())
+        match tokio::time::timeout(self.timeout, connection.readiness()).await {
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(Unready::Redis(error))) => Err(StoreError::Unavailable(error)),
+            Ok(Err(Unready::Topology(why))) => Err(StoreError::Unready(why)),
+        }
     }
 }
 

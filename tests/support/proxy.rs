@@ -19,6 +19,10 @@ pub fn free_port() -> u16 {
 pub enum StoreKind {
     Memory,
     Redis(String),
+    /// Sentinel URLs, and the master name they monitor.
+    Sentinel(Vec<String>, String),
+    /// Seed node URLs.
+    Cluster(Vec<String>),
 }
 
 #[derive(Debug, Clone)]
@@ -34,6 +38,8 @@ pub struct TestConfig {
     pub idempotency: String,
     /// Extra lines in `[server]`.
     pub server: String,
+    /// Extra lines in `[store]`.
+    pub store_extra: String,
 }
 
 impl TestConfig {
@@ -48,13 +54,22 @@ impl TestConfig {
             retention: "1h".into(),
             idempotency: String::new(),
             server: String::new(),
+            store_extra: String::new(),
         }
     }
 
     pub fn toml(&self) -> String {
+        let list = |urls: &[String]| urls.iter().map(|url| format!("{url:?}")).collect::<Vec<_>>().join(", ");
         let store = match &self.store {
             StoreKind::Memory => "backend = \"memory\"".to_string(),
             StoreKind::Redis(url) => format!("backend = \"redis\"\nurl = \"{url}\""),
+            StoreKind::Sentinel(urls, master) => {
+                format!(
+                    "backend = \"redis-sentinel\"\nurls = [{}]\nmaster_name = \"{master}\"",
+                    list(urls)
+                )
+            }
+            StoreKind::Cluster(urls) => format!("backend = \"redis-cluster\"\nurls = [{}]", list(urls)),
         };
         format!(
             r#"
@@ -68,6 +83,7 @@ listen = "{admin}"
 [store]
 {store}
 timeout = "{store_timeout}"
+{store_extra}
 
 [[route]]
 name = "payments"
@@ -99,6 +115,7 @@ upstream_timeout = "{upstream_timeout}"
             server = self.server,
             admin = self.admin_listen,
             store_timeout = self.store_timeout,
+            store_extra = self.store_extra,
             upstream = self.upstream,
             upstream_timeout = self.upstream_timeout,
             retention = self.retention,
@@ -149,6 +166,16 @@ impl ProxyHandle {
     }
 }
 
+/// Where a child proxy's log goes: nowhere, or with `IDEMPROXY_TEST_LOGS=DIR` set (to
+/// debug a failing test) into `DIR/idemproxy-PORT.log`.
+fn child_log(port: u16) -> std::process::Stdio {
+    match std::env::var_os("IDEMPROXY_TEST_LOGS") {
+        Some(dir) => std::fs::File::create(std::path::Path::new(&dir).join(format!("idemproxy-{port}.log")))
+            .map_or_else(|_| std::process::Stdio::null(), std::process::Stdio::from),
+        None => std::process::Stdio::null(),
+    }
+}
+
 /// The idemproxy binary as a child process, killed when dropped.
 pub struct ChildProxy {
     pub child: std::process::Child,
@@ -173,7 +200,7 @@ impl ChildProxy {
             .arg(file.path())
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(child_log(port))
             .spawn()
             .expect("start the idemproxy binary");
         let proxy = ChildProxy {

@@ -15,10 +15,12 @@ pub struct RedisServer {
     pub port: u16,
     dir: PathBuf,
     persistent: bool,
+    /// More arguments, e.g. `--replicaof` or `--cluster-enabled`.
+    extra: Vec<String>,
 }
 
 /// The `redis-server` binary: `$IDEMPROXY_REDIS_SERVER`, else the one on PATH.
-fn binary() -> PathBuf {
+pub fn binary() -> PathBuf {
     if let Some(path) = std::env::var_os("IDEMPROXY_REDIS_SERVER") {
         return PathBuf::from(path);
     }
@@ -48,6 +50,11 @@ impl RedisServer {
     }
 
     fn start_with(persistent: bool) -> RedisServer {
+        RedisServer::start_with_args(persistent, Vec::new())
+    }
+
+    /// A server with `extra` arguments after the usual ones.
+    pub fn start_with_args(persistent: bool, extra: Vec<String>) -> RedisServer {
         let port = free_port();
         let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
@@ -56,6 +63,7 @@ impl RedisServer {
             port,
             dir,
             persistent,
+            extra,
         };
         server.spawn();
         server
@@ -74,6 +82,7 @@ impl RedisServer {
             .args(["--maxmemory-policy", "noeviction"])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -121,6 +130,11 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         self.spawn();
+    }
+
+    /// Whether the process is running (it was not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     pub fn pause(&self) {
