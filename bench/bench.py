@@ -10,7 +10,8 @@ the same connection count, from the same run.
 
 Run it through bench/run.sh, which builds the release binary and installs what is
 missing. Options: --duration SECONDS per case and round (default 5), --rounds N
-(default 3), --connections LIST (default 32,256).
+(default 3), --connections LIST (default 32,256), --cluster (also run cases (g) and (h)
+against a second idemproxy on a Redis Cluster of three primaries and three replicas).
 """
 
 import argparse
@@ -38,6 +39,12 @@ CASES = [
     ("d", "idemproxy POST, fresh key", "idemproxy", "fresh.lua", "/v1/payments"),
     ("e", "idemproxy POST, replay", "idemproxy", "replay.lua", "/v1/payments"),
     ("f", "idemproxy POST, no key, required=false", "idemproxy", "nokey.lua", "/v1/orders"),
+]
+
+# With --cluster: the same guarded cases on an idemproxy whose store is a Redis Cluster.
+CLUSTER_CASES = [
+    ("g", "idemproxy POST, fresh key, Redis Cluster 3+3", "cluster", "fresh.lua", "/v1/payments"),
+    ("h", "idemproxy POST, replay, Redis Cluster 3+3", "cluster", "replay.lua", "/v1/payments"),
 ]
 
 # wrk prints one machine-readable line at the end of each run.
@@ -86,7 +93,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_port(port, timeout=15):
+def wait_port(port, timeout=15, what="a server"):
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -94,7 +101,7 @@ def wait_port(port, timeout=15):
                 return
         except OSError:
             time.sleep(0.05)
-    sys.exit(f"bench: nothing listens on {port} after {timeout}s")
+    sys.exit(f"bench: {what} does not listen on {port} after {timeout}s")
 
 
 def nginx_binary():
@@ -132,17 +139,58 @@ def start_nginx(workdir, name, server_block, workers):
 INSIDE_SCRIPTS = {"time", "hmget", "hset", "hdel", "pexpireat", "del", "exists"}
 
 
-def commandstats(redis_port):
-    """Calls of every command a client sent to Redis (INFO and script internals aside)."""
-    out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "commandstats"],
-                         capture_output=True, text=True, check=True).stdout
+# Commands the cluster client sends to keep its own slot map, and replicas' replication
+# traffic: not round trips of the request path.
+CLUSTER_HOUSEKEEPING = {"cluster|slots", "cluster|shards", "cluster|nodes", "cluster|info", "ping",
+                        "replconf", "psync", "command|docs", "client|setinfo", "hello"}
+
+
+def commandstats(*redis_ports):
+    """Calls of every command a client sent to these Redis servers (INFO, script
+    internals and cluster housekeeping aside)."""
     total = 0
-    for line in out.splitlines():
-        name = line.split(":", 1)[0].removeprefix("cmdstat_")
-        if line.startswith("cmdstat_") and name != "info" and name not in INSIDE_SCRIPTS:
-            fields = dict(kv.split("=") for kv in line.split(":", 1)[1].split(","))
-            total += int(fields["calls"])
+    for redis_port in redis_ports:
+        out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "commandstats"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            name = line.split(":", 1)[0].removeprefix("cmdstat_")
+            if (line.startswith("cmdstat_") and name != "info" and name not in INSIDE_SCRIPTS
+                    and name not in CLUSTER_HOUSEKEEPING):
+                fields = dict(kv.split("=") for kv in line.split(":", 1)[1].split(","))
+                total += int(fields["calls"])
     return total
+
+
+def start_cluster(workdir, children):
+    """Six redis-server processes made into a cluster of three primaries, each with a
+    replica, by redis-cli --cluster create. Returns the primaries' ports."""
+    ports = [free_port() for _ in range(6)]
+    for port in ports:
+        node_dir = os.path.join(workdir, f"cluster-{port}")
+        os.makedirs(node_dir)
+        children.append(subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", node_dir,
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", "2000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for port in ports:
+        wait_port(port, what="a cluster node")
+    subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{port}" for port in ports],
+                    "--cluster-replicas", "1", "--cluster-yes"],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        states = [subprocess.run(["redis-cli", "-p", str(port), "CLUSTER", "INFO"],
+                                 capture_output=True, text=True).stdout for port in ports]
+        if all("cluster_state:ok" in state for state in states):
+            break
+        time.sleep(0.2)
+    else:
+        sys.exit("bench: the cluster did not come up")
+    return [port for port in ports
+            if "role:master" in subprocess.run(["redis-cli", "-p", str(port), "INFO", "replication"],
+                                               capture_output=True, text=True).stdout]
 
 
 class RssSampler:
@@ -194,11 +242,14 @@ def main():
     parser.add_argument("--duration", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", default="32,256")
+    parser.add_argument("--cluster", action="store_true")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
+    cases = CASES + (CLUSTER_CASES if args.cluster else [])
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
-    ports = {name: free_port() for name in ("upstream", "nginx", "idemproxy", "admin", "redis")}
+    ports = {name: free_port() for name in ("upstream", "nginx", "idemproxy", "admin", "redis",
+                                            "cluster", "cluster-admin")}
     children = []
     try:
         for name, text in SCRIPTS.items():
@@ -231,18 +282,18 @@ def main():
               }}
             }}"""), workers=2))
         for name in ("redis", "upstream", "nginx"):
-            wait_port(ports[name])
+            wait_port(ports[name], what=name)
 
-        config = os.path.join(workdir, "idemproxy.toml")
-        with open(config, "w") as f:
-            f.write(textwrap.dedent(f"""
+        def idemproxy_config(name, listen, admin, store):
+            config = os.path.join(workdir, f"{name}.toml")
+            with open(config, "w") as f:
+                f.write(textwrap.dedent(f"""
                 [server]
-                listen = "127.0.0.1:{ports["idemproxy"]}"
+                listen = "127.0.0.1:{listen}"
                 [admin]
-                listen = "127.0.0.1:{ports["admin"]}"
+                listen = "127.0.0.1:{admin}"
                 [store]
-                backend = "redis"
-                url = "redis://127.0.0.1:{ports["redis"]}/0"
+                {store}
                 timeout = "2s"
                 [[route]]
                 name = "payments"
@@ -255,34 +306,47 @@ def main():
                 upstream = "http://127.0.0.1:{ports["upstream"]}"
                 [route.idempotency]
                 required = false
-            """))
-        proxy = subprocess.Popen([IDEMPROXY, "serve", "--config", config],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                 env={**os.environ, "RUST_LOG": "warn"})
-        children.append(proxy)
-        wait_port(ports["idemproxy"])
+                """))
+            proxy = subprocess.Popen([IDEMPROXY, "serve", "--config", config],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "RUST_LOG": "warn"})
+            children.append(proxy)
+            wait_port(listen, what=f"idemproxy ({name})")
+            # Record the key that the replay cases replay, and warm the script cache.
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{listen}/v1/payments", data=b'{"amount":1000}',
+                headers={"Idempotency-Key": "bench-replay", "Content-Type": "application/json"})
+            urllib.request.urlopen(request).read()
+            return proxy
 
-        # Record the key that case (e) replays, and warm the script cache.
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{ports['idemproxy']}/v1/payments", data=b'{"amount":1000}',
-            headers={"Idempotency-Key": "bench-replay", "Content-Type": "application/json"})
-        urllib.request.urlopen(request).read()
+        proxies = {"idemproxy": idemproxy_config(
+            "idemproxy", ports["idemproxy"], ports["admin"],
+            f'backend = "redis"\n                url = "redis://127.0.0.1:{ports["redis"]}/0"')}
+        redis_ports = {"idemproxy": [ports["redis"]]}
+        if args.cluster:
+            primaries = start_cluster(workdir, children)
+            seeds = ", ".join(f'"redis://127.0.0.1:{port}"' for port in primaries)
+            proxies["cluster"] = idemproxy_config(
+                "cluster", ports["cluster"], ports["cluster-admin"],
+                f'backend = "redis-cluster"\n                urls = [{seeds}]')
+            redis_ports["cluster"] = primaries
 
         results = {}  # (case, connections) -> list of runs
         for round_number in range(args.rounds):
             for connections in connection_counts:
-                for case, _, target, script, path in CASES:
-                    sampler = RssSampler(proxy.pid)
-                    before = commandstats(ports["redis"])
+                for case, _, target, script, path in cases:
+                    sampler = RssSampler(proxies.get(target, proxies["idemproxy"]).pid)
+                    counted = redis_ports.get(target, redis_ports["idemproxy"])
+                    before = commandstats(*counted)
                     run = run_wrk(ports[target], os.path.join(workdir, script), path, connections,
                                   args.duration)
-                    run["commands"] = commandstats(ports["redis"]) - before
+                    run["commands"] = commandstats(*counted) - before
                     run["rss_mib"] = sampler.stop() / 1024
                     results.setdefault((case, connections), []).append(run)
                     print(f"round {round_number + 1} c={connections} ({case}) {run['rps']:.0f} req/s",
                           file=sys.stderr, flush=True)
 
-        print_table(results, connection_counts, args)
+        print_table(results, connection_counts, args, cases)
     finally:
         for child in reversed(children):
             child.send_signal(signal.SIGTERM)
@@ -298,7 +362,7 @@ def median(runs, field):
     return statistics.median(run[field] for run in runs)
 
 
-def print_table(results, connection_counts, args):
+def print_table(results, connection_counts, args, cases):
     print()
     print(f"idemproxy vs nginx on loopback: {os.cpu_count()} cores, wrk -t1, {args.duration}s per case, "
           f"median of {args.rounds} alternating rounds")
@@ -309,12 +373,12 @@ def print_table(results, connection_counts, args):
     for connections in connection_counts:
         baseline = results[("b", connections)]
         base_rps, base_p99 = median(baseline, "rps"), median(baseline, "p99_ms")
-        for case, label, target, _, _ in CASES:
+        for case, label, target, _, _ in cases:
             runs = results[(case, connections)]
             rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
             requests = sum(run["requests"] for run in runs)
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
-            if target == "idemproxy":
+            if target in ("idemproxy", "cluster"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
                 rss = f"{max(run['rss_mib'] for run in runs):.1f}"
             else:
