@@ -40,6 +40,8 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Worker threads, each with its own runtime and listening socket.
     pub workers: usize,
+    /// Client connections the process holds at once; more wait in the kernel backlog.
+    pub max_connections: usize,
 }
 
 #[derive(Debug, Clone)]

@@ -14,9 +14,9 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -27,6 +27,15 @@ use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::store::{AnyStore, MemoryStore, RedisStore};
+
+use self::limits::{Activity, Backoff};
+
+mod limits;
+
+/// How long an idle connection asked to close may take to do so before it is dropped.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// The connections the admin listener holds at once.
+const ADMIN_CONNECTIONS: usize = 64;
 
 /// hyper's HTTP/1 read buffer, which bounds the request head; a larger head gets 431.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
@@ -136,6 +145,17 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
         header_read_timeout: config.server.header_read_timeout,
         grace: config.server.shutdown_grace,
     };
+    let open_files = limits::raise_open_files_limit();
+    let capacity = limits::capacity(config.server.max_connections, open_files);
+    if capacity < config.server.max_connections {
+        tracing::warn!(
+            max_connections = config.server.max_connections,
+            open_files = open_files.map_or(0, |files| files.after),
+            capacity,
+            "the open-files limit holds fewer connections than server.max_connections"
+        );
+    }
+    let connections = Arc::new(Semaphore::new(capacity));
     let store = factory().map_err(StartError::Store)?;
     // A memory store is one process's: a second instance must not share its port.
     let share_port = matches!(config.store.backend, Backend::Redis(_));
@@ -150,6 +170,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
             metrics: metrics.clone(),
             shutdown: shutdown.clone(),
             limits,
+            connections: connections.clone(),
         };
         match worker.start(index, listener).await {
             Ok(done) => stopped.push(done),
@@ -170,6 +191,9 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     };
     tracing::info!(
         %addr,
+        connections = capacity,
+        open_files_limit = open_files.map(|files| files.after),
+        open_files_limit_was = open_files.map(|files| files.before),
         admin = %admin_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
         store = store_name(&config),
         workers = config.server.workers,
@@ -204,8 +228,9 @@ async fn start_admin(
         async move { Ok::<_, Infallible>(admin.handle(request).await) }
     };
     let (finished, done) = oneshot::channel();
+    let connections = Arc::new(Semaphore::new(ADMIN_CONNECTIONS));
     tokio::spawn(async move {
-        serve(listener, limits, shutdown, service).await;
+        serve(listener, limits, connections, shutdown, service).await;
         let _ = finished.send(());
     });
     Ok((bound, done))
@@ -218,6 +243,8 @@ struct Worker {
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     limits: Limits,
+    /// The process's connection permits, shared by every worker.
+    connections: Arc<Semaphore>,
 }
 
 impl Worker {
@@ -280,7 +307,7 @@ impl Worker {
                 let proxy = proxy.clone();
                 async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
             };
-            serve(listener, self.limits, self.shutdown, service).await;
+            serve(listener, self.limits, self.connections, self.shutdown, service).await;
             // Connections are drained; let exchanges and background store writes finish.
             tasks.close();
             if tokio::time::timeout(self.limits.grace, tasks.wait()).await.is_err() {
@@ -358,8 +385,15 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError>
 }
 
 /// Accepts connections until `shutdown`, then drains them for up to `limits.grace`.
-async fn serve<S, F>(listener: TcpListener, limits: Limits, shutdown: CancellationToken, service: S)
-where
+/// A connection is accepted only once one of `connections`' permits is free: at the
+/// limit, new clients wait in the kernel's backlog, neither accepted nor refused.
+async fn serve<S, F>(
+    listener: TcpListener,
+    limits: Limits,
+    connections: Arc<Semaphore>,
+    shutdown: CancellationToken,
+    service: S,
+) where
     S: Fn(Request<Incoming>, ClientInfo) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
@@ -371,33 +405,46 @@ where
         .max_buf_size(MAX_HEAD_BYTES)
         .max_headers(MAX_HEADERS);
     builder.http2().timer(TokioTimer::new());
-    let graceful = GracefulShutdown::new();
+    let builder = Arc::new(builder);
+    let open = TaskTracker::new();
+    let mut backoff = Backoff::new();
     loop {
-        let (stream, peer) = tokio::select! {
+        let permit = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Usually EMFILE: back off briefly instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
-                }
+            permit = connections.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_) => break,
             },
         };
-        serve_connection(&builder, &graceful, stream, peer, service.clone());
+        let (stream, peer) = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = limits::accept_with_backoff(&mut backoff, || listener.accept()) => accepted,
+        };
+        let connection = serve_connection(builder.clone(), stream, peer, limits, shutdown.clone(), service.clone());
+        open.spawn(async move {
+            connection.await;
+            drop(permit);
+        });
     }
     drop(listener);
-    if tokio::time::timeout(limits.grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!("shutdown grace over; closing the remaining connections");
+    open.close();
+    if tokio::time::timeout(limits.grace, open.wait()).await.is_err() {
+        tracing::warn!(
+            left = open.len(),
+            "shutdown grace over; closing the remaining connections"
+        );
     }
 }
 
-fn serve_connection<S, F>(
-    builder: &auto::Builder<TokioExecutor>,
-    graceful: &GracefulShutdown,
+/// Serves one connection until the client closes it, it stays without a request for
+/// `header_read_timeout` (from its accept, including a client that never sends a
+/// byte, or from its last answer), or the server shuts down.
+async fn serve_connection<S, F>(
+    builder: Arc<auto::Builder<TokioExecutor>>,
     stream: TcpStream,
     peer: SocketAddr,
+    limits: Limits,
+    shutdown: CancellationToken,
     service: S,
 ) where
     S: Fn(Request<Incoming>, ClientInfo) -> F + Send + Sync + 'static,
@@ -406,13 +453,42 @@ fn serve_connection<S, F>(
     if let Err(error) = stream.set_nodelay(true) {
         tracing::debug!(%error, "cannot set TCP_NODELAY");
     }
+    let activity = Activity::new();
     let client = ClientInfo::new(peer.ip());
-    let service = service_fn(move |request| service(request, client.clone()));
-    let connection = builder.serve_connection(TokioIo::new(stream), service).into_owned();
-    let connection = graceful.watch(connection);
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::debug!(%peer, error = %error, "connection ended with an error");
+    let watched = activity.clone();
+    let service = service_fn(move |request| {
+        let in_flight = watched.request();
+        let response = service(request, client.clone());
+        async move {
+            let response = response.await;
+            drop(in_flight);
+            response
         }
     });
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(connection);
+    let idle = activity.idle(limits.header_read_timeout);
+    tokio::pin!(idle);
+    // After asking the connection to close, how long it may take before it is dropped.
+    let mut closing: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
+                }
+                return;
+            }
+            () = shutdown.cancelled(), if closing.is_none() => {
+                connection.as_mut().graceful_shutdown();
+                closing = Some(Instant::now() + limits.grace);
+            }
+            () = &mut idle, if closing.is_none() => {
+                tracing::debug!(%peer, "closing a connection that sent no request in time");
+                connection.as_mut().graceful_shutdown();
+                closing = Some(Instant::now() + IDLE_CLOSE_GRACE);
+            }
+            () = tokio::time::sleep_until(closing.unwrap_or_else(Instant::now)), if closing.is_some() => return,
+        }
+    }
 }

@@ -31,6 +31,7 @@ pub(super) struct RawServer {
     pub(super) request_body_timeout: Spanned<HumanDuration>,
     pub(super) shutdown_grace: HumanDuration,
     pub(super) workers: Option<Spanned<usize>>,
+    pub(super) max_connections: Spanned<usize>,
 }
 
 impl Default for RawServer {
@@ -42,6 +43,7 @@ impl Default for RawServer {
             request_body_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(30))),
             shutdown_grace: HumanDuration(Duration::from_secs(30)),
             workers: None,
+            max_connections: Spanned::new(0..0, 10_000),
         }
     }
 }

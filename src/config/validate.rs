@@ -169,8 +169,16 @@ impl Validator<'_> {
             Some(workers) => workers.into_inner(),
             None => std::thread::available_parallelism().map_or(1, usize::from),
         };
+        if *raw.max_connections.get_ref() == 0 {
+            return Err(self.error(
+                raw.max_connections.span(),
+                "server.max_connections",
+                "must be greater than 0",
+            ));
+        }
         Ok(ServerConfig {
             workers,
+            max_connections: raw.max_connections.into_inner(),
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
             header_read_timeout: raw.header_read_timeout.into_inner().0,

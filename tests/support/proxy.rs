@@ -189,18 +189,37 @@ impl ChildProxy {
     /// Starts the binary with `config` on fresh ports and waits until `/readyz`
     /// answers 200 (a poll on a condition, bounded at 20 s).
     pub async fn start(config: &TestConfig) -> ChildProxy {
+        ChildProxy::start_via(config, &[], None).await
+    }
+
+    /// Like `start`, with the binary run by `launcher` (e.g. `prlimit --nofile=...`)
+    /// and its log, at `RUST_LOG=info`, written to `log` if given.
+    pub async fn start_via(config: &TestConfig, launcher: &[&str], log: Option<&Path>) -> ChildProxy {
         let mut config = config.clone();
         let port = free_port();
         let admin_port = free_port();
         config.listen = format!("127.0.0.1:{port}");
         config.admin_listen = format!("127.0.0.1:{admin_port}");
         let file = config.write_temp();
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        let binary = env!("CARGO_BIN_EXE_idemproxy");
+        let mut command = match launcher.split_first() {
+            Some((program, args)) => {
+                let mut command = std::process::Command::new(program);
+                command.args(args).arg(binary);
+                command
+            }
+            None => std::process::Command::new(binary),
+        };
+        let stderr = match log {
+            Some(path) => std::process::Stdio::from(std::fs::File::create(path).expect("create the log file")),
+            None => child_log(port),
+        };
+        let child = command
             .args(["serve", "--config"])
             .arg(file.path())
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", if log.is_some() { "info" } else { "warn" })
             .stdout(std::process::Stdio::null())
-            .stderr(child_log(port))
+            .stderr(stderr)
             .spawn()
             .expect("start the idemproxy binary");
         let proxy = ChildProxy {
