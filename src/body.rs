@@ -40,14 +40,17 @@ pub(crate) fn streamed(request: Request<Incoming>) -> Request<ProxyBody> {
 pub(crate) struct ClientInfo {
     /// The client's address as a header value, for `X-Forwarded-For`.
     pub(crate) forwarded_for: HeaderValue,
+    /// `http` or `https`, for `X-Forwarded-Proto`.
+    pub(crate) proto: HeaderValue,
 }
 
 impl ClientInfo {
-    pub(crate) fn new(addr: IpAddr) -> ClientInfo {
+    pub(crate) fn new(addr: IpAddr, tls: bool) -> ClientInfo {
         // An IP address is always a valid header value: the fallback is never taken.
         let forwarded_for =
             HeaderValue::from_str(&addr.to_string()).unwrap_or_else(|_| HeaderValue::from_static("unknown"));
-        ClientInfo { forwarded_for }
+        let proto = HeaderValue::from_static(if tls { "https" } else { "http" });
+        ClientInfo { forwarded_for, proto }
     }
 }
 

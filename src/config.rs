@@ -1,10 +1,11 @@
 //! Configuration: the validated `Config` the rest of the proxy reads, loaded from one
 //! TOML file, and the summary `idemproxy check` prints. The raw structs live in `raw`,
 //! the rules that turn them into this in `validate`. Every error names the file, the
-//! line and the field. This module does no I/O beyond reading the one file it is given.
+//! line and the field. This module does no I/O beyond reading the file it is given and
+//! the certificate, key and CA files that file names (relative to its directory).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +43,18 @@ pub struct ServerConfig {
     pub workers: usize,
     /// Client connections the process holds at once; more wait in the kernel backlog.
     pub max_connections: usize,
+    /// TLS on the listener, when configured.
+    pub tls: Option<ServerTls>,
+}
+
+/// TLS on the listener: the files it came from, and the configuration made of them.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    /// When set, every client must present a certificate this CA signed.
+    pub client_ca_file: Option<PathBuf>,
+    pub config: Arc<rustls::ServerConfig>,
 }
 
 #[derive(Debug, Clone)]
@@ -90,6 +103,8 @@ pub struct Route {
     pub host: Option<String>,
     pub upstream: Target,
     pub upstream_timeout: Duration,
+    /// An HTTPS upstream's extra roots (`upstream_ca_file`), beside the webpki roots.
+    pub upstream_tls: Option<Arc<rustls::ClientConfig>>,
     /// Shared, so a guarded request holds its policy without borrowing the route.
     pub idempotency: Option<Arc<IdempotencyPolicy>>,
 }
@@ -153,7 +168,18 @@ pub const DEFAULT_REPLICA_ACK_TIMEOUT: Duration = Duration::from_millis(100);
 impl std::fmt::Display for Config {
     /// The summary `idemproxy check` prints.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "listen {}", self.server.listen)?;
+        match &self.server.tls {
+            None => writeln!(f, "listen {}", self.server.listen)?,
+            Some(tls) => writeln!(
+                f,
+                "listen {} (TLS, certificate {}{})",
+                self.server.listen,
+                tls.cert_file.display(),
+                tls.client_ca_file
+                    .as_ref()
+                    .map_or_else(String::new, |ca| format!(", client certificates from {}", ca.display()))
+            )?,
+        }
         if let Some(admin) = &self.admin {
             writeln!(f, "admin  {}", admin.listen)?;
         }

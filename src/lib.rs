@@ -20,6 +20,7 @@ pub mod record;
 mod router;
 pub mod server;
 pub mod store;
+pub mod tls;
 mod upstream;
 
 pub use config::Config;

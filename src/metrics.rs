@@ -120,6 +120,7 @@ pub(crate) struct Metrics {
     fenced_writes: [Counter; StoreOp::ALL.len()],
     pending_releases: Gauge,
     replica_acks_missed: Counter,
+    tls_handshakes_failed: Counter,
 }
 
 /// One route's metric handles, made once so a request only bumps atomics.
@@ -194,7 +195,14 @@ impl Metrics {
             "Claims released because fewer replicas than min_replica_acks acknowledged them in time",
             replica_acks_missed.clone(),
         );
+        let tls_handshakes_failed = Counter::default();
+        registry.register(
+            "tls_handshakes_failed",
+            "TLS handshakes on the listener that failed or did not finish within header_read_timeout",
+            tls_handshakes_failed.clone(),
+        );
         Metrics {
+            tls_handshakes_failed,
             replica_acks_missed,
             registry,
             requests,
@@ -231,6 +239,10 @@ impl Metrics {
 
     pub(crate) fn fenced_write(&self, op: StoreOp) {
         self.fenced_writes[op as usize].inc();
+    }
+
+    pub(crate) fn tls_handshake_failed(&self) {
+        self.tls_handshakes_failed.inc();
     }
 
     pub(crate) fn replica_acks_missed(&self) {

@@ -25,7 +25,7 @@ use crate::idempotency::{self, Decision, Recording};
 use crate::metrics::{Metrics, Outcome};
 use crate::router::{RouteState, Router, host_without_port};
 use crate::store::{AnyStore, ClaimRequest, Fingerprint, OwnerToken, StoreKey, StoredResponse, UnknownReason};
-use crate::upstream::{self, HttpClient};
+use crate::upstream;
 
 mod claim;
 
@@ -38,7 +38,6 @@ pub(crate) struct Proxy {
 struct Shared {
     router: Router,
     ledger: Ledger,
-    client: HttpClient,
     key_prefix: String,
     max_request_body_bytes: u64,
     request_body_timeout: Duration,
@@ -61,11 +60,23 @@ impl Proxy {
         metrics: Arc<Metrics>,
         tasks: TaskTracker,
     ) -> Result<Proxy, rustls::Error> {
+        let shared_client = upstream::client(None)?;
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for route in &config.routes {
+            let client = match &route.upstream_tls {
+                None => shared_client.clone(),
+                Some(tls) => upstream::client(Some(tls.clone()))?,
+            };
+            routes.push(RouteState {
+                metrics: metrics.route(&route.name),
+                client,
+                route: route.clone(),
+            });
+        }
         Ok(Proxy {
             shared: Arc::new(Shared {
-                router: Router::new(&config.routes, &metrics),
+                router: Router::new(routes),
                 ledger: Ledger::new(store, metrics, tasks.clone()),
-                client: upstream::client()?,
                 key_prefix: config.store.key_prefix.clone(),
                 max_request_body_bytes: config.server.max_request_body_bytes,
                 request_body_timeout: config.server.request_body_timeout,
@@ -112,7 +123,7 @@ impl Proxy {
         let timeout = route.route.upstream_timeout;
         let started = Instant::now();
         let deadline = started + timeout;
-        let result = upstream::send(&self.shared.client, request, deadline).await;
+        let result = upstream::send(&route.client, request, deadline).await;
         route.metrics.upstream(started.elapsed());
         match result {
             Ok(response) => {
@@ -252,7 +263,7 @@ impl Proxy {
         let started = Instant::now();
         let deadline = started + timeout;
         claim.forwarding();
-        let sent = upstream::send(&self.shared.client, request, deadline).await;
+        let sent = upstream::send(&route.client, request, deadline).await;
         route.metrics.upstream(started.elapsed());
         let response = match sent {
             Ok(response) => response,

@@ -6,13 +6,16 @@
 use std::sync::Arc;
 
 use crate::config::Route;
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::metrics::RouteMetrics;
+use crate::upstream::HttpClient;
 
 /// A configured route with everything a request on it needs, made once per config.
 #[derive(Clone)]
 pub(crate) struct RouteState {
     pub(crate) route: Route,
     pub(crate) metrics: RouteMetrics,
+    /// The client its upstream is reached with (its own when it has extra roots).
+    pub(crate) client: HttpClient,
 }
 
 #[derive(Clone)]
@@ -23,16 +26,8 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    pub(crate) fn new(routes: &[Route], metrics: &Metrics) -> Router {
-        let mut routes: Vec<Arc<RouteState>> = routes
-            .iter()
-            .map(|route| {
-                Arc::new(RouteState {
-                    metrics: metrics.route(&route.name),
-                    route: route.clone(),
-                })
-            })
-            .collect();
+    pub(crate) fn new(routes: Vec<RouteState>) -> Router {
+        let mut routes: Vec<Arc<RouteState>> = routes.into_iter().map(Arc::new).collect();
         routes.sort_by(|a, b| {
             let (a, b) = (&a.route, &b.route);
             b.host
@@ -85,6 +80,7 @@ pub(crate) fn host_without_port(authority: &str) -> &str {
 mod tests {
     use super::*;
     use crate::config::Target;
+    use crate::metrics::Metrics;
     use std::time::Duration;
 
     fn route(name: &str, prefix: &str, host: Option<&str>) -> Route {
@@ -94,12 +90,24 @@ mod tests {
             host: host.map(Into::into),
             upstream: Target::try_from("http://127.0.0.1:9".parse::<http::Uri>().expect("uri")).expect("target"),
             upstream_timeout: Duration::from_secs(1),
+            upstream_tls: None,
             idempotency: None,
         }
     }
 
     fn router(routes: &[Route]) -> Router {
-        Router::new(routes, &Metrics::new())
+        let metrics = Metrics::new();
+        let client = crate::upstream::client(None).expect("client");
+        Router::new(
+            routes
+                .iter()
+                .map(|route| RouteState {
+                    metrics: metrics.route(&route.name),
+                    client: client.clone(),
+                    route: route.clone(),
+                })
+                .collect(),
+        )
     }
 
     #[test]

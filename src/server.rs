@@ -17,6 +17,8 @@ use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -182,8 +184,8 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     }
     let admin_addr = match &config.admin {
         Some(admin) => {
-            let service = Admin::new(store.clone(), metrics, config.store.timeout);
-            let (admin_addr, done) = start_admin(admin.listen, service, limits, shutdown.clone()).await?;
+            let service = Admin::new(store.clone(), metrics.clone(), config.store.timeout);
+            let (admin_addr, done) = start_admin(admin.listen, service, limits, metrics, shutdown.clone()).await?;
             stopped.push(done);
             Some(admin_addr)
         }
@@ -220,6 +222,7 @@ async fn start_admin(
     addr: SocketAddr,
     admin: Admin,
     limits: Limits,
+    metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> Result<(SocketAddr, oneshot::Receiver<()>), StartError> {
     let (listener, bound) = bind(addr).await?;
@@ -228,9 +231,14 @@ async fn start_admin(
         async move { Ok::<_, Infallible>(admin.handle(request).await) }
     };
     let (finished, done) = oneshot::channel();
-    let connections = Arc::new(Semaphore::new(ADMIN_CONNECTIONS));
+    let listening = Listening {
+        limits,
+        connections: Arc::new(Semaphore::new(ADMIN_CONNECTIONS)),
+        tls: None,
+        metrics,
+    };
     tokio::spawn(async move {
-        serve(listener, limits, connections, shutdown, service).await;
+        serve(listener, listening, shutdown, service).await;
         let _ = finished.send(());
     });
     Ok((bound, done))
@@ -295,7 +303,7 @@ impl Worker {
                 }
             };
             let tasks = TaskTracker::new();
-            let proxy = match Proxy::new(&self.config, store, self.metrics, tasks.clone()) {
+            let proxy = match Proxy::new(&self.config, store, self.metrics.clone(), tasks.clone()) {
                 Ok(proxy) => proxy,
                 Err(error) => {
                     let _ = started.send(Err(StartError::UpstreamTls(error)));
@@ -307,7 +315,18 @@ impl Worker {
                 let proxy = proxy.clone();
                 async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
             };
-            serve(listener, self.limits, self.connections, self.shutdown, service).await;
+            let listening = Listening {
+                limits: self.limits,
+                connections: self.connections,
+                tls: self
+                    .config
+                    .server
+                    .tls
+                    .as_ref()
+                    .map(|tls| TlsAcceptor::from(tls.config.clone())),
+                metrics: self.metrics.clone(),
+            };
+            serve(listener, listening, self.shutdown, service).await;
             // Connections are drained; let exchanges and background store writes finish.
             tasks.close();
             if tokio::time::timeout(self.limits.grace, tasks.wait()).await.is_err() {
@@ -368,6 +387,16 @@ fn store_name(config: &Config) -> &'static str {
     }
 }
 
+/// What a listener serves with: its limits, the connection permits it draws from, TLS
+/// if it terminates TLS, and the metrics its handshakes are counted in.
+#[derive(Clone)]
+struct Listening {
+    limits: Limits,
+    connections: Arc<Semaphore>,
+    tls: Option<TlsAcceptor>,
+    metrics: Arc<Metrics>,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Limits {
     header_read_timeout: Duration,
@@ -387,16 +416,12 @@ async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), StartError>
 /// Accepts connections until `shutdown`, then drains them for up to `limits.grace`.
 /// A connection is accepted only once one of `connections`' permits is free: at the
 /// limit, new clients wait in the kernel's backlog, neither accepted nor refused.
-async fn serve<S, F>(
-    listener: TcpListener,
-    limits: Limits,
-    connections: Arc<Semaphore>,
-    shutdown: CancellationToken,
-    service: S,
-) where
+async fn serve<S, F>(listener: TcpListener, listening: Listening, shutdown: CancellationToken, service: S)
+where
     S: Fn(Request<Incoming>, ClientInfo) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
+    let limits = listening.limits;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -411,7 +436,7 @@ async fn serve<S, F>(
     loop {
         let permit = tokio::select! {
             () = shutdown.cancelled() => break,
-            permit = connections.clone().acquire_owned() => match permit {
+            permit = listening.connections.clone().acquire_owned() => match permit {
                 Ok(permit) => permit,
                 Err(_) => break,
             },
@@ -420,7 +445,14 @@ async fn serve<S, F>(
             () = shutdown.cancelled() => break,
             accepted = limits::accept_with_backoff(&mut backoff, || listener.accept()) => accepted,
         };
-        let connection = serve_connection(builder.clone(), stream, peer, limits, shutdown.clone(), service.clone());
+        let connection = serve_connection(
+            builder.clone(),
+            stream,
+            peer,
+            listening.clone(),
+            shutdown.clone(),
+            service.clone(),
+        );
         open.spawn(async move {
             connection.await;
             drop(permit);
@@ -443,7 +475,7 @@ async fn serve_connection<S, F>(
     builder: Arc<auto::Builder<TokioExecutor>>,
     stream: TcpStream,
     peer: SocketAddr,
-    limits: Limits,
+    listening: Listening,
     shutdown: CancellationToken,
     service: S,
 ) where
@@ -453,8 +485,29 @@ async fn serve_connection<S, F>(
     if let Err(error) = stream.set_nodelay(true) {
         tracing::debug!(%error, "cannot set TCP_NODELAY");
     }
+    let limits = listening.limits;
     let activity = Activity::new();
-    let client = ClientInfo::new(peer.ip());
+    // The handshake is part of the time a connection has to send its request head.
+    let stream = match &listening.tls {
+        None => Either::Left(stream),
+        Some(acceptor) => {
+            let deadline = Instant::now() + limits.header_read_timeout;
+            match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
+                Ok(Ok(tls)) => Either::Right(tls),
+                Ok(Err(error)) => {
+                    listening.metrics.tls_handshake_failed();
+                    tracing::debug!(%peer, %error, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    listening.metrics.tls_handshake_failed();
+                    tracing::debug!(%peer, "TLS handshake not finished within header_read_timeout");
+                    return;
+                }
+            }
+        }
+    };
+    let client = ClientInfo::new(peer.ip(), listening.tls.is_some());
     let watched = activity.clone();
     let service = service_fn(move |request| {
         let in_flight = watched.request();

@@ -4,6 +4,7 @@
 //! what happened, and who was at fault.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -21,17 +22,19 @@ use crate::error::UpstreamError;
 
 pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
 
-/// Builds the upstream client of one worker.
-pub(crate) fn client() -> Result<HttpClient, rustls::Error> {
+/// Builds an upstream client: HTTPS verified against the webpki roots, or with `tls`
+/// (a route's extra roots) when given. Each worker has its own.
+pub(crate) fn client(tls: Option<Arc<rustls::ClientConfig>>) -> Result<HttpClient, rustls::Error> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_connect_timeout(Some(Duration::from_secs(5)));
-    let https = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?
-        .https_or_http()
-        .enable_http1()
-        .wrap_connector(http);
+    let https = match tls {
+        None => hyper_rustls::HttpsConnectorBuilder::new()
+            .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?,
+        Some(tls) => hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(rustls::ClientConfig::clone(&tls)),
+    };
+    let https = https.https_or_http().enable_http1().wrap_connector(http);
     Ok(Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(1024)
@@ -172,7 +175,7 @@ pub(crate) fn prepare_request<B>(
         None => client.forwarded_for.clone(),
     };
     headers.insert(X_FORWARDED_FOR, forwarded_for);
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    headers.insert(X_FORWARDED_PROTO, client.proto.clone());
     match original_host {
         Some(host) => headers.insert(X_FORWARDED_HOST, host),
         None => headers.remove(X_FORWARDED_HOST),

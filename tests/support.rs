@@ -6,6 +6,7 @@
 pub mod client;
 pub mod history;
 pub mod model;
+pub mod pki;
 pub mod protocol;
 pub mod proxy;
 pub mod redis_server;

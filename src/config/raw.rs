@@ -32,6 +32,15 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace: HumanDuration,
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) max_connections: Spanned<usize>,
+    pub(super) tls: Option<RawTls>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    pub(super) cert_file: Spanned<String>,
+    pub(super) key_file: Spanned<String>,
+    pub(super) client_ca_file: Option<Spanned<String>>,
 }
 
 impl Default for RawServer {
@@ -44,6 +53,7 @@ impl Default for RawServer {
             shutdown_grace: HumanDuration(Duration::from_secs(30)),
             workers: None,
             max_connections: Spanned::new(0..0, 10_000),
+            tls: None,
         }
     }
 }
@@ -107,6 +117,7 @@ pub(super) struct RawRoute {
     pub(super) upstream: Spanned<String>,
     #[serde(default = "default_upstream_timeout")]
     pub(super) upstream_timeout: Spanned<HumanDuration>,
+    pub(super) upstream_ca_file: Option<Spanned<String>>,
     pub(super) idempotency: Option<RawIdempotency>,
 }
 

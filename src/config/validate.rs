@@ -5,7 +5,7 @@
 //! types refuse, and from the validator for anything its rules refuse.
 
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,12 +13,13 @@ use http::Method;
 use http::header::HeaderName;
 use toml::Spanned;
 
-use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawServer, RawStore};
+use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawServer, RawStore, RawTls};
 use super::{
     AdminConfig, Backend, Config, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT, IdempotencyPolicy, LEASE_GRACE,
-    RedisConfig, RedisTopology, Route, ServerConfig, StoreConfig,
+    RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig,
 };
 use crate::error::ConfigError;
+use crate::tls::{self, TlsError};
 use crate::upstream::Target;
 
 /// Parses and validates `source`; `path` only names the file in errors.
@@ -169,6 +170,10 @@ impl Validator<'_> {
             Some(workers) => workers.into_inner(),
             None => std::thread::available_parallelism().map_or(1, usize::from),
         };
+        let tls = match &raw.tls {
+            None => None,
+            Some(tls) => Some(self.server_tls(tls)?),
+        };
         if *raw.max_connections.get_ref() == 0 {
             return Err(self.error(
                 raw.max_connections.span(),
@@ -177,6 +182,7 @@ impl Validator<'_> {
             ));
         }
         Ok(ServerConfig {
+            tls,
             workers,
             max_connections: raw.max_connections.into_inner(),
             listen: raw.listen,
@@ -232,6 +238,47 @@ impl Validator<'_> {
             backend,
             key_prefix: raw.key_prefix.into_inner(),
             timeout: raw.timeout.into_inner().0,
+        })
+    }
+
+    /// A path in the config, relative to the config file's directory.
+    fn file(&self, raw: &str) -> PathBuf {
+        let path = Path::new(raw);
+        match self.path.parent() {
+            Some(dir) if path.is_relative() => dir.join(path),
+            _ => path.to_path_buf(),
+        }
+    }
+
+    /// Reads the listener's certificate, key and client CA, each named by its own field
+    /// when it fails, and makes its configuration.
+    fn server_tls(&self, raw: &RawTls) -> Result<ServerTls, ConfigError> {
+        let cert_file = self.file(raw.cert_file.get_ref());
+        let key_file = self.file(raw.key_file.get_ref());
+        let client_ca_file = raw.client_ca_file.as_ref().map(|ca| self.file(ca.get_ref()));
+        let failed =
+            |span: Range<usize>, field: &'static str| move |error: TlsError| self.error(span, field, error.to_string());
+        let chain = tls::certificates(&cert_file).map_err(failed(raw.cert_file.span(), "server.tls.cert_file"))?;
+        let key = tls::private_key(&key_file).map_err(failed(raw.key_file.span(), "server.tls.key_file"))?;
+        let client_roots = match (&raw.client_ca_file, &client_ca_file) {
+            (Some(raw_ca), Some(ca_file)) => {
+                Some(tls::roots(ca_file).map_err(failed(raw_ca.span(), "server.tls.client_ca_file"))?)
+            }
+            _ => None,
+        };
+        // What rustls refuses now is the pair: a key that does not go with the chain.
+        let config = tls::server_config(chain, key, client_roots).map_err(|error| {
+            self.error(
+                raw.key_file.span(),
+                "server.tls.key_file",
+                format!("{} cannot serve {}: {error}", key_file.display(), cert_file.display()),
+            )
+        })?;
+        Ok(ServerTls {
+            cert_file,
+            key_file,
+            client_ca_file,
+            config,
         })
     }
 
@@ -379,6 +426,13 @@ impl Validator<'_> {
                 "must be greater than 0",
             ));
         }
+        let upstream_tls = match &raw.upstream_ca_file {
+            None => None,
+            Some(ca) => Some(
+                tls::upstream_client_config(&self.file(ca.get_ref()))
+                    .map_err(|error| self.error(ca.span(), field("upstream_ca_file"), error.to_string()))?,
+            ),
+        };
         let idempotency = match raw.idempotency {
             Some(policy) => Some(Arc::new(self.policy(index, policy, upstream_timeout)?)),
             None => None,
@@ -389,6 +443,7 @@ impl Validator<'_> {
             host,
             upstream,
             upstream_timeout,
+            upstream_tls,
             idempotency,
         })
     }

@@ -40,6 +40,8 @@ pub struct TestConfig {
     pub server: String,
     /// Extra lines in `[store]`.
     pub store_extra: String,
+    /// Extra lines in the payments route's own table (e.g. `upstream_ca_file`).
+    pub upstream_extra: String,
 }
 
 impl TestConfig {
@@ -55,6 +57,7 @@ impl TestConfig {
             idempotency: String::new(),
             server: String::new(),
             store_extra: String::new(),
+            upstream_extra: String::new(),
         }
     }
 
@@ -90,6 +93,7 @@ name = "payments"
 path_prefix = "/v1/payments"
 upstream = "{upstream}"
 upstream_timeout = "{upstream_timeout}"
+{upstream_extra}
 
 [route.idempotency]
 retention = "{retention}"
@@ -116,6 +120,7 @@ upstream_timeout = "{upstream_timeout}"
             admin = self.admin_listen,
             store_timeout = self.store_timeout,
             store_extra = self.store_extra,
+            upstream_extra = self.upstream_extra,
             upstream = self.upstream,
             upstream_timeout = self.upstream_timeout,
             retention = self.retention,

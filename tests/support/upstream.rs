@@ -55,6 +55,15 @@ impl Upstream {
     }
 
     pub async fn start_on(addr: SocketAddr) -> Upstream {
+        Upstream::start_with(addr, None).await
+    }
+
+    /// An upstream that speaks HTTPS with `tls`.
+    pub async fn start_tls(tls: tokio_rustls::TlsAcceptor) -> Upstream {
+        Upstream::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), Some(tls)).await
+    }
+
+    async fn start_with(addr: SocketAddr, tls: Option<tokio_rustls::TlsAcceptor>) -> Upstream {
         let listener = TcpListener::bind(addr).await.expect("bind the fake upstream");
         let addr = listener.local_addr().expect("local addr");
         let state = Arc::new(State::default());
@@ -70,11 +79,20 @@ impl Upstream {
                     },
                 };
                 let state = accept_state.clone();
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let service = service_fn(move |request| handle(state.clone(), request));
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
+                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    match tls {
+                        None => {
+                            let _ = builder.serve_connection(TokioIo::new(stream), service).await;
+                        }
+                        Some(tls) => {
+                            if let Ok(stream) = tls.accept(stream).await {
+                                let _ = builder.serve_connection(TokioIo::new(stream), service).await;
+                            }
+                        }
+                    }
                 });
             }
         });
@@ -83,6 +101,11 @@ impl Upstream {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The URL of an upstream started with `start_tls`, by the name its certificate has.
+    pub fn https_url(&self) -> String {
+        format!("https://localhost:{}", self.addr.port())
     }
 
     /// Stops accepting new connections.
