@@ -117,6 +117,8 @@ pub struct IdempotencyPolicy {
     pub retention: Duration,
     pub fingerprint_headers: Vec<HeaderName>,
     pub scope_headers: Vec<HeaderName>,
+    /// Response fields the first client gets and no replay ever does.
+    pub replay_exclude_headers: Vec<HeaderName>,
     pub max_response_body_bytes: u64,
     pub on_server_error: OnServerError,
     pub on_store_error: OnStoreError,
@@ -144,6 +146,27 @@ impl Route {
 }
 
 impl Config {
+    /// What `check` and the start warn about: settings that are valid and probably
+    /// not what the operator wants.
+    pub fn warnings(&self) -> Vec<String> {
+        self.routes
+            .iter()
+            .filter(|route| {
+                route
+                    .idempotency
+                    .as_ref()
+                    .is_some_and(|policy| policy.scope_headers.is_empty())
+            })
+            .map(|route| {
+                format!(
+                    "route {}: no scope_headers: all clients share one key space, so a client that knows \
+                     another's key gets that client's recorded response",
+                    route.name
+                )
+            })
+            .collect()
+    }
+
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let source = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {

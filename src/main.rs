@@ -75,11 +75,17 @@ fn init_logging(format: LogFormat) {
 fn check(path: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
     print!("{}: ok\n{config}", path.display());
+    for warning in config.warnings() {
+        eprintln!("idemproxy: warning: {warning}");
+    }
     Ok(())
 }
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     // Requests run on the worker threads `start` makes; this runtime only runs the
     // admin listener, the memory store's sweeper and the signal handler.
     let runtime = tokio::runtime::Builder::new_current_thread()

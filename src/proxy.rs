@@ -276,7 +276,10 @@ impl Proxy {
             Err(error) => return self.upstream_failed(route, claim, error).await,
             Ok(Buffered::Whole(body)) => {
                 match recording {
-                    Recording::Record => claim.complete(StoredResponse::from_parts(&parts, body.clone())).await,
+                    Recording::Record => {
+                        let stored = StoredResponse::from_parts(&parts, body.clone(), &policy.replay_exclude_headers);
+                        claim.complete(stored).await;
+                    }
                     Recording::Release => claim.release().await,
                 }
                 full(body)

@@ -28,12 +28,14 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// The record of a response whose hop-by-hop fields are already removed.
-    pub fn from_parts(parts: &response::Parts, body: Bytes) -> StoredResponse {
+    /// The record of a response whose hop-by-hop fields are already removed, without
+    /// the fields in `exclude` (the route's `replay_exclude_headers`: a `Set-Cookie`
+    /// reaches the first client and nobody else).
+    pub fn from_parts(parts: &response::Parts, body: Bytes, exclude: &[HeaderName]) -> StoredResponse {
         let headers = parts
             .headers
             .iter()
-            .filter(|(name, _)| *name != header::CONTENT_LENGTH)
+            .filter(|(name, _)| *name != header::CONTENT_LENGTH && !exclude.contains(name))
             .map(|(name, value)| (name.clone(), value.clone()))
             .collect();
         StoredResponse {
@@ -174,12 +176,20 @@ mod tests {
         for (name, value) in headers() {
             parts.headers.append(name, value);
         }
-        let stored = StoredResponse::from_parts(&parts, Bytes::from_static(b"{}"));
+        let stored = StoredResponse::from_parts(&parts, Bytes::from_static(b"{}"), &[]);
         assert_eq!(
             stored.headers,
             headers(),
             "content-length is derived again, never recorded"
         );
+        let without_cookies = StoredResponse::from_parts(&parts, Bytes::new(), &[header::SET_COOKIE]);
+        assert!(
+            without_cookies
+                .headers
+                .iter()
+                .all(|(name, _)| name != header::SET_COOKIE)
+        );
+        assert_eq!(without_cookies.headers.len(), headers().len() - 2);
         let replay = stored.into_response();
         assert_eq!(replay.status(), StatusCode::PAYMENT_REQUIRED);
         assert_eq!(replay.headers().get_all(header::SET_COOKIE).iter().count(), 2);

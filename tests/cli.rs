@@ -200,3 +200,25 @@ fn check_prints_the_redis_topology_and_its_durability() {
         assert!(!stdout.contains("secret"), "{stdout}");
     }
 }
+
+#[test]
+fn check_warns_about_guarded_routes_every_client_shares() {
+    let dir = temp_dir();
+    let unscoped = write(&dir, "unscoped.toml", &format!("{ROUTE}[route.idempotency]\n"));
+    let (ok, _, stderr) = check(&unscoped);
+    assert!(ok, "a warning is not an error: {stderr}");
+    assert!(
+        stderr.contains("warning: route payments: no scope_headers: all clients share one key space"),
+        "{stderr}"
+    );
+    let scoped = write(
+        &dir,
+        "scoped.toml",
+        &format!("{ROUTE}[route.idempotency]\nscope_headers = [\"authorization\"]\n"),
+    );
+    let (ok, _, stderr) = check(&scoped);
+    assert!(ok && stderr.is_empty(), "{stderr}");
+    let plain = write(&dir, "plain.toml", ROUTE);
+    let (ok, _, stderr) = check(&plain);
+    assert!(ok && stderr.is_empty(), "an unguarded route shares nothing: {stderr}");
+}

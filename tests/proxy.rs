@@ -420,6 +420,37 @@ async fn retryable_statuses_release_the_claim() {
 }
 
 #[tokio::test]
+async fn a_set_cookie_reaches_the_first_client_and_is_never_replayed() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let headers = [
+        ("idempotency-key", "cookie"),
+        ("x-test-response-header", "set-cookie: session=alice; HttpOnly"),
+        ("x-test-response-header", "x-session: alice"),
+    ];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    let replay = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.header("set-cookie"), Some("session=alice; HttpOnly"));
+    assert!(replay.replayed());
+    assert_eq!(replay.header("set-cookie"), None, "a cookie was replayed: {replay:?}");
+    assert_eq!(
+        replay.header("x-session"),
+        Some("alice"),
+        "only the excluded fields are dropped"
+    );
+
+    // The list is the route's: here x-session is kept back and the cookie replayed.
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "replay_exclude_headers = [\"x-session\"]".into();
+    let proxy = config.start().await;
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    let replay = send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+    assert_eq!(first.header("x-session"), Some("alice"));
+    assert_eq!(replay.header("x-session"), None);
+    assert_eq!(replay.header("set-cookie"), Some("session=alice; HttpOnly"));
+}
+
+#[tokio::test]
 async fn server_errors_are_replayed_with_on_server_error_store() {
     let upstream = Upstream::start().await;
     let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());

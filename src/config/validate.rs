@@ -480,6 +480,7 @@ impl Validator<'_> {
         let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
         let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
+        let replay_exclude_headers = self.header_names(&raw.replay_exclude_headers, field("replay_exclude_headers"))?;
         let retention = raw.retention.get_ref().0;
         if retention <= upstream_timeout + LEASE_GRACE {
             return Err(self.error(
@@ -506,6 +507,7 @@ impl Validator<'_> {
             retention,
             fingerprint_headers,
             scope_headers,
+            replay_exclude_headers,
             max_response_body_bytes: raw.max_response_body_bytes.into_inner(),
             on_server_error: raw.on_server_error,
             on_store_error: raw.on_store_error,

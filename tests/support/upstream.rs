@@ -8,6 +8,7 @@
 //! - `x-test-body-bytes: N` answer with a body of N bytes instead of the JSON echo
 //! - `x-test-fail: reset`  close the connection instead of answering
 //! - `x-test-fail: truncate` send the head, then close mid-body
+//! - `x-test-response-header: NAME: VALUE` add that field to the response (repeatable)
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -230,6 +231,14 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
     response
         .headers_mut()
         .insert("x-execution-id", id.to_string().parse().expect("header"));
+    for field in parts.headers.get_all("x-test-response-header") {
+        if let Some((name, value)) = field.to_str().ok().and_then(|field| field.split_once(':')) {
+            response.headers_mut().append(
+                http::HeaderName::from_bytes(name.trim().as_bytes()).expect("a header name"),
+                value.trim().parse().expect("a header value"),
+            );
+        }
+    }
     Ok(response)
 }
 
