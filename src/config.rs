@@ -14,6 +14,7 @@ use http::header::HeaderName;
 use serde::Deserialize;
 
 use crate::error::ConfigError;
+use crate::scope::JwtVerifier;
 pub use crate::upstream::Target;
 
 mod raw;
@@ -119,6 +120,8 @@ pub struct IdempotencyPolicy {
     pub scope_headers: Vec<HeaderName>,
     /// Response fields the first client gets and no replay ever does.
     pub replay_exclude_headers: Vec<HeaderName>,
+    /// Scope records by a verified claim of the request's bearer token.
+    pub scope_jwt: Option<JwtVerifier>,
     pub max_response_body_bytes: u64,
     pub on_server_error: OnServerError,
     pub on_store_error: OnStoreError,
@@ -155,12 +158,12 @@ impl Config {
                 route
                     .idempotency
                     .as_ref()
-                    .is_some_and(|policy| policy.scope_headers.is_empty())
+                    .is_some_and(|policy| policy.scope_headers.is_empty() && policy.scope_jwt.is_none())
             })
             .map(|route| {
                 format!(
-                    "route {}: no scope_headers: all clients share one key space, so a client that knows \
-                     another's key gets that client's recorded response",
+                    "route {}: no scope_headers or scope_jwt: all clients share one key space, so a client \
+                     that knows another's key gets that client's recorded response",
                     route.name
                 )
             })
@@ -214,10 +217,14 @@ impl std::fmt::Display for Config {
             let guard = match &route.idempotency {
                 None => "unguarded".to_string(),
                 Some(policy) => format!(
-                    "guards {} by {} (retention {})",
+                    "guards {} by {} (retention {}){}",
                     policy.methods.iter().map(Method::as_str).collect::<Vec<_>>().join(","),
                     policy.header,
-                    humantime::format_duration(policy.retention)
+                    humantime::format_duration(policy.retention),
+                    policy
+                        .scope_jwt
+                        .as_ref()
+                        .map_or_else(String::new, |jwt| format!(", scoped by the {}", jwt.describe()))
                 ),
             };
             writeln!(

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderValue, Response, StatusCode};
 
 use crate::metrics::Outcome;
@@ -126,6 +126,8 @@ pub(crate) enum Rejection {
     BodyIncomplete(#[source] BoxError),
     #[error("the idempotency key was used with a different request")]
     KeyReused,
+    #[error("the request's token does not verify: {0}")]
+    UnverifiedScope(#[from] crate::scope::JwtError),
     #[error("the first request with this key is still in flight")]
     InProgress { retry_after: Duration },
     #[error("the outcome of the first request with this key is unknown")]
@@ -172,6 +174,8 @@ pub(crate) struct Problem {
     pub(crate) title: &'static str,
     pub(crate) detail: String,
     pub(crate) retry_after: Option<u64>,
+    /// `WWW-Authenticate`, on a 401.
+    pub(crate) authenticate: Option<&'static str>,
     pub(crate) fault: Fault,
     pub(crate) outcome: Outcome,
 }
@@ -224,6 +228,13 @@ impl Rejection {
                 StatusCode::BAD_REQUEST,
                 "request-body-incomplete",
                 "Request body incomplete",
+                Client,
+                Outcome::Rejected,
+            ),
+            Rejection::UnverifiedScope(_) => (
+                StatusCode::UNAUTHORIZED,
+                "unverified-scope",
+                "Unverified scope",
                 Client,
                 Outcome::Rejected,
             ),
@@ -297,6 +308,12 @@ impl Rejection {
                 Outcome::InternalError,
             ),
         };
+        // RFC 9110 §15.5.2: a 401 names the scheme that would be accepted.
+        let authenticate = match self {
+            Rejection::UnverifiedScope(crate::scope::JwtError::Missing) => Some("Bearer"),
+            Rejection::UnverifiedScope(_) => Some("Bearer error=\"invalid_token\""),
+            _ => None,
+        };
         let retry_after = match self {
             Rejection::InProgress { retry_after } => Some(retry_after.as_secs().max(1)),
             Rejection::Store(_) => Some(1),
@@ -308,6 +325,7 @@ impl Rejection {
             title,
             detail: self.public_detail(),
             retry_after,
+            authenticate,
             fault,
             outcome,
         }
@@ -325,6 +343,7 @@ impl Rejection {
             | Rejection::BodyTimeout(_)
             | Rejection::BodyIncomplete(_)
             | Rejection::KeyReused
+            | Rejection::UnverifiedScope(_)
             | Rejection::InProgress { .. }
             | Rejection::OutcomeUnknown => self.to_string(),
             Rejection::Store(StoreError::Full(_)) => "the idempotency store is full; nothing was forwarded".into(),
@@ -367,6 +386,9 @@ impl Problem {
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(seconds) = self.retry_after {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if let Some(challenge) = self.authenticate {
+            headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
         }
         response
     }

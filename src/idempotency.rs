@@ -190,14 +190,6 @@ pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &Idem
     StoreKey::from_derived(derived)
 }
 
-/// The scope values of a request: every value of each of `scope_headers`, in order.
-pub fn scope_values<'a>(headers: &'a HeaderMap, scope_headers: &[HeaderName]) -> Vec<Vec<&'a [u8]>> {
-    scope_headers
-        .iter()
-        .map(|name| headers.get_all(name).iter().map(HeaderValue::as_bytes).collect())
-        .collect()
-}
-
 /// What the proxy does with a guarded request once its claim has answered. `C` is what
 /// an acquired claim gives the claimant (see `ClaimOutcome`).
 #[derive(Debug)]

@@ -18,6 +18,7 @@ mod metrics;
 mod proxy;
 pub mod record;
 mod router;
+pub mod scope;
 pub mod server;
 pub mod store;
 pub mod tls;

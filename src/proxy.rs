@@ -5,7 +5,7 @@
 //! store and the upstream together; the claim's lifecycle lives in `claim`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::header;
@@ -24,6 +24,7 @@ use crate::error::{KeyError, ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, Decision, Recording};
 use crate::metrics::{Metrics, Outcome};
 use crate::router::{RouteState, Router, host_without_port};
+use crate::scope;
 use crate::store::{AnyStore, ClaimRequest, Fingerprint, OwnerToken, StoreKey, StoredResponse, UnknownReason};
 use crate::upstream;
 
@@ -151,7 +152,14 @@ impl Proxy {
             Ok(None) => return self.reject(Some(&route), KeyError::Missing.into()),
             Err(error) => return self.reject(Some(&route), error.into()),
         };
-        let scope = idempotency::scope_values(request.headers(), &policy.scope_headers);
+        let claim = match &policy.scope_jwt {
+            None => None,
+            Some(verifier) => match verifier.verify(request.headers(), SystemTime::now()) {
+                Ok(claim) => Some(claim),
+                Err(error) => return self.reject(Some(&route), error.into()),
+            },
+        };
+        let scope = scope::values(request.headers(), &policy.scope_headers, claim.as_deref());
         let record = idempotency::store_key(&self.shared.key_prefix, &route.route.name, &scope, &key);
         let span = tracing::info_span!("guarded", route = %route.route.name, record = %record.short_hash());
         async move {

@@ -208,7 +208,7 @@ fn check_warns_about_guarded_routes_every_client_shares() {
     let (ok, _, stderr) = check(&unscoped);
     assert!(ok, "a warning is not an error: {stderr}");
     assert!(
-        stderr.contains("warning: route payments: no scope_headers: all clients share one key space"),
+        stderr.contains("warning: route payments: no scope_headers or scope_jwt: all clients share one key space"),
         "{stderr}"
     );
     let scoped = write(
@@ -221,4 +221,76 @@ fn check_warns_about_guarded_routes_every_client_shares() {
     let plain = write(&dir, "plain.toml", ROUTE);
     let (ok, _, stderr) = check(&plain);
     assert!(ok && stderr.is_empty(), "an unguarded route shares nothing: {stderr}");
+}
+
+#[test]
+fn scope_jwt_keys_are_checked_and_named() {
+    let dir = temp_dir();
+    let jwt = |body: &str| format!("{ROUTE}[route.idempotency]\n[route.idempotency.scope_jwt]\n{body}\n");
+    let secret = "0123456789abcdef0123456789abcdef";
+    let with_env = write(
+        &dir,
+        "env.toml",
+        &jwt("hs256_secret_env = \"IDEMPROXY_TEST_JWT_SECRET\""),
+    );
+    let output = idemproxy()
+        .args(["check", "--config"])
+        .arg(&with_env)
+        .env("IDEMPROXY_TEST_JWT_SECRET", secret)
+        .output()
+        .expect("run idemproxy");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        stdout.contains(
+            "scoped by the claim \"sub\" of the bearer token in authorization, verified with an HS256 secret"
+        ),
+        "{stdout}"
+    );
+    assert!(!stdout.contains(secret));
+    // Scoped routes draw no warning.
+    assert!(output.stderr.is_empty(), "{}", String::from_utf8_lossy(&output.stderr));
+    for (name, body, env, needle) in [
+        (
+            "no-env.toml",
+            "hs256_secret_env = \"IDEMPROXY_TEST_UNSET\"",
+            None,
+            ":7: route[0].idempotency.scope_jwt.hs256_secret_env: the environment variable IDEMPROXY_TEST_UNSET is not set",
+        ),
+        (
+            "short.toml",
+            "hs256_secret_env = \"IDEMPROXY_TEST_JWT_SECRET\"",
+            Some("short"),
+            ":7: route[0].idempotency.scope_jwt.hs256_secret_env: an HS256 secret must be at least 32 bytes",
+        ),
+        (
+            "neither.toml",
+            "claim = \"sub\"",
+            None,
+            ":7: route[0].idempotency.scope_jwt.jwks_file: scope_jwt needs jwks_file",
+        ),
+        (
+            "both.toml",
+            "jwks_file = \"jwks.json\"\nhs256_secret_env = \"X\"",
+            None,
+            ":7: route[0].idempotency.scope_jwt.jwks_file: give jwks_file or hs256_secret_env, not both",
+        ),
+        (
+            "missing.toml",
+            "jwks_file = \"nowhere.json\"",
+            None,
+            ":7: route[0].idempotency.scope_jwt.jwks_file: cannot read",
+        ),
+    ] {
+        let path = write(&dir, name, &jwt(body));
+        let mut command = idemproxy();
+        command.args(["check", "--config"]).arg(&path);
+        if let Some(value) = env {
+            command.env("IDEMPROXY_TEST_JWT_SECRET", value);
+        }
+        let output = command.output().expect("run idemproxy");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{name} was accepted");
+        assert!(stderr.contains(needle), "{name}: {needle:?} not in {stderr:?}");
+    }
 }

@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod history;
+pub mod jwt;
 pub mod model;
 pub mod pki;
 pub mod protocol;

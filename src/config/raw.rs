@@ -135,6 +135,7 @@ pub(super) struct RawIdempotency {
     pub(super) fingerprint_headers: Spanned<Vec<String>>,
     pub(super) scope_headers: Spanned<Vec<String>>,
     pub(super) replay_exclude_headers: Spanned<Vec<String>>,
+    pub(super) scope_jwt: Option<RawScopeJwt>,
     pub(super) max_response_body_bytes: Spanned<u64>,
     pub(super) on_server_error: OnServerError,
     pub(super) on_store_error: OnStoreError,
@@ -150,9 +151,36 @@ impl Default for RawIdempotency {
             fingerprint_headers: Spanned::new(0..0, vec!["content-type".into()]),
             scope_headers: Spanned::new(0..0, Vec::new()),
             replay_exclude_headers: Spanned::new(0..0, vec!["set-cookie".into()]),
+            scope_jwt: None,
             max_response_body_bytes: Spanned::new(0..0, 1024 * 1024),
             on_server_error: OnServerError::Release,
             on_store_error: OnStoreError::Reject,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawScopeJwt {
+    pub(super) header: Spanned<String>,
+    pub(super) claim: Spanned<String>,
+    pub(super) jwks_file: Option<Spanned<String>>,
+    pub(super) hs256_secret_env: Option<Spanned<String>>,
+    pub(super) issuer: Option<String>,
+    pub(super) audience: Option<String>,
+    pub(super) leeway: HumanDuration,
+}
+
+impl Default for RawScopeJwt {
+    fn default() -> Self {
+        RawScopeJwt {
+            header: Spanned::new(0..0, "authorization".into()),
+            claim: Spanned::new(0..0, "sub".into()),
+            jwks_file: None,
+            hs256_secret_env: None,
+            issuer: None,
+            audience: None,
+            leeway: HumanDuration(Duration::from_secs(30)),
         }
     }
 }

@@ -13,13 +13,20 @@ use http::Method;
 use http::header::HeaderName;
 use toml::Spanned;
 
-use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawServer, RawStore, RawTls};
+use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls};
 use super::{
     AdminConfig, Backend, Config, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT, IdempotencyPolicy, LEASE_GRACE,
     RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig,
 };
 use crate::error::ConfigError;
+use crate::scope::{JwtVerifier, KeySource};
 use crate::tls::{self, TlsError};
+
+/// A verifier's keys as read: a JWKS document or an HS256 secret.
+enum Keys {
+    Jwks(String),
+    Secret(String),
+}
 use crate::upstream::Target;
 
 /// Parses and validates `source`; `path` only names the file in errors.
@@ -481,6 +488,10 @@ impl Validator<'_> {
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
         let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
         let replay_exclude_headers = self.header_names(&raw.replay_exclude_headers, field("replay_exclude_headers"))?;
+        let scope_jwt = match &raw.scope_jwt {
+            None => None,
+            Some(jwt) => Some(self.scope_jwt(index, jwt)?),
+        };
         let retention = raw.retention.get_ref().0;
         if retention <= upstream_timeout + LEASE_GRACE {
             return Err(self.error(
@@ -508,10 +519,69 @@ impl Validator<'_> {
             fingerprint_headers,
             scope_headers,
             replay_exclude_headers,
+            scope_jwt,
             max_response_body_bytes: raw.max_response_body_bytes.into_inner(),
             on_server_error: raw.on_server_error,
             on_store_error: raw.on_store_error,
         })
+    }
+
+    /// The route's JWT verifier: its keys read from the JWKS file or the secret taken
+    /// from the environment, exactly one of them.
+    fn scope_jwt(&self, index: usize, raw: &RawScopeJwt) -> Result<JwtVerifier, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.scope_jwt.{name}");
+        let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
+        let invalid = |span: Range<usize>, name: &str, reason: String| self.error(span, field(name), reason);
+        let (keys, span, name) = match (&raw.jwks_file, &raw.hs256_secret_env) {
+            (Some(file), None) => {
+                let path = self.file(file.get_ref());
+                let text = std::fs::read_to_string(&path).map_err(|error| {
+                    invalid(
+                        file.span(),
+                        "jwks_file",
+                        format!("cannot read {}: {error}", path.display()),
+                    )
+                })?;
+                (Keys::Jwks(text), file.span(), "jwks_file")
+            }
+            (None, Some(variable)) => {
+                let secret = std::env::var(variable.get_ref()).map_err(|_| {
+                    invalid(
+                        variable.span(),
+                        "hs256_secret_env",
+                        format!("the environment variable {} is not set", variable.get_ref()),
+                    )
+                })?;
+                (Keys::Secret(secret), variable.span(), "hs256_secret_env")
+            }
+            (Some(file), Some(_)) => {
+                return Err(invalid(
+                    file.span(),
+                    "jwks_file",
+                    "give jwks_file or hs256_secret_env, not both".into(),
+                ));
+            }
+            (None, None) => {
+                return Err(invalid(
+                    raw.claim.span(),
+                    "jwks_file",
+                    "scope_jwt needs jwks_file (RS256, ES256, EdDSA) or hs256_secret_env (HS256)".into(),
+                ));
+            }
+        };
+        let source = match &keys {
+            Keys::Jwks(text) => KeySource::Jwks(text),
+            Keys::Secret(secret) => KeySource::Secret(secret.as_bytes()),
+        };
+        JwtVerifier::new(
+            header,
+            raw.claim.get_ref().clone(),
+            source,
+            raw.issuer.clone(),
+            raw.audience.clone(),
+            raw.leeway.0,
+        )
+        .map_err(|error| invalid(span, name, error.to_string()))
     }
 
     fn header_name(&self, span: &Range<usize>, name: &str, field: String) -> Result<HeaderName, ConfigError> {
