@@ -43,6 +43,11 @@ const ADMIN_CONNECTIONS: usize = 64;
 const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// The most header fields a request may carry; more get 431.
 const MAX_HEADERS: usize = 100;
+/// The HTTP/2 streams one connection may have open at once.
+const MAX_STREAMS: u32 = 128;
+/// HTTP/2 streams reset by the client before being served, at once, before the
+/// connection is closed with ENHANCE_YOUR_CALM.
+const MAX_PENDING_RESETS: usize = 20;
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -429,7 +434,16 @@ where
         .header_read_timeout(limits.header_read_timeout)
         .max_buf_size(MAX_HEAD_BYTES)
         .max_headers(MAX_HEADERS);
-    builder.http2().timer(TokioTimer::new());
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(MAX_STREAMS)
+        // The same bound on a request head as HTTP/1's; it also bounds how many
+        // CONTINUATION frames a header block may take.
+        .max_header_list_size(MAX_HEAD_BYTES as u32)
+        // Streams a client opens and resets before they are served (the "rapid
+        // reset" of CVE-2023-44487): past this many at once, the connection is closed.
+        .max_pending_accept_reset_streams(MAX_PENDING_RESETS);
     let builder = Arc::new(builder);
     let open = TaskTracker::new();
     let mut backoff = Backoff::new();

@@ -206,3 +206,156 @@ async fn the_open_files_limit_is_raised_to_the_hard_one_and_the_capacity_logged(
         "{line}"
     );
 }
+
+// === 4. HTTP/2 under abuse ===
+
+use support::h2raw::{self, CANCEL, CONTINUATION, END_HEADERS, END_STREAM, GOAWAY, HEADERS, RST_STREAM, frame};
+use tokio::io::AsyncWriteExt;
+
+/// What a flood cost the proxy process.
+fn cost(pid: u32, rss_before: u64, cpu_before: u64) -> (u64, u64) {
+    let rss_growth = h2raw::rss_kib(pid).saturating_sub(rss_before);
+    let cpu_ms = (h2raw::cpu_ticks(pid) - cpu_before) * 10;
+    (rss_growth, cpu_ms)
+}
+
+/// Reads what the server sends until it closes the connection; returns the GOAWAY
+/// error code, if one came, and every RST_STREAM error code.
+async fn until_closed(connection: &mut h2raw::Connection) -> (Option<u32>, Vec<u32>) {
+    let mut goaway = None;
+    let mut resets = Vec::new();
+    while let Some(frame) = connection.next(Duration::from_secs(10)).await {
+        match frame.kind {
+            GOAWAY => goaway = frame.error_code(),
+            RST_STREAM => resets.extend(frame.error_code()),
+            _ => {}
+        }
+    }
+    (goaway, resets)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rapid_reset_flood_is_cut_off_and_other_clients_are_served() {
+    let upstream = Upstream::start().await;
+    let proxy = ChildProxy::start(&TestConfig::new(StoreKind::Memory, &upstream.url())).await;
+    let pid = proxy.child.id();
+    let (rss_before, cpu_before) = (h2raw::rss_kib(pid), h2raw::cpu_ticks(pid));
+    let mut connection = h2raw::Connection::open(proxy.addr).await;
+    let block = h2raw::request("GET", "/v1/reads/flood", &[]);
+    // 10,000 streams, each opened and reset at once, in batches of 100.
+    let mut opened = 0;
+    'flood: for batch in 0..100u32 {
+        let mut bytes = Vec::new();
+        for index in 0..100u32 {
+            let stream = 1 + 2 * (batch * 100 + index);
+            bytes.extend(frame(HEADERS, END_HEADERS | END_STREAM, stream, &block));
+            bytes.extend(frame(RST_STREAM, 0, stream, &CANCEL.to_be_bytes()));
+        }
+        if connection.writer.write_all(&bytes).await.is_err() {
+            break 'flood;
+        }
+        opened += 100;
+    }
+    let (goaway, _) = until_closed(&mut connection).await;
+    let (rss_growth, cpu_ms) = cost(pid, rss_before, cpu_before);
+    let forwarded = upstream
+        .log()
+        .iter()
+        .filter(|execution| execution.path == "/v1/reads/flood")
+        .count();
+    println!(
+        "rapid reset: {opened} streams written before the close, GOAWAY {goaway:?}, {forwarded} reached the \
+         upstream; proxy RSS +{rss_growth} KiB, CPU {cpu_ms} ms"
+    );
+    assert_eq!(goaway, Some(0xb), "the flood must end with GOAWAY ENHANCE_YOUR_CALM");
+    assert!(forwarded < 1000, "{forwarded} flood requests reached the upstream");
+    assert!(rss_growth < 32 * 1024, "RSS grew {rss_growth} KiB");
+    // Another client is served, and so is a new connection of the same kind.
+    assert_eq!(post_key(proxy.addr, "after-reset-flood").await.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_flood_is_cut_off_without_buffering_it() {
+    let upstream = Upstream::start().await;
+    let proxy = ChildProxy::start(&TestConfig::new(StoreKind::Memory, &upstream.url())).await;
+    let pid = proxy.child.id();
+    let (rss_before, cpu_before) = (h2raw::rss_kib(pid), h2raw::cpu_ticks(pid));
+    let mut connection = h2raw::Connection::open(proxy.addr).await;
+    // A header block that never ends: HEADERS without END_HEADERS, then up to 16 MiB of
+    // CONTINUATION frames of 16 KiB of literal fields each.
+    let block = h2raw::request("POST", "/v1/reads/continuation", &[]);
+    connection
+        .writer
+        .write_all(&frame(HEADERS, 0, 1, &block))
+        .await
+        .expect("headers");
+    let mut chunk = Vec::new();
+    while chunk.len() < 16_000 {
+        h2raw::literal(&mut chunk, "x-flood", &"a".repeat(200));
+    }
+    let mut written = 0;
+    for _ in 0..1024 {
+        if connection
+            .writer
+            .write_all(&frame(CONTINUATION, 0, 1, &chunk))
+            .await
+            .is_err()
+        {
+            break;
+        }
+        written += 1;
+    }
+    let (goaway, _) = until_closed(&mut connection).await;
+    let (rss_growth, cpu_ms) = cost(pid, rss_before, cpu_before);
+    println!(
+        "CONTINUATION flood: {written} frames of {} bytes written before the close, GOAWAY {goaway:?}; proxy RSS \
+         +{rss_growth} KiB, CPU {cpu_ms} ms",
+        chunk.len()
+    );
+    assert!(goaway.is_some(), "the flood must end with a GOAWAY");
+    assert!(written < 1024, "the server read all 16 MiB of one header block");
+    assert!(rss_growth < 16 * 1024, "RSS grew {rss_growth} KiB");
+    assert_eq!(upstream.total(), 0);
+    assert_eq!(post_key(proxy.addr, "after-continuation-flood").await.status, 201);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_beyond_the_limit_are_refused_and_other_clients_are_served() {
+    let upstream = Upstream::start().await;
+    let proxy = ChildProxy::start(&TestConfig::new(StoreKind::Memory, &upstream.url())).await;
+    let pid = proxy.child.id();
+    let (rss_before, cpu_before) = (h2raw::rss_kib(pid), h2raw::cpu_ticks(pid));
+    let mut connection = h2raw::Connection::open(proxy.addr).await;
+    // 300 streams on one connection, each a complete request held at the upstream:
+    // the server advertises 128.
+    let block = h2raw::request("POST", "/v1/reads/held", &[("x-test-hold", "streams")]);
+    let mut bytes = Vec::new();
+    for index in 0..300u32 {
+        bytes.extend(frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * index, &block));
+    }
+    connection.writer.write_all(&bytes).await.expect("write the streams");
+    let mut refused = 0;
+    while refused < 300 - 128 {
+        let frame = connection
+            .next(Duration::from_secs(10))
+            .await
+            .expect("the server answers");
+        if frame.kind == RST_STREAM && frame.error_code() == Some(h2raw::REFUSED_STREAM) {
+            refused += 1;
+        }
+    }
+    upstream.wait_for_total(128).await;
+    let (rss_growth, cpu_ms) = cost(pid, rss_before, cpu_before);
+    println!(
+        "300 streams on one connection: 128 served, {refused} refused; proxy RSS +{rss_growth} KiB, CPU {cpu_ms} ms"
+    );
+    assert_eq!(
+        upstream.total(),
+        128,
+        "more streams than the limit reached the upstream"
+    );
+    // Others are served meanwhile.
+    assert_eq!(post_key(proxy.addr, "beside-the-streams").await.status, 201);
+    upstream.release("streams");
+    assert_eq!(upstream.total(), 129);
+}
