@@ -198,8 +198,19 @@ impl ChildProxy {
     }
 
     /// Like `start`, with the binary run by `launcher` (e.g. `prlimit --nofile=...`)
-    /// and its log, at `RUST_LOG=info`, written to `log` if given.
+    /// and its log, at `RUST_LOG=info`, written to `log` if given. Ports that were
+    /// free a moment ago may be taken when the child binds them: a child that exits
+    /// at once is started again on other ports.
     pub async fn start_via(config: &TestConfig, launcher: &[&str], log: Option<&Path>) -> ChildProxy {
+        for _ in 0..5 {
+            if let Some(proxy) = ChildProxy::try_start(config, launcher, log).await {
+                return proxy;
+            }
+        }
+        panic!("the idemproxy binary exited at start on five sets of free ports in a row");
+    }
+
+    async fn try_start(config: &TestConfig, launcher: &[&str], log: Option<&Path>) -> Option<ChildProxy> {
         let mut config = config.clone();
         let port = free_port();
         let admin_port = free_port();
@@ -227,7 +238,7 @@ impl ChildProxy {
             .stderr(stderr)
             .spawn()
             .expect("start the idemproxy binary");
-        let proxy = ChildProxy {
+        let mut proxy = ChildProxy {
             child,
             addr: ([127, 0, 0, 1], port).into(),
             admin: ([127, 0, 0, 1], admin_port).into(),
@@ -237,7 +248,10 @@ impl ChildProxy {
         loop {
             let ready = super::client::try_send(proxy.admin, "GET", "/readyz", &[], "").await;
             if ready.map(|r| r.status == 200).unwrap_or(false) {
-                return proxy;
+                return Some(proxy);
+            }
+            if let Ok(Some(_)) = proxy.child.try_wait() {
+                return None;
             }
             assert!(
                 started.elapsed() < std::time::Duration::from_secs(20),

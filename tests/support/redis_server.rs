@@ -53,23 +53,35 @@ impl RedisServer {
         RedisServer::start_with_args(persistent, Vec::new())
     }
 
-    /// A server with `extra` arguments after the usual ones.
+    /// A server with `extra` arguments after the usual ones. A port that was free a
+    /// moment ago may be taken by the time the server binds it (many servers start at
+    /// once in the topology tests): a server that exits at once is started again on
+    /// another port.
     pub fn start_with_args(persistent: bool, extra: Vec<String>) -> RedisServer {
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
-        let mut server = RedisServer {
-            child: None,
-            port,
-            dir,
-            persistent,
-            extra,
-        };
-        server.spawn();
-        server
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create a directory for redis-server");
+            let mut server = RedisServer {
+                child: None,
+                port,
+                dir,
+                persistent,
+                extra: extra.clone(),
+            };
+            if server.try_spawn() {
+                return server;
+            }
+        }
+        panic!("redis-server exited at start on five free ports in a row");
     }
 
     fn spawn(&mut self) {
+        assert!(self.try_spawn(), "redis-server on port {} exited at start", self.port);
+    }
+
+    /// Starts the process and waits until it answers; `false` if it exited first.
+    fn try_spawn(&mut self) -> bool {
         let child = Command::new(binary())
             .args(["--port", &self.port.to_string()])
             .args(["--bind", "127.0.0.1"])
@@ -88,18 +100,25 @@ impl RedisServer {
             .spawn()
             .expect("start redis-server");
         self.child = Some(child);
-        self.wait_ready();
+        self.wait_ready()
     }
 
-    /// Waits until the server answers PING: a poll on a condition, bounded at 10 s.
-    fn wait_ready(&self) {
+    /// Waits until the server answers PING: a poll on a condition, bounded at 10 s;
+    /// `false` if the process exited (its port was taken).
+    fn wait_ready(&mut self) -> bool {
         let started = Instant::now();
         loop {
             if let Ok(client) = redis::Client::open(self.url())
                 && let Ok(mut connection) = client.get_connection_with_timeout(Duration::from_millis(200))
                 && redis::cmd("PING").query::<String>(&mut connection).is_ok()
             {
-                return;
+                return true;
+            }
+            if let Some(child) = &mut self.child
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
             }
             assert!(
                 started.elapsed() < Duration::from_secs(10),

@@ -53,36 +53,55 @@ pub struct Sentinel {
 }
 
 impl Sentinel {
+    /// A sentinel on a free port, started again on another if it exits at once (its
+    /// port was taken in between).
     fn start(master_name: &str, primary: u16) -> Sentinel {
-        let port = free_port();
-        let dir = std::env::temp_dir().join(format!("idemproxy-sentinel-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create a directory for the sentinel");
-        // The sentinel rewrites its own config file: each has one of its own.
-        let config = dir.join("sentinel.conf");
-        std::fs::write(
-            &config,
-            format!(
-                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel resolve-hostnames no\n\
-                 sentinel monitor {master_name} 127.0.0.1 {primary} 2\n\
-                 sentinel down-after-milliseconds {master_name} 1000\n\
-                 sentinel failover-timeout {master_name} 10000\n\
-                 sentinel parallel-syncs {master_name} 2\n",
-                dir.display()
-            ),
-        )
-        .expect("write the sentinel config");
-        let child = Command::new(binary())
-            .arg(&config)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server --sentinel");
-        Sentinel {
-            child: Some(child),
-            port,
-            dir,
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!("idemproxy-sentinel-{}-{port}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create a directory for the sentinel");
+            // The sentinel rewrites its own config file: each has one of its own.
+            let config = dir.join("sentinel.conf");
+            std::fs::write(
+                &config,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {}\nsentinel resolve-hostnames no\n\
+                     sentinel monitor {master_name} 127.0.0.1 {primary} 2\n\
+                     sentinel down-after-milliseconds {master_name} 1000\n\
+                     sentinel failover-timeout {master_name} 10000\n\
+                     sentinel parallel-syncs {master_name} 2\n",
+                    dir.display()
+                ),
+            )
+            .expect("write the sentinel config");
+            let child = Command::new(binary())
+                .arg(&config)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server --sentinel");
+            let mut sentinel = Sentinel {
+                child: Some(child),
+                port,
+                dir,
+            };
+            let mut exited = false;
+            until("a sentinel answers or exits", SETTLE, || {
+                if let Some(child) = &mut sentinel.child
+                    && let Ok(Some(_)) = child.try_wait()
+                {
+                    exited = true;
+                    return true;
+                }
+                query::<String>(port, &mut redis::cmd("PING")).is_ok()
+            });
+            if !exited {
+                return sentinel;
+            }
+            sentinel.child = None;
         }
+        panic!("redis-server --sentinel exited at start on five free ports in a row");
     }
 
     pub fn url(&self) -> String {
