@@ -10,6 +10,7 @@ use hyper::body::Incoming;
 
 use crate::body::{ProxyBody, full};
 use crate::metrics::{Metrics, StoreOp};
+use crate::proxy::GuardedRequests;
 use crate::store::{AnyStore, RecordStore};
 
 #[derive(Clone)]
@@ -17,14 +18,16 @@ pub(crate) struct Admin {
     store: AnyStore,
     metrics: Arc<Metrics>,
     timeout: Duration,
+    guarded: GuardedRequests,
 }
 
 impl Admin {
-    pub(crate) fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration) -> Admin {
+    pub(crate) fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration, guarded: GuardedRequests) -> Admin {
         Admin {
             store,
             metrics,
             timeout,
+            guarded,
         }
     }
 
@@ -46,6 +49,10 @@ impl Admin {
                 }
             }
             "/metrics" => {
+                self.metrics.guarded_in_flight(self.guarded.in_flight());
+                if let AnyStore::Memory(store) = &self.store {
+                    self.metrics.memory_store(store.usage());
+                }
                 let mut response = text(StatusCode::OK, "");
                 *response.body_mut() = full(self.metrics.encode());
                 response.headers_mut().insert(

@@ -95,7 +95,10 @@ pub(crate) async fn buffer_response(
     timeout: Duration,
 ) -> Result<Buffered, UpstreamError> {
     let read = async {
-        let mut collected = BytesMut::new();
+        // Sized from Content-Length when the upstream sent one, so a body is read into
+        // one allocation of its own size.
+        let expected = body.size_hint().exact().unwrap_or(0).min(limit.saturating_add(1));
+        let mut collected = BytesMut::with_capacity(usize::try_from(expected).unwrap_or(0));
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|error| UpstreamError::Failed(error.into()))?;
             if let Ok(data) = frame.into_data() {
@@ -105,7 +108,7 @@ pub(crate) async fn buffer_response(
                 }
             }
         }
-        Ok::<_, UpstreamError>((collected.freeze(), true))
+        Ok::<_, UpstreamError>((exact(collected), true))
     };
     // `read` borrows `body`; the borrow ends with this statement.
     let outcome = tokio::time::timeout_at(deadline, read).await;
@@ -114,6 +117,16 @@ pub(crate) async fn buffer_response(
         Ok(Err(error)) => Err(error),
         Ok(Ok((whole, true))) => Ok(Buffered::Whole(whole)),
         Ok(Ok((head, false))) => Ok(Buffered::TooLarge { head, rest: body }),
+    }
+}
+
+/// `bytes` in an allocation of exactly its length: a record keeps its body for the whole
+/// retention, and a buffer that grew by doubling would keep up to twice its size.
+fn exact(bytes: BytesMut) -> Bytes {
+    if bytes.capacity() == bytes.len() {
+        bytes.freeze()
+    } else {
+        Bytes::copy_from_slice(&bytes)
     }
 }
 

@@ -44,6 +44,9 @@ pub struct ServerConfig {
     pub workers: usize,
     /// Client connections the process holds at once; more wait in the kernel backlog.
     pub max_connections: usize,
+    /// Guarded requests in flight at once, from reading the body to recording the
+    /// response; more get 503 `overloaded`.
+    pub max_guarded_requests: usize,
     /// TLS on the listener, when configured.
     pub tls: Option<ServerTls>,
 }
@@ -72,7 +75,7 @@ pub struct StoreConfig {
 
 #[derive(Debug, Clone)]
 pub enum Backend {
-    Memory { max_records: usize },
+    Memory { max_records: usize, max_bytes: usize },
     Redis(RedisConfig),
 }
 
@@ -170,6 +173,20 @@ impl Config {
             .collect()
     }
 
+    /// The most body bytes guarded requests hold at once: each in flight holds at
+    /// most its request body and its route's response limit.
+    pub fn bodies_in_flight(&self) -> u64 {
+        let response = self
+            .routes
+            .iter()
+            .filter_map(|route| route.idempotency.as_ref())
+            .map(|policy| policy.max_response_body_bytes)
+            .max()
+            .unwrap_or(0);
+        let each = self.server.max_request_body_bytes.saturating_add(response);
+        each.saturating_mul(u64::try_from(self.server.max_guarded_requests).unwrap_or(u64::MAX))
+    }
+
     /// Reads and validates the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let source = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -187,6 +204,13 @@ impl Config {
 
 /// The memory store's bound when `store.max_records` is not set.
 pub const DEFAULT_MAX_RECORDS: usize = 100_000;
+
+/// Guarded requests in flight at once when `server.max_guarded_requests` is not set.
+/// With the default body limits (1 MiB each way), at most 2 GiB of bodies.
+pub const DEFAULT_MAX_GUARDED_REQUESTS: usize = 1024;
+
+/// The memory store's byte bound when `store.max_bytes` is not set: 256 MiB.
+pub const DEFAULT_MAX_BYTES: usize = 256 * 1024 * 1024;
 
 /// How long a claim waits for its replicas when `store.replica_ack_timeout` is not set.
 pub const DEFAULT_REPLICA_ACK_TIMEOUT: Duration = Duration::from_millis(100);
@@ -209,8 +233,19 @@ impl std::fmt::Display for Config {
         if let Some(admin) = &self.admin {
             writeln!(f, "admin  {}", admin.listen)?;
         }
+        writeln!(
+            f,
+            "limits max_connections {}, max_guarded_requests {} (bodies in flight at most {:.1} MiB)",
+            self.server.max_connections,
+            self.server.max_guarded_requests,
+            self.bodies_in_flight() as f64 / (1024.0 * 1024.0)
+        )?;
         match &self.store.backend {
-            Backend::Memory { max_records } => writeln!(f, "store  memory (max_records {max_records})")?,
+            Backend::Memory { max_records, max_bytes } => writeln!(
+                f,
+                "store  memory (max_records {max_records}, max_bytes {max_bytes} = {:.1} MiB)",
+                *max_bytes as f64 / (1024.0 * 1024.0)
+            )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
         }
         for route in &self.routes {

@@ -57,8 +57,8 @@ pub enum StoreError {
     Timeout(Duration),
     #[error("the store is unreachable")]
     Unavailable(#[source] redis::RedisError),
-    #[error("the memory store holds its maximum of {0} live records")]
-    Full(usize),
+    #[error("the memory store holds its maximum of {limit} {what}")]
+    Full { what: &'static str, limit: usize },
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
     /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
@@ -81,7 +81,7 @@ impl StoreError {
             | StoreError::Unavailable(_)
             | StoreError::Protocol(_)
             | StoreError::NotReplicated { .. } => true,
-            StoreError::Full(_) | StoreError::Unready(_) => false,
+            StoreError::Full { .. } | StoreError::Unready(_) => false,
         }
     }
 }
@@ -132,6 +132,8 @@ pub(crate) enum Rejection {
     InProgress { retry_after: Duration },
     #[error("the outcome of the first request with this key is unknown")]
     OutcomeUnknown,
+    #[error("{0} guarded requests are already in flight")]
+    Overloaded(usize),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -151,6 +153,8 @@ pub(crate) enum Fault {
     Upstream,
     /// The store failed or is full.
     Store,
+    /// The proxy is at a configured bound.
+    Capacity,
     /// The proxy broke its own invariant.
     Proxy,
 }
@@ -160,7 +164,7 @@ impl Fault {
     pub(crate) fn level(self) -> tracing::Level {
         match self {
             Fault::Client => tracing::Level::INFO,
-            Fault::Upstream | Fault::Store => tracing::Level::WARN,
+            Fault::Upstream | Fault::Store | Fault::Capacity => tracing::Level::WARN,
             Fault::Proxy => tracing::Level::ERROR,
         }
     }
@@ -187,7 +191,7 @@ impl Rejection {
     /// client may read, whose fault it is and how it is counted. Exhaustive: a new
     /// variant cannot reach a client before it is given its own row here.
     pub(crate) fn problem(&self) -> Problem {
-        use Fault::{Client, Proxy, Store, Upstream};
+        use Fault::{Capacity, Client, Proxy, Store, Upstream};
         let (status, slug, title, fault, outcome) = match self {
             Rejection::NoRoute => (StatusCode::NOT_FOUND, "no-route", "No route", Client, Outcome::Rejected),
             Rejection::Key(KeyError::Missing) => (
@@ -259,7 +263,14 @@ impl Rejection {
                 Client,
                 Outcome::Conflict,
             ),
-            Rejection::Store(StoreError::Full(_)) => (
+            Rejection::Overloaded(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "Too many guarded requests in flight",
+                Capacity,
+                Outcome::Rejected,
+            ),
+            Rejection::Store(StoreError::Full { .. }) => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-full",
                 "Idempotency store full",
@@ -316,7 +327,7 @@ impl Rejection {
         };
         let retry_after = match self {
             Rejection::InProgress { retry_after } => Some(retry_after.as_secs().max(1)),
-            Rejection::Store(_) => Some(1),
+            Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
             _ => None,
         };
         Problem {
@@ -346,7 +357,8 @@ impl Rejection {
             | Rejection::UnverifiedScope(_)
             | Rejection::InProgress { .. }
             | Rejection::OutcomeUnknown => self.to_string(),
-            Rejection::Store(StoreError::Full(_)) => "the idempotency store is full; nothing was forwarded".into(),
+            Rejection::Overloaded(_) => "the proxy is at its bound on guarded requests in flight; nothing was forwarded".into(),
+            Rejection::Store(StoreError::Full { .. }) => "the idempotency store is full; nothing was forwarded".into(),
             Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_) | StoreError::Unready(_)) => {
                 "the idempotency store is unreachable; nothing was forwarded".into()
             }
@@ -400,9 +412,28 @@ mod tests {
 
     #[test]
     fn the_memory_store_capacity_never_reaches_a_client() {
-        let problem = Rejection::Store(StoreError::Full(12345)).problem();
+        let problem = Rejection::Store(StoreError::Full {
+            what: "records",
+            limit: 12345,
+        })
+        .problem();
         assert_eq!(problem.status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(!problem.detail.contains("12345"), "{}", problem.detail);
+    }
+
+    #[test]
+    fn overload_is_a_503_of_its_own_with_a_retry_after_and_no_capacity_in_it() {
+        let problem = Rejection::Overloaded(4321).problem();
+        assert_eq!(
+            (problem.status, problem.slug),
+            (StatusCode::SERVICE_UNAVAILABLE, "overloaded")
+        );
+        assert_eq!(problem.retry_after, Some(1));
+        assert_eq!(
+            (problem.fault.level(), problem.outcome),
+            (tracing::Level::WARN, Outcome::Rejected)
+        );
+        assert!(!problem.detail.contains("4321"), "{}", problem.detail);
     }
 
     #[test]
@@ -415,7 +446,13 @@ mod tests {
 
     #[test]
     fn only_a_full_memory_store_rules_out_a_write() {
-        assert!(!StoreError::Full(1).may_have_written());
+        assert!(
+            !StoreError::Full {
+                what: "bytes",
+                limit: 1
+            }
+            .may_have_written()
+        );
         assert!(StoreError::Timeout(Duration::from_secs(1)).may_have_written());
         assert!(StoreError::Protocol("x").may_have_written());
     }

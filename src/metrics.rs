@@ -10,6 +10,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::store::MemoryUsage;
+
 /// How a request ended, as counted in `idemproxy_requests_total`.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 #[repr(usize)]
@@ -106,6 +108,11 @@ struct OpLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabels {
+    backend: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
 }
@@ -121,6 +128,10 @@ pub(crate) struct Metrics {
     pending_releases: Gauge,
     replica_acks_missed: Counter,
     tls_handshakes_failed: Counter,
+    /// What the embedded store holds and its bounds, set at each scrape. Labelled by
+    /// backend so that nothing shows with Redis, whose memory is Redis's to report.
+    store_held: [Family<BackendLabels, Gauge>; 4],
+    guarded_in_flight: Gauge,
 }
 
 /// One route's metric handles, made once so a request only bumps atomics.
@@ -201,7 +212,32 @@ impl Metrics {
             "TLS handshakes on the listener that failed or did not finish within header_read_timeout",
             tls_handshakes_failed.clone(),
         );
+        let store_held = [
+            (
+                "store_records",
+                "Records the store holds, live or expired and not yet swept",
+            ),
+            (
+                "store_bytes",
+                "Bytes the store's records hold: bodies, headers, keys and bookkeeping",
+            ),
+            ("store_max_records", "The store's bound on records (store.max_records)"),
+            ("store_max_bytes", "The store's bound on bytes held (store.max_bytes)"),
+        ]
+        .map(|(name, help)| {
+            let family = Family::<BackendLabels, Gauge>::default();
+            registry.register(name, help, family.clone());
+            family
+        });
+        let guarded_in_flight = Gauge::default();
+        registry.register(
+            "guarded_requests_in_flight",
+            "Guarded requests between reading their body and recording their response (bound: server.max_guarded_requests)",
+            guarded_in_flight.clone(),
+        );
         Metrics {
+            guarded_in_flight,
+            store_held,
             tls_handshakes_failed,
             replica_acks_missed,
             registry,
@@ -247,6 +283,22 @@ impl Metrics {
 
     pub(crate) fn replica_acks_missed(&self) {
         self.replica_acks_missed.inc();
+    }
+
+    /// Sets the guarded requests in flight; called at each scrape.
+    pub(crate) fn guarded_in_flight(&self, count: usize) {
+        self.guarded_in_flight.set(i64::try_from(count).unwrap_or(i64::MAX));
+    }
+
+    /// Sets the embedded store's gauges; called at each scrape.
+    pub(crate) fn memory_store(&self, usage: MemoryUsage) {
+        let labels = BackendLabels { backend: "memory" };
+        let values = [usage.records, usage.bytes, usage.max_records, usage.max_bytes];
+        for (family, value) in self.store_held.iter().zip(values) {
+            family
+                .get_or_create(&labels)
+                .set(i64::try_from(value).unwrap_or(i64::MAX));
+        }
     }
 
     pub(crate) fn pending_releases(&self) -> &Gauge {

@@ -12,7 +12,7 @@ use http::header;
 use http::{Request, Response, request};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use tokio::sync::oneshot;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
@@ -42,8 +42,36 @@ struct Shared {
     key_prefix: String,
     max_request_body_bytes: u64,
     request_body_timeout: Duration,
+    guarded: GuardedRequests,
     /// Exchanges and background store work, so shutdown can wait for them.
     tasks: TaskTracker,
+}
+
+/// One permit per guarded request in flight, from reading its body to recording its
+/// response: what bounds the bodies the proxy holds at once. Shared by the workers.
+#[derive(Clone, Debug)]
+pub(crate) struct GuardedRequests {
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl GuardedRequests {
+    pub(crate) fn new(max: usize) -> GuardedRequests {
+        GuardedRequests {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// A permit for one more guarded request, unless `max` are in flight.
+    fn try_enter(&self) -> Option<OwnedSemaphorePermit> {
+        self.permits.clone().try_acquire_owned().ok()
+    }
+
+    /// The guarded requests in flight now.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.max - self.permits.available_permits()
+    }
 }
 
 /// A guarded request, prepared for its claim: read, fingerprinted, and named.
@@ -59,6 +87,7 @@ impl Proxy {
         config: &Config,
         store: AnyStore,
         metrics: Arc<Metrics>,
+        guarded: GuardedRequests,
         tasks: TaskTracker,
     ) -> Result<Proxy, rustls::Error> {
         let shared_client = upstream::client(None)?;
@@ -81,6 +110,7 @@ impl Proxy {
                 key_prefix: config.store.key_prefix.clone(),
                 max_request_body_bytes: config.server.max_request_body_bytes,
                 request_body_timeout: config.server.request_body_timeout,
+                guarded,
                 tasks,
             }),
         })
@@ -162,6 +192,11 @@ impl Proxy {
         let scope = scope::values(request.headers(), &policy.scope_headers, claim.as_deref());
         let record = idempotency::store_key(&self.shared.key_prefix, &route.route.name, &scope, &key);
         let span = tracing::info_span!("guarded", route = %route.route.name, record = %record.short_hash());
+        // Refused at once rather than queued: nothing is read, claimed or forwarded, and
+        // the client may retry with the same key.
+        let Some(permit) = self.shared.guarded.try_enter() else {
+            return self.reject(Some(&route), Rejection::Overloaded(self.shared.guarded.max));
+        };
         async move {
             let prepared = match self.prepare(&route, &policy, record, request).await {
                 Ok(prepared) => prepared,
@@ -177,7 +212,7 @@ impl Proxy {
                 Err(error) => return self.reject(Some(&route), error.into()),
             };
             match idempotency::decide(outcome, prepared.fingerprint) {
-                Decision::Forward(claim) => self.forward(route, policy, claim, prepared, &client).await,
+                Decision::Forward(claim) => self.forward(route, policy, claim, prepared, &client, permit).await,
                 Decision::Replay(stored) => {
                     route.metrics.request(Outcome::Replayed);
                     stored.into_response()
@@ -237,6 +272,7 @@ impl Proxy {
         claim: OwnedClaim,
         prepared: Prepared,
         client: &ClientInfo,
+        permit: OwnedSemaphorePermit,
     ) -> Response<ProxyBody> {
         let mut request = Request::from_parts(prepared.parts, full(prepared.body));
         if let Err(error) = upstream::prepare_request(&mut request, &route.route.upstream, client) {
@@ -248,6 +284,8 @@ impl Proxy {
         let state = route.clone();
         let exchange = async move {
             let response = proxy.exchange(&state, &policy, claim, request).await;
+            // The bodies are recorded or handed on: the request no longer counts.
+            drop(permit);
             // The client may have gone: the record is already updated.
             let _ = sender.send(response);
         };

@@ -36,7 +36,14 @@ impl StoredResponse {
             .headers
             .iter()
             .filter(|(name, _)| *name != header::CONTENT_LENGTH && !exclude.contains(name))
-            .map(|(name, value)| (name.clone(), value.clone()))
+            // Copied: a parsed value may be a slice of the connection's read buffer,
+            // which a record would otherwise keep alive for its whole retention.
+            .map(|(name, value)| {
+                (
+                    name.clone(),
+                    HeaderValue::from_bytes(value.as_bytes()).unwrap_or_else(|_| value.clone()),
+                )
+            })
             .collect();
         StoredResponse {
             status: parts.status,
@@ -55,6 +62,16 @@ impl StoredResponse {
         }
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         response
+    }
+
+    /// The bytes this record holds: its body, and every header name and value.
+    pub fn size(&self) -> usize {
+        self.body.len()
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.as_str().len() + value.len())
+                .sum::<usize>()
     }
 
     /// The headers in the store's encoding: a sequence of (u32 length, name, u32

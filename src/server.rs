@@ -27,7 +27,7 @@ use crate::body::{ClientInfo, ProxyBody};
 use crate::config::{Backend, Config, RedisTopology};
 use crate::error::StoreError;
 use crate::metrics::Metrics;
-use crate::proxy::Proxy;
+use crate::proxy::{GuardedRequests, Proxy};
 use crate::store::{AnyStore, MemoryStore, RedisStore};
 
 use self::limits::{Activity, Backoff};
@@ -115,8 +115,8 @@ type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
 /// The factory for the configured store.
 fn store_factory(config: &Config) -> StoreFactory {
     match &config.store.backend {
-        Backend::Memory { max_records } => {
-            let shared = AnyStore::Memory(MemoryStore::new(*max_records));
+        Backend::Memory { max_records, max_bytes } => {
+            let shared = AnyStore::Memory(MemoryStore::new(*max_records, *max_bytes));
             Arc::new(move || Ok(shared.clone()))
         }
         Backend::Redis(redis) => {
@@ -163,6 +163,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
         );
     }
     let connections = Arc::new(Semaphore::new(capacity));
+    let guarded = GuardedRequests::new(config.server.max_guarded_requests);
     let store = factory().map_err(StartError::Store)?;
     // A memory store is one process's: a second instance must not share its port.
     let share_port = matches!(config.store.backend, Backend::Redis(_));
@@ -178,6 +179,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
             shutdown: shutdown.clone(),
             limits,
             connections: connections.clone(),
+            guarded: guarded.clone(),
         };
         match worker.start(index, listener).await {
             Ok(done) => stopped.push(done),
@@ -189,7 +191,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     }
     let admin_addr = match &config.admin {
         Some(admin) => {
-            let service = Admin::new(store.clone(), metrics.clone(), config.store.timeout);
+            let service = Admin::new(store.clone(), metrics.clone(), config.store.timeout, guarded);
             let (admin_addr, done) = start_admin(admin.listen, service, limits, metrics, shutdown.clone()).await?;
             stopped.push(done);
             Some(admin_addr)
@@ -258,6 +260,8 @@ struct Worker {
     limits: Limits,
     /// The process's connection permits, shared by every worker.
     connections: Arc<Semaphore>,
+    /// The process's guarded-request permits, shared by every worker.
+    guarded: GuardedRequests,
 }
 
 impl Worker {
@@ -308,7 +312,7 @@ impl Worker {
                 }
             };
             let tasks = TaskTracker::new();
-            let proxy = match Proxy::new(&self.config, store, self.metrics.clone(), tasks.clone()) {
+            let proxy = match Proxy::new(&self.config, store, self.metrics.clone(), self.guarded, tasks.clone()) {
                 Ok(proxy) => proxy,
                 Err(error) => {
                     let _ = started.send(Err(StartError::UpstreamTls(error)));

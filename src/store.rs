@@ -13,7 +13,7 @@ pub use crate::record::StoredResponse;
 pub mod memory;
 pub mod redis;
 
-pub use self::memory::MemoryStore;
+pub use self::memory::{MemoryStore, MemoryUsage};
 pub use self::redis::RedisStore;
 
 /// The name of one record in the store. Only `idempotency::store_key` makes these,

@@ -368,7 +368,7 @@ fn memory_driver(runtime: &tokio::runtime::Runtime, plant: Option<Plant>, n: usi
     let _entered = runtime.enter();
     let store = match plant {
         Some(plant) => MemoryStore::with_plant(1000, plant),
-        None => MemoryStore::new(1000),
+        None => MemoryStore::new(1000, usize::MAX),
     };
     Memory(Subject::new(store, key(n)))
 }

@@ -20,7 +20,7 @@ use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::ScriptName;
 use idemproxy::store::{AnyStore, MemoryStore, RecordStore, RedisStore};
-use support::client::until_not;
+use support::client::{metric, until_not};
 use support::history::{Contract, History, check};
 use support::storm::{Storm, until_progress};
 use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, post_key, send};
@@ -556,15 +556,6 @@ async fn until_recorded(redis: &RedisServer, key: &str) {
     }
 }
 
-/// The value of one metric line on `admin`'s `/metrics`, e.g.
-/// `idemproxy_fenced_writes_total{op="complete"}`.
-async fn metric(admin: SocketAddr, line: &str) -> Option<f64> {
-    let metrics = send(admin, "GET", "/metrics", &[], "").await;
-    String::from_utf8_lossy(&metrics.body)
-        .lines()
-        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
-}
-
 const PLAIN_WRITE_COMPLETE: &str = "redis.call('HSET', KEYS[1], 'state', 'completed', 'status', ARGV[2], 'headers', ARGV[3], 'body', ARGV[4]) return 1";
 
 /// A's store traffic is delayed while A's lease runs out, the record is purged and B
@@ -835,7 +826,7 @@ async fn memory_stale_complete_race(plant: Option<Plant>) -> bool {
     let upstream = Upstream::start().await;
     let store = match plant {
         Some(plant) => MemoryStore::with_plant(1000, plant),
-        None => MemoryStore::new(1000),
+        None => MemoryStore::new(1000, usize::MAX),
     };
     let shared = AnyStore::Memory(store);
     let factory: idemproxy::StoreFactory = {

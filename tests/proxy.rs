@@ -10,6 +10,7 @@ mod support;
 use std::time::Duration;
 
 use futures_free::join_all;
+use support::client::{metric, until_not};
 use support::{RedisServer, StoreKind, TestConfig, Upstream, post_key, send, send_raw};
 
 /// `join_all` without a futures dependency: spawn each, await in order.
@@ -692,6 +693,111 @@ async fn admin_reports_health_readiness_and_metrics_without_keys() {
         "{text}"
     );
     assert!(!text.contains("secret-key-value"));
+}
+
+/// DESIGN §10: memory is bounded by configuration. Records of large distinct responses
+/// are counted at their size in `/metrics`; at `store.max_bytes` new keys get 503
+/// `store-full` with nothing forwarded, recorded keys still replay, and new keys are
+/// admitted again once the records expire.
+#[tokio::test]
+async fn a_memory_store_at_max_bytes_answers_store_full_and_recovers_as_records_expire() {
+    const BODY: usize = 300 * 1024;
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.store_extra = "max_bytes = 1048576".into();
+    config.upstream_timeout = "500ms".into();
+    config.retention = "1600ms".into();
+    let proxy = config.start().await;
+    let admin = proxy.admin();
+    let held = |name: &'static str| async move {
+        let line = format!("idemproxy_store_{name}{{backend=\"memory\"}}");
+        metric(admin, &line).await.expect("the memory store's gauge")
+    };
+    assert_eq!(held("max_bytes").await, 1_048_576.0);
+    assert_eq!((held("records").await, held("bytes").await), (0.0, 0.0));
+    let addr = proxy.addr();
+    let big = |key: &'static str| async move {
+        let headers = [("idempotency-key", key), ("x-test-body-bytes", "307200")];
+        send(addr, "POST", "/v1/payments", &headers, "{}").await
+    };
+
+    // Each record is counted at its body and a little more: headers, key, bookkeeping.
+    let mut before = 0.0;
+    for (n, key) in ["big-1", "big-2", "big-3", "big-4"].into_iter().enumerate() {
+        let response = big(key).await;
+        assert_eq!((response.status.as_u16(), response.body.len()), (201, BODY), "{key}");
+        let after = held("bytes").await;
+        let added = after - before;
+        assert!(
+            (BODY as f64..(BODY + 1024) as f64).contains(&added),
+            "{key} added {added} bytes"
+        );
+        assert_eq!(held("records").await, (n + 1) as f64);
+        before = after;
+    }
+    assert!(before >= 1_048_576.0, "{before}");
+
+    let refused = big("one-more").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.problem(), "store-full");
+    assert_eq!(upstream.executions("one-more"), 0, "a refused claim forwarded nothing");
+    let replay = big("big-2").await;
+    assert!(replay.replayed() && replay.body.len() == BODY, "{replay:?}");
+
+    // The retention runs out; the next claim sweeps the expired records and is admitted.
+    let admitted = until_not(|| big("one-more"), &[(503, "store-full")]).await;
+    assert_eq!(admitted.status, 201, "{admitted:?}");
+    assert_eq!(upstream.executions("one-more"), 1);
+    // At least the oldest record was swept to make room; every record left is counted.
+    let (records, bytes) = (held("records").await, held("bytes").await);
+    assert!((1.0..=4.0).contains(&records), "{records} records");
+    assert!(
+        (records * BODY as f64..records * (BODY + 1024) as f64).contains(&bytes),
+        "{records} records hold {bytes} bytes"
+    );
+}
+
+/// `server.max_guarded_requests` bounds the bodies in flight: past it, a guarded request
+/// gets 503 `overloaded` before its body is read, with nothing claimed or forwarded, while
+/// unguarded traffic still streams. The permits come back as the held requests finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_max_guarded_requests_a_guarded_request_gets_503_overloaded_and_nothing_is_claimed() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "max_guarded_requests = 2".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let held: Vec<_> = ["held-1", "held-2"]
+        .into_iter()
+        .map(|key| {
+            tokio::spawn(async move {
+                let headers = [("idempotency-key", key), ("x-test-hold", key)];
+                send(addr, "POST", "/v1/payments", &headers, "{}").await
+            })
+        })
+        .collect();
+    upstream.wait_for_key("held-1").await;
+    upstream.wait_for_key("held-2").await;
+    assert_eq!(metric(admin, "idemproxy_guarded_requests_in_flight").await, Some(2.0));
+
+    let refused = send(addr, "POST", "/v1/payments", &[("idempotency-key", "third")], "{}").await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.problem(), "overloaded");
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    let unguarded = send(addr, "GET", "/v1/payments", &[], "").await;
+    assert_eq!(unguarded.status, 201, "unguarded traffic is not counted: {unguarded:?}");
+    assert_eq!(upstream.executions("third"), 0);
+
+    upstream.release("held-1");
+    upstream.release("held-2");
+    for request in held {
+        assert_eq!(request.await.expect("held request").status, 201);
+    }
+    // Nothing was claimed for the refused request: its retry is a first use.
+    let retry = send(addr, "POST", "/v1/payments", &[("idempotency-key", "third")], "{}").await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false), "{retry:?}");
+    assert_eq!(upstream.executions("third"), 1);
+    assert_eq!(metric(admin, "idemproxy_guarded_requests_in_flight").await, Some(0.0));
 }
 
 #[tokio::test]

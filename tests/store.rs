@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
+use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
-    StoreKey, StoredResponse, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, MemoryUsage, OwnerToken, RecordState, RecordStore,
+    RedisStore, StoreKey, StoredResponse, UnknownReason, Write,
 };
 use support::RedisServer;
 
@@ -289,7 +290,7 @@ macro_rules! against_both_stores {
             $(
                 #[tokio::test]
                 async fn $name() {
-                    super::$name(&super::MemoryStore::new(1000)).await;
+                    super::$name(&super::MemoryStore::new(1000, usize::MAX)).await;
                 }
             )*
         }
@@ -321,59 +322,137 @@ against_both_stores!(
 
 // === memory only ===
 
-#[tokio::test]
-async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() {
-    let store = MemoryStore::new(2);
-    let short = |name: &str| ClaimRequest {
+/// Claims `name` with a 200 ms lease and a 400 ms retention.
+fn short(name: &str) -> ClaimRequest {
+    ClaimRequest {
         retention: Duration::from_millis(400),
         ..claim(&key(name), new_owner(), Duration::from_millis(200))
-    };
-    assert_eq!(
-        store.claim(&short("a")).await.expect("claim"),
-        ClaimOutcome::Acquired(())
-    );
-    assert_eq!(
-        store.claim(&short("b")).await.expect("claim"),
-        ClaimOutcome::Acquired(())
-    );
+    }
+}
+
+/// Tokio's paused clock makes the expiry exact: the refusal holds until the retention
+/// has passed, and not a moment longer.
+#[tokio::test(start_paused = true)]
+async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() {
+    let store = MemoryStore::new(2, usize::MAX);
+    for name in ["a", "b"] {
+        assert_eq!(
+            store.claim(&short(name)).await.expect("claim"),
+            ClaimOutcome::Acquired(())
+        );
+    }
     assert_eq!(store.len(), 2);
     assert!(!store.is_empty());
     let refused = store.claim(&short("c")).await;
     assert!(
-        matches!(refused, Err(idemproxy::error::StoreError::Full(2))),
+        matches!(
+            refused,
+            Err(StoreError::Full {
+                what: "records",
+                limit: 2
+            })
+        ),
         "{refused:?}"
     );
-    // Both live records are still there.
-    assert!(matches!(
-        state_of(&store, &key("a")).await,
-        RecordState::InFlight { .. }
-    ));
-    assert!(matches!(
-        state_of(&store, &key("b")).await,
-        RecordState::InFlight { .. }
-    ));
-    // Once they expire, they are swept and the key can be claimed. Bounded at 10 s.
-    let started = tokio::time::Instant::now();
-    loop {
-        match store.claim(&short("c")).await {
-            Ok(ClaimOutcome::Acquired(())) => break,
-            Err(idemproxy::error::StoreError::Full(_)) => {}
-            other => panic!("{other:?}"),
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "expired records were never swept"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // Both live records are still there, and an existing key is still answered.
+    for name in ["a", "b"] {
+        assert!(matches!(
+            state_of(&store, &key(name)).await,
+            RecordState::InFlight { .. }
+        ));
     }
-    assert!(store.len() <= 2);
+    tokio::time::sleep(Duration::from_millis(399)).await;
+    assert!(matches!(store.claim(&short("c")).await, Err(StoreError::Full { .. })));
+    // Once they expire, a claim sweeps them and takes its key.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(
+        store.claim(&short("c")).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+    assert_eq!(store.len(), 1);
+}
+
+/// The byte bound counts what records hold: every completed body, its headers and its
+/// key. Claims are refused once the sum reaches `max_bytes`, and admitted again when
+/// records expire.
+#[tokio::test(start_paused = true)]
+async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expire() {
+    const BODY: usize = 256 * 1024;
+    const MAX: usize = 1024 * 1024;
+    let store = MemoryStore::new(1000, MAX);
+    let big = |seed: u8| StoredResponse {
+        status: StatusCode::OK,
+        headers: vec![(HeaderName::from_static("x-seed"), HeaderValue::from(u16::from(seed)))],
+        body: Bytes::from(vec![seed; BODY]),
+    };
+    assert_eq!((store.usage().records, store.usage().bytes), (0, 0));
+    // Four 256 KiB bodies and their bookkeeping exceed 1 MiB; the fourth claim is
+    // still admitted (the bound is checked before a body is known), the fifth is not.
+    let mut held = 0;
+    for seed in 0..4u8 {
+        let request = short(&format!("big-{seed}"));
+        assert_eq!(store.claim(&request).await.expect("claim"), ClaimOutcome::Acquired(()));
+        let claimed = store.usage().bytes;
+        let response = big(seed);
+        assert_eq!(
+            store
+                .complete(&request.key, request.owner, &response)
+                .await
+                .expect("complete"),
+            Write::Applied
+        );
+        let MemoryUsage { records, bytes, .. } = store.usage();
+        assert_eq!(records, usize::from(seed) + 1);
+        assert_eq!(bytes - claimed, response.size(), "completing adds exactly the response");
+        assert_eq!(response.size(), BODY + "x-seed".len() + seed.to_string().len());
+        held = bytes;
+    }
+    assert!((MAX..MAX + 4 * 1024).contains(&held), "{held}");
+    let refused = store.claim(&short("one-more")).await;
+    assert!(
+        matches!(
+            refused,
+            Err(StoreError::Full {
+                what: "bytes",
+                limit: MAX
+            })
+        ),
+        "{refused:?}"
+    );
+    // A retry of a recorded key is still answered from the store.
+    match store.claim(&short("big-2")).await.expect("claim") {
+        ClaimOutcome::Existing(Existing {
+            state: RecordState::Completed(response),
+            ..
+        }) => {
+            assert_eq!(response.body, big(2).body);
+        }
+        other => panic!("{other:?}"),
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        store.claim(&short("after")).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+    let MemoryUsage { records, bytes, .. } = store.usage();
+    assert_eq!(records, 1, "the expired records were swept");
+    assert!(bytes < 1024, "{bytes}");
+    // Releasing a claim gives its bytes back at once.
+    let after = short("after-2");
+    store.claim(&after).await.expect("claim");
+    let before_release = store.usage().bytes;
+    assert_eq!(
+        store.release(&after.key, after.owner).await.expect("release"),
+        Write::Applied
+    );
+    assert!(store.usage().bytes < before_release);
 }
 
 /// The sweeper drops expired records on its own, one sweep after they expire, without
 /// waiting for the store to fill up. Tokio's paused clock makes the sweep's timing exact.
 #[tokio::test(start_paused = true)]
 async fn the_memory_store_sweeps_expired_records_in_the_background() {
-    let store = MemoryStore::new(100);
+    let store = MemoryStore::new(100, usize::MAX);
     let claim = ClaimRequest {
         retention: Duration::from_secs(5),
         ..claim(&key("swept"), new_owner(), Duration::from_secs(2))

@@ -32,6 +32,7 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace: HumanDuration,
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) max_connections: Spanned<usize>,
+    pub(super) max_guarded_requests: Spanned<usize>,
     pub(super) tls: Option<RawTls>,
 }
 
@@ -53,6 +54,7 @@ impl Default for RawServer {
             shutdown_grace: HumanDuration(Duration::from_secs(30)),
             workers: None,
             max_connections: Spanned::new(0..0, 10_000),
+            max_guarded_requests: Spanned::new(0..0, super::DEFAULT_MAX_GUARDED_REQUESTS),
             tls: None,
         }
     }
@@ -88,6 +90,7 @@ pub(super) struct RawStore {
     pub(super) key_prefix: Spanned<String>,
     pub(super) timeout: Spanned<HumanDuration>,
     pub(super) max_records: Option<Spanned<usize>>,
+    pub(super) max_bytes: Option<Spanned<usize>>,
     pub(super) min_replica_acks: Option<Spanned<u32>>,
     pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
 }
@@ -102,6 +105,7 @@ impl Default for RawStore {
             key_prefix: Spanned::new(0..0, "idemproxy".to_string()),
             timeout: Spanned::new(0..0, HumanDuration(Duration::from_millis(500))),
             max_records: None,
+            max_bytes: None,
             min_replica_acks: None,
             replica_ack_timeout: None,
         }

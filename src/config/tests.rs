@@ -22,7 +22,8 @@ fn defaults_match_the_design() {
     assert!(matches!(
         config.store.backend,
         Backend::Memory {
-            max_records: DEFAULT_MAX_RECORDS
+            max_records: DEFAULT_MAX_RECORDS,
+            max_bytes: DEFAULT_MAX_BYTES,
         }
     ));
     assert_eq!(config.store.key_prefix, "idemproxy");
@@ -164,10 +165,52 @@ fn bounds_are_inclusive_where_the_design_says_so() {
         );
     }
     let one = parse(&format!("[store]\nmax_records = 1\n{ROUTE}")).expect("valid");
-    assert!(matches!(one.store.backend, Backend::Memory { max_records: 1 }));
+    assert!(matches!(one.store.backend, Backend::Memory { max_records: 1, .. }));
     assert!(
         error(&format!("[store]\nmax_records = 0\n{ROUTE}"))
             .contains("t.toml:2: store.max_records: must be greater than 0")
+    );
+    let bytes = parse(&format!("[store]\nmax_bytes = 1048576\n{ROUTE}")).expect("valid");
+    assert!(matches!(
+        bytes.store.backend,
+        Backend::Memory {
+            max_bytes: 1_048_576,
+            ..
+        }
+    ));
+    let message = error(&format!("[store]\nmax_bytes = 1048575\n{ROUTE}"));
+    assert!(
+        message.contains("t.toml:2: store.max_bytes: must be at least 1048576 (1 MiB)"),
+        "{message}"
+    );
+    let message = error(&format!(
+        "[store]\nbackend = \"redis\"\nurl = \"redis://x\"\nmax_bytes = 5000000\n{ROUTE}"
+    ));
+    assert!(
+        message.contains("store.max_bytes: only the memory backend takes this; bound Redis with maxmemory"),
+        "{message}"
+    );
+}
+
+#[test]
+fn max_guarded_requests_bounds_the_bodies_in_flight() {
+    let config = parse(&format!("{ROUTE}[route.idempotency]\n")).expect("valid");
+    assert_eq!(config.server.max_guarded_requests, DEFAULT_MAX_GUARDED_REQUESTS);
+    assert_eq!(config.bodies_in_flight(), 1024 * 2 * 1024 * 1024);
+    let config = parse(&format!(
+        "[server]\nmax_guarded_requests = 10\nmax_request_body_bytes = 1000\n{ROUTE}[route.idempotency]\nmax_response_body_bytes = 5000\n"
+    ))
+    .expect("valid");
+    assert_eq!(config.bodies_in_flight(), 10 * 6000);
+    assert!(
+        config
+            .to_string()
+            .contains("max_guarded_requests 10 (bodies in flight at most 0.1 MiB)")
+    );
+    let message = error(&format!("[server]\nmax_guarded_requests = 0\n{ROUTE}"));
+    assert!(
+        message.contains("t.toml:2: server.max_guarded_requests: must be greater than 0"),
+        "{message}"
     );
 }
 

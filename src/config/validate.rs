@@ -15,8 +15,8 @@ use toml::Spanned;
 
 use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls};
 use super::{
-    AdminConfig, Backend, Config, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT, IdempotencyPolicy, LEASE_GRACE,
-    RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig,
+    AdminConfig, Backend, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
+    IdempotencyPolicy, LEASE_GRACE, RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig,
 };
 use crate::error::ConfigError;
 use crate::scope::{JwtVerifier, KeySource};
@@ -181,17 +181,19 @@ impl Validator<'_> {
             None => None,
             Some(tls) => Some(self.server_tls(tls)?),
         };
-        if *raw.max_connections.get_ref() == 0 {
-            return Err(self.error(
-                raw.max_connections.span(),
-                "server.max_connections",
-                "must be greater than 0",
-            ));
+        for (value, field) in [
+            (&raw.max_connections, "server.max_connections"),
+            (&raw.max_guarded_requests, "server.max_guarded_requests"),
+        ] {
+            if *value.get_ref() == 0 {
+                return Err(self.error(value.span(), field, "must be greater than 0"));
+            }
         }
         Ok(ServerConfig {
             tls,
             workers,
             max_connections: raw.max_connections.into_inner(),
+            max_guarded_requests: raw.max_guarded_requests.into_inner(),
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
             header_read_timeout: raw.header_read_timeout.into_inner().0,
@@ -237,7 +239,14 @@ impl Validator<'_> {
                     Some(max) => *max.get_ref(),
                     None => DEFAULT_MAX_RECORDS,
                 };
-                Backend::Memory { max_records }
+                let max_bytes = match &raw.max_bytes {
+                    Some(max) if *max.get_ref() < 1024 * 1024 => {
+                        return Err(self.error(max.span(), "store.max_bytes", "must be at least 1048576 (1 MiB)"));
+                    }
+                    Some(max) => *max.get_ref(),
+                    None => DEFAULT_MAX_BYTES,
+                };
+                Backend::Memory { max_records, max_bytes }
             }
             kind => Backend::Redis(self.redis(kind, &raw)?),
         };
@@ -291,12 +300,17 @@ impl Validator<'_> {
 
     /// The Redis backends: which fields each topology takes, every URL checked.
     fn redis(&self, kind: BackendKind, raw: &RawStore) -> Result<RedisConfig, ConfigError> {
-        if let Some(max) = &raw.max_records {
-            return Err(self.error(
-                max.span(),
-                "store.max_records",
-                "only the memory backend takes max_records; bound Redis with maxmemory",
-            ));
+        for (field, span) in [
+            ("store.max_records", raw.max_records.as_ref().map(Spanned::span)),
+            ("store.max_bytes", raw.max_bytes.as_ref().map(Spanned::span)),
+        ] {
+            if let Some(span) = span {
+                return Err(self.error(
+                    span,
+                    field,
+                    "only the memory backend takes this; bound Redis with maxmemory",
+                ));
+            }
         }
         let refuse = |value: Option<Range<usize>>, field: &str, reason: &str| match value {
             Some(span) => Err(self.error(span, field, reason)),

@@ -1,7 +1,8 @@
 //! The embedded store, for one proxy instance: the same lifecycle as the Redis store,
 //! behind one mutex that is never held across an `.await`. It is bounded: when
-//! `max_records` live records exist, new claims are refused and nothing live is ever
-//! evicted. Expired records are swept in the background and on demand.
+//! `max_records` live records exist, or they hold `max_bytes`, new claims are refused
+//! and nothing live is ever evicted. Expired records are swept in the background and
+//! on demand.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -18,17 +19,77 @@ use crate::error::StoreError;
 /// How often the background sweeper drops expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// What a memory store holds and its bounds, as `/metrics` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryUsage {
+    pub records: usize,
+    /// The sum of what the records hold: bodies, header names and values, keys, and a
+    /// fixed estimate of each record's bookkeeping.
+    pub bytes: usize,
+    pub max_records: usize,
+    pub max_bytes: usize,
+}
+
 #[derive(Clone, Debug)]
 pub struct MemoryStore {
     shared: Arc<Shared>,
 }
 
+/// What one record costs besides its key and response: the map entry, the record
+/// and its state. An estimate, counted once per record.
+const RECORD_OVERHEAD: usize = 160;
+
 #[derive(Debug)]
 struct Shared {
-    records: Mutex<HashMap<StoreKey, Record>>,
+    records: Mutex<Records>,
     max_records: usize,
+    max_bytes: usize,
     #[cfg(feature = "test-util")]
     plant: Option<Plant>,
+}
+
+/// The records, and the bytes they hold, kept equal to the sum of `Record::size` on
+/// every insert, change and removal.
+#[derive(Debug, Default)]
+struct Records {
+    map: HashMap<StoreKey, Record>,
+    bytes: usize,
+}
+
+impl Records {
+    fn insert(&mut self, key: StoreKey, record: Record) {
+        self.bytes += record.size(&key);
+        if let Some(old) = self.map.insert(key.clone(), record) {
+            self.bytes -= old.size(&key);
+        }
+    }
+
+    fn remove(&mut self, key: &StoreKey) -> Option<Record> {
+        let record = self.map.remove(key)?;
+        self.bytes -= record.size(key);
+        Some(record)
+    }
+
+    /// Gives `key`'s record the state `state`, keeping the count right.
+    fn set_state(&mut self, key: &StoreKey, state: State) {
+        if let Some(record) = self.map.get_mut(key) {
+            self.bytes -= record.size(key);
+            record.state = state;
+            self.bytes += record.size(key);
+        }
+    }
+
+    fn sweep(&mut self, now: Instant) {
+        let mut freed = 0;
+        self.map.retain(|key, record| {
+            let live = record.expires_at > now;
+            if !live {
+                freed += record.size(key);
+            }
+            live
+        });
+        self.bytes -= freed;
+    }
 }
 
 /// A bug planted on purpose, so that a test can show it catches it. Only with the
@@ -65,6 +126,18 @@ struct Record {
     state: State,
 }
 
+impl Record {
+    /// The bytes this record holds: its key, its response if it has one, and the
+    /// bookkeeping around it.
+    fn size(&self, key: &StoreKey) -> usize {
+        let response = match &self.state {
+            State::Completed(response) => response.size(),
+            State::InFlight { .. } | State::Unknown(_) => 0,
+        };
+        RECORD_OVERHEAD + key.as_str().len() + response
+    }
+}
+
 #[derive(Debug)]
 enum State {
     InFlight { owner: OwnerToken, lease_until: Instant },
@@ -73,12 +146,14 @@ enum State {
 }
 
 impl MemoryStore {
-    /// A store holding at most `max_records` live records. Must be called inside a
+    /// A store holding at most `max_records` live records, and admitting no claim once
+    /// they hold `max_bytes`. Must be called inside a
     /// Tokio runtime: it starts the sweeper, which stops when the last handle drops.
-    pub fn new(max_records: usize) -> MemoryStore {
+    pub fn new(max_records: usize, max_bytes: usize) -> MemoryStore {
         let shared = Arc::new(Shared {
-            records: Mutex::new(HashMap::new()),
+            records: Mutex::new(Records::default()),
             max_records,
+            max_bytes,
             #[cfg(feature = "test-util")]
             plant: None,
         });
@@ -90,8 +165,9 @@ impl MemoryStore {
     #[cfg(feature = "test-util")]
     pub fn with_plant(max_records: usize, plant: Plant) -> MemoryStore {
         let shared = Arc::new(Shared {
-            records: Mutex::new(HashMap::new()),
+            records: Mutex::new(Records::default()),
             max_records,
+            max_bytes: usize::MAX,
             plant: Some(plant),
         });
         tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
@@ -101,7 +177,7 @@ impl MemoryStore {
     /// The number of records held, expired or not.
     #[cfg(feature = "test-util")]
     pub fn len(&self) -> usize {
-        self.shared.lock().len()
+        self.shared.lock().map.len()
     }
 
     #[cfg(feature = "test-util")]
@@ -109,34 +185,35 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    /// The owner's live in-flight record and its lease deadline, if it still is one.
-    fn owned<'a>(
-        &self,
-        records: &'a mut HashMap<StoreKey, Record>,
-        key: &StoreKey,
-        owner: OwnerToken,
-        now: Instant,
-    ) -> Option<(&'a mut Record, Instant)> {
-        let record = records.get_mut(key).filter(|record| record.expires_at > now)?;
+    /// What the store holds, expired records not yet swept included, and its bounds.
+    pub fn usage(&self) -> MemoryUsage {
+        let records = self.shared.lock();
+        MemoryUsage {
+            records: records.map.len(),
+            bytes: records.bytes,
+            max_records: self.shared.max_records,
+            max_bytes: self.shared.max_bytes,
+        }
+    }
+
+    /// The lease deadline of the owner's live in-flight record, if it still is one.
+    fn owned(&self, records: &Records, key: &StoreKey, owner: OwnerToken, now: Instant) -> Option<Instant> {
+        let record = records.map.get(key).filter(|record| record.expires_at > now)?;
         match record.state {
             State::InFlight {
                 owner: holder,
                 lease_until,
-            } if holder == owner || planted!(self, OwnerCheckDropped) => Some((record, lease_until)),
+            } if holder == owner || planted!(self, OwnerCheckDropped) => Some(lease_until),
             _ => None,
         }
     }
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, HashMap<StoreKey, Record>> {
+    fn lock(&self) -> MutexGuard<'_, Records> {
         // A panic while holding this lock leaves the map consistent: every change is a
         // single insert or remove. So a poisoned lock is still safe to use.
         self.records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn sweep(records: &mut HashMap<StoreKey, Record>, now: Instant) {
-        records.retain(|_, record| record.expires_at > now);
     }
 }
 
@@ -146,7 +223,7 @@ async fn sweep_forever(shared: Weak<Shared>) {
     loop {
         ticks.tick().await;
         let Some(shared) = shared.upgrade() else { return };
-        Shared::sweep(&mut shared.lock(), Instant::now());
+        shared.lock().sweep(Instant::now());
     }
 }
 
@@ -159,6 +236,7 @@ impl RecordStore for MemoryStore {
                 && matches!(record.state, State::InFlight { lease_until, .. } if lease_until <= now)
         };
         if let Some(record) = records
+            .map
             .get(&claim.key)
             .filter(|record| record.expires_at > now && !taken_over(record))
         {
@@ -176,10 +254,21 @@ impl RecordStore for MemoryStore {
                 state,
             }));
         }
-        if records.len() >= self.shared.max_records {
-            Shared::sweep(&mut records, now);
-            if records.len() >= self.shared.max_records {
-                return Err(StoreError::Full(self.shared.max_records));
+        let full =
+            |records: &Records| records.map.len() >= self.shared.max_records || records.bytes >= self.shared.max_bytes;
+        if full(&records) {
+            records.sweep(now);
+            if records.map.len() >= self.shared.max_records {
+                return Err(StoreError::Full {
+                    what: "records",
+                    limit: self.shared.max_records,
+                });
+            }
+            if records.bytes >= self.shared.max_bytes {
+                return Err(StoreError::Full {
+                    what: "bytes",
+                    limit: self.shared.max_bytes,
+                });
             }
         }
         records.insert(
@@ -204,9 +293,9 @@ impl RecordStore for MemoryStore {
     ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
-        Ok(match self.owned(&mut records, key, owner, now) {
-            Some((record, lease_until)) if lease_until > now || planted!(self, LeaseCheckDropped) => {
-                record.state = State::Completed(response.clone());
+        Ok(match self.owned(&records, key, owner, now) {
+            Some(lease_until) if lease_until > now || planted!(self, LeaseCheckDropped) => {
+                records.set_state(key, State::Completed(response.clone()));
                 Write::Applied
             }
             _ => Write::Fenced,
@@ -220,9 +309,9 @@ impl RecordStore for MemoryStore {
         reason: UnknownReason,
     ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
-        Ok(match self.owned(&mut records, key, owner, Instant::now()) {
-            Some((record, _)) => {
-                record.state = State::Unknown(reason);
+        Ok(match self.owned(&records, key, owner, Instant::now()) {
+            Some(_) => {
+                records.set_state(key, State::Unknown(reason));
                 Write::Applied
             }
             None => Write::Fenced,
@@ -231,7 +320,7 @@ impl RecordStore for MemoryStore {
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
-        if self.owned(&mut records, key, owner, Instant::now()).is_none() {
+        if self.owned(&records, key, owner, Instant::now()).is_none() {
             return Ok(Write::Fenced);
         }
         records.remove(key);

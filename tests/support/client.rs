@@ -51,6 +51,15 @@ impl TestResponse {
 }
 
 /// Sends one request on a fresh connection and reads the whole response.
+/// The value of one metric line on `admin`'s `/metrics`, e.g.
+/// `idemproxy_fenced_writes_total{op="complete"}`.
+pub async fn metric(admin: SocketAddr, line: &str) -> Option<f64> {
+    let metrics = send(admin, "GET", "/metrics", &[], "").await;
+    String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .find_map(|l| l.strip_prefix(line)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 pub async fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> TestResponse {
     try_send(addr, method, path, headers, body)
         .await
