@@ -2,6 +2,7 @@
 //! its timeout) and Prometheus metrics. It never touches records.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use http::header::{CACHE_CONTROL, CONTENT_TYPE};
@@ -9,8 +10,9 @@ use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
 use crate::body::{ProxyBody, full};
+use crate::error::StoreError;
 use crate::metrics::{Metrics, StoreOp};
-use crate::proxy::GuardedRequests;
+use crate::proxy::{DisplayChain, GuardedRequests};
 use crate::store::{AnyStore, RecordStore};
 
 #[derive(Clone)]
@@ -19,7 +21,13 @@ pub(crate) struct Admin {
     metrics: Arc<Metrics>,
     timeout: Duration,
     guarded: GuardedRequests,
+    /// What the last `/readyz` found: `UNKNOWN` before the first.
+    ready: Arc<AtomicU8>,
 }
+
+const UNKNOWN: u8 = 0;
+const READY: u8 = 1;
+const UNREADY: u8 = 2;
 
 impl Admin {
     pub(crate) fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration, guarded: GuardedRequests) -> Admin {
@@ -28,6 +36,20 @@ impl Admin {
             metrics,
             timeout,
             guarded,
+            ready: Arc::new(AtomicU8::new(UNKNOWN)),
+        }
+    }
+
+    /// Logs readiness when it changes, with the reason it was lost: one line per
+    /// change, however often the probe asks.
+    fn readiness_changed(&self, ping: &Result<(), StoreError>) {
+        let state = if ping.is_ok() { READY } else { UNREADY };
+        if self.ready.swap(state, Ordering::Relaxed) == state {
+            return;
+        }
+        match ping {
+            Ok(()) => tracing::info!("ready: the store serves"),
+            Err(error) => tracing::warn!(error = %DisplayChain(error), "not ready: the store cannot serve"),
         }
     }
 
@@ -39,9 +61,13 @@ impl Admin {
             "/healthz" => text(StatusCode::OK, "ok\n"),
             "/readyz" => {
                 let started = tokio::time::Instant::now();
-                let ping = tokio::time::timeout(self.timeout, self.store.ping()).await;
-                let ok = matches!(ping, Ok(Ok(())));
+                let ping = match tokio::time::timeout(self.timeout, self.store.ping()).await {
+                    Ok(result) => result,
+                    Err(_) => Err(StoreError::Timeout(self.timeout)),
+                };
+                let ok = ping.is_ok();
                 self.metrics.store_op(StoreOp::Ping, ok, started.elapsed());
+                self.readiness_changed(&ping);
                 if ok {
                     text(StatusCode::OK, "ready\n")
                 } else {

@@ -87,6 +87,24 @@ pub struct RedisConfig {
     /// (`WAIT`); fewer within `replica_ack_timeout` releases it and answers 503.
     pub min_replica_acks: u32,
     pub replica_ack_timeout: Duration,
+    /// What a `rediss://` connection trusts and presents, when configured.
+    pub tls: Option<StoreTls>,
+}
+
+/// TLS to the store, beyond the `rediss://` scheme: the CAs a Redis node's certificate
+/// must chain to (instead of the webpki roots), and a client certificate for Redis's
+/// `tls-auth-clients`. The files are read when store connections are made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreTls {
+    pub ca_file: Option<PathBuf>,
+    pub client: Option<ClientIdentity>,
+}
+
+/// A client certificate chain and its key, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientIdentity {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
 }
 
 /// The three shapes of a Redis deployment.
@@ -289,6 +307,18 @@ impl std::fmt::Display for RedisConfig {
                 )?;
             }
             RedisTopology::Cluster { urls } => write!(f, "redis-cluster (seed nodes {})", list(urls))?,
+        }
+        if let Some(tls) = &self.tls {
+            write!(
+                f,
+                "; TLS trusting {}",
+                tls.ca_file
+                    .as_ref()
+                    .map_or_else(|| "the webpki roots".to_string(), |ca| ca.display().to_string())
+            )?;
+            if let Some(client) = &tls.client {
+                write!(f, ", client certificate {}", client.cert_file.display())?;
+            }
         }
         match self.min_replica_acks {
             0 => write!(f, "; claims are not replica-acknowledged"),

@@ -57,6 +57,13 @@ pub enum StoreError {
     Timeout(Duration),
     #[error("the store is unreachable")]
     Unavailable(#[source] redis::RedisError),
+    /// The TLS handshake with a store node failed, or the node refused our certificate:
+    /// nothing reached Redis, and every attempt fails alike until the configuration
+    /// changes.
+    #[error(
+        "the store's TLS handshake failed (see store.url or urls, store.tls_ca_file, store.tls_cert_file and store.tls_key_file)"
+    )]
+    Tls(#[source] redis::RedisError),
     #[error("the memory store holds its maximum of {limit} {what}")]
     Full { what: &'static str, limit: usize },
     #[error("the store returned an unexpected reply: {0}")]
@@ -74,14 +81,15 @@ pub enum StoreError {
 impl StoreError {
     /// Whether the operation may have been applied although it failed: a timeout or a
     /// lost connection says nothing about what the store did. Only a refusal the store
-    /// itself gave before writing (a full memory store) rules it out.
+    /// itself gave before writing (a full memory store), or a connection that never
+    /// passed its TLS handshake, rules it out.
     pub fn may_have_written(&self) -> bool {
         match self {
             StoreError::Timeout(_)
             | StoreError::Unavailable(_)
             | StoreError::Protocol(_)
             | StoreError::NotReplicated { .. } => true,
-            StoreError::Full { .. } | StoreError::Unready(_) => false,
+            StoreError::Full { .. } | StoreError::Unready(_) | StoreError::Tls(_) => false,
         }
     }
 }
@@ -279,6 +287,7 @@ impl Rejection {
             ),
             Rejection::Store(
                 StoreError::Unavailable(_)
+                | StoreError::Tls(_)
                 | StoreError::Protocol(_)
                 | StoreError::Timeout(_)
                 | StoreError::NotReplicated { .. }
@@ -359,7 +368,9 @@ impl Rejection {
             | Rejection::OutcomeUnknown => self.to_string(),
             Rejection::Overloaded(_) => "the proxy is at its bound on guarded requests in flight; nothing was forwarded".into(),
             Rejection::Store(StoreError::Full { .. }) => "the idempotency store is full; nothing was forwarded".into(),
-            Rejection::Store(StoreError::Unavailable(_) | StoreError::Protocol(_) | StoreError::Unready(_)) => {
+            Rejection::Store(
+                StoreError::Unavailable(_) | StoreError::Tls(_) | StoreError::Protocol(_) | StoreError::Unready(_),
+            ) => {
                 "the idempotency store is unreachable; nothing was forwarded".into()
             }
             Rejection::Store(StoreError::NotReplicated { .. }) => {
@@ -445,7 +456,7 @@ mod tests {
     }
 
     #[test]
-    fn only_a_full_memory_store_rules_out_a_write() {
+    fn only_a_full_store_or_a_failed_handshake_rules_out_a_write() {
         assert!(
             !StoreError::Full {
                 what: "bytes",
@@ -453,6 +464,12 @@ mod tests {
             }
             .may_have_written()
         );
+        let refused = || redis::RedisError::from((redis::ErrorKind::Io, "handshake"));
+        assert!(
+            !StoreError::Tls(refused()).may_have_written(),
+            "a failed handshake wrote nothing"
+        );
+        assert!(StoreError::Unavailable(refused()).may_have_written());
         assert!(StoreError::Timeout(Duration::from_secs(1)).may_have_written());
         assert!(StoreError::Protocol("x").may_have_written());
     }

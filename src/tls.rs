@@ -100,6 +100,15 @@ pub fn server_config(
     Ok(Arc::new(config))
 }
 
+/// Checks that `key` goes with `chain`, as a TLS client would present them.
+pub fn client_identity(chain: Vec<CertificateDer<'static>>, key: PrivateKeyDer<'static>) -> Result<(), rustls::Error> {
+    rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(RootCertStore::empty())
+        .with_client_auth_cert(chain, key)
+        .map(drop)
+}
+
 /// An upstream client's configuration: the webpki roots and the CA certificates at
 /// `ca_file`. No ALPN here: the connector sets it (and refuses a config that has some).
 pub fn upstream_client_config(ca_file: &Path) -> Result<Arc<rustls::ClientConfig>, TlsError> {

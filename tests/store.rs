@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
+use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, StoreTls};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::{
@@ -18,6 +19,8 @@ use idemproxy::store::{
     RedisStore, StoreKey, StoredResponse, UnknownReason, Write,
 };
 use support::RedisServer;
+use support::pki::Pki;
+use support::redis_server::ServerTls;
 
 fn key(name: &str) -> StoreKey {
     let key = parse_key_value(name.as_bytes()).expect("valid key");
@@ -304,7 +307,47 @@ macro_rules! against_both_stores {
                 }
             )*
         }
+        /// Over TLS to a server that requires a client certificate, both from a
+        /// private CA made for the test.
+        mod redis_tls_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let (_pki, server, store) = super::tls_store();
+                    super::$name(&store).await;
+                    drop(server);
+                }
+            )*
+        }
     };
+}
+
+/// A `redis-server` with `tls-auth-clients yes` and a store that trusts its private CA
+/// and presents a client certificate.
+fn tls_store() -> (Pki, RedisServer, RedisStore) {
+    let pki = Pki::new("store suite CA");
+    let issued = pki.server();
+    let server = RedisServer::start_tls(&ServerTls {
+        cert_file: issued.cert_file,
+        key_file: issued.key_file,
+        ca_file: pki.ca_file.clone(),
+        auth_clients: true,
+    });
+    let client = pki.client("idemproxy", false);
+    let config = RedisConfig {
+        topology: RedisTopology::Standalone { url: server.tls_url() },
+        min_replica_acks: 0,
+        replica_ack_timeout: Duration::from_millis(100),
+        tls: Some(StoreTls {
+            ca_file: Some(pki.ca_file.clone()),
+            client: Some(ClientIdentity {
+                cert_file: client.cert_file,
+                key_file: client.key_file,
+            }),
+        }),
+    };
+    let store = RedisStore::new(&config, Duration::from_secs(2)).expect("store");
+    (pki, server, store)
 }
 
 against_both_stores!(

@@ -93,6 +93,9 @@ pub(super) struct RawStore {
     pub(super) max_bytes: Option<Spanned<usize>>,
     pub(super) min_replica_acks: Option<Spanned<u32>>,
     pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
+    pub(super) tls_ca_file: Option<Spanned<String>>,
+    pub(super) tls_cert_file: Option<Spanned<String>>,
+    pub(super) tls_key_file: Option<Spanned<String>>,
 }
 
 impl Default for RawStore {
@@ -108,6 +111,9 @@ impl Default for RawStore {
             max_bytes: None,
             min_replica_acks: None,
             replica_ack_timeout: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }

@@ -15,8 +15,8 @@ use toml::Spanned;
 
 use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls};
 use super::{
-    AdminConfig, Backend, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
-    IdempotencyPolicy, LEASE_GRACE, RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig,
+    AdminConfig, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
+    IdempotencyPolicy, LEASE_GRACE, RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::scope::{JwtVerifier, KeySource};
@@ -228,6 +228,9 @@ impl Validator<'_> {
                         "store.replica_ack_timeout",
                         raw.replica_ack_timeout.as_ref().map(Spanned::span),
                     ),
+                    ("store.tls_ca_file", raw.tls_ca_file.as_ref().map(Spanned::span)),
+                    ("store.tls_cert_file", raw.tls_cert_file.as_ref().map(Spanned::span)),
+                    ("store.tls_key_file", raw.tls_key_file.as_ref().map(Spanned::span)),
                 ];
                 if let Some((field, Some(span))) = redis_only.into_iter().find(|(_, span)| span.is_some()) {
                     return Err(self.error(span, field, "only the redis backends take this"));
@@ -402,11 +405,77 @@ impl Validator<'_> {
             Some(timeout) => timeout.get_ref().0,
             None => DEFAULT_REPLICA_ACK_TIMEOUT,
         };
+        let tls = self.store_tls(raw, &topology)?;
         Ok(RedisConfig {
             topology,
             min_replica_acks: raw.min_replica_acks.as_ref().map_or(0, |acks| *acks.get_ref()),
             replica_ack_timeout,
+            tls,
         })
+    }
+
+    /// The store's CA and client certificate, each file read and checked and named by
+    /// its own field: only with a `rediss://` URL, a certificate only with its key.
+    fn store_tls(&self, raw: &RawStore, topology: &RedisTopology) -> Result<Option<StoreTls>, ConfigError> {
+        let fields = [
+            ("store.tls_ca_file", &raw.tls_ca_file),
+            ("store.tls_cert_file", &raw.tls_cert_file),
+            ("store.tls_key_file", &raw.tls_key_file),
+        ];
+        let Some((first, span)) = fields
+            .iter()
+            .find_map(|(field, value)| value.as_ref().map(|value| (*field, value.span())))
+        else {
+            return Ok(None);
+        };
+        let urls = match topology {
+            RedisTopology::Standalone { url } => std::slice::from_ref(url),
+            RedisTopology::Sentinel { urls, .. } | RedisTopology::Cluster { urls } => urls.as_slice(),
+        };
+        if !urls.iter().any(|url| url.starts_with("rediss://")) {
+            return Err(self.error(
+                span,
+                first,
+                "TLS settings need a rediss:// store URL; with redis:// they would never be used",
+            ));
+        }
+        let failed =
+            |span: Range<usize>, field: &'static str| move |error: TlsError| self.error(span, field, error.to_string());
+        let ca_file = match &raw.tls_ca_file {
+            None => None,
+            Some(ca) => {
+                let path = self.file(ca.get_ref());
+                tls::roots(&path).map_err(failed(ca.span(), "store.tls_ca_file"))?;
+                Some(path)
+            }
+        };
+        let client = match (&raw.tls_cert_file, &raw.tls_key_file) {
+            (None, None) => None,
+            (Some(cert), None) => {
+                return Err(self.error(cert.span(), "store.tls_cert_file", "needs store.tls_key_file, its key"));
+            }
+            (None, Some(key)) => {
+                return Err(self.error(
+                    key.span(),
+                    "store.tls_key_file",
+                    "needs store.tls_cert_file, its certificate",
+                ));
+            }
+            (Some(cert), Some(key)) => {
+                let (cert_file, key_file) = (self.file(cert.get_ref()), self.file(key.get_ref()));
+                let chain = tls::certificates(&cert_file).map_err(failed(cert.span(), "store.tls_cert_file"))?;
+                let private = tls::private_key(&key_file).map_err(failed(key.span(), "store.tls_key_file"))?;
+                tls::client_identity(chain, private).map_err(|error| {
+                    self.error(
+                        key.span(),
+                        "store.tls_key_file",
+                        format!("does not go with store.tls_cert_file: {error}"),
+                    )
+                })?;
+                Some(ClientIdentity { cert_file, key_file })
+            }
+        };
+        Ok(Some(StoreTls { ca_file, client }))
     }
 
     /// A `redis://` or `rediss://` URL the redis crate can open.

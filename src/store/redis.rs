@@ -107,7 +107,7 @@ impl RedisStore {
     /// by `timeout`, and a claim that waits for replicas by `timeout` plus the
     /// configured wait.
     pub fn new(config: &RedisConfig, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let connection = Connection::new(&config.topology, timeout).map_err(StoreError::Unavailable)?;
+        let connection = Connection::new(&config.topology, config.tls.as_ref(), timeout).map_err(unavailable)?;
         Ok(RedisStore {
             connection,
             scripts: SCRIPTS.clone(),
@@ -126,6 +126,7 @@ impl RedisStore {
             topology: RedisTopology::Standalone { url: url.to_string() },
             min_replica_acks: 0,
             replica_ack_timeout: crate::config::DEFAULT_REPLICA_ACK_TIMEOUT,
+            tls: None,
         };
         RedisStore::new(&config, timeout)
     }
@@ -166,7 +167,7 @@ impl RedisStore {
                 Retry::Transient => is_transient(&error),
             };
             if !again || Instant::now() + pause >= deadline {
-                return Err(StoreError::Unavailable(error));
+                return Err(unavailable(error));
             }
             tracing::debug!(%error, "the store refused for a moment; trying again");
             tokio::time::sleep(pause).await;
@@ -237,7 +238,20 @@ fn claim_args(claim: &ClaimRequest) -> [String; 5] {
 }
 
 /// Whether the store said it did not run the command, and a moment later may.
+/// The store error for a Redis error that ends an operation: a TLS failure is told
+/// apart, because nothing reached Redis and only the configuration can fix it.
+fn unavailable(error: RedisError) -> StoreError {
+    if topology::tls_failure(&error).is_some() {
+        StoreError::Tls(error)
+    } else {
+        StoreError::Unavailable(error)
+    }
+}
+
 fn is_refused(error: &RedisError) -> bool {
+    if topology::tls_failure(error).is_some() {
+        return false;
+    }
     matches!(
         error.kind(),
         ErrorKind::Server(
@@ -326,7 +340,7 @@ impl RecordStore for RedisStore {
         match tokio::time::timeout(self.timeout, connection.readiness()).await {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
             Ok(Ok(())) => Ok(()),
-            Ok(Err(Unready::Redis(error))) => Err(StoreError::Unavailable(error)),
+            Ok(Err(Unready::Redis(error))) => Err(unavailable(error)),
             Ok(Err(Unready::Topology(why))) => Err(StoreError::Unready(why)),
         }
     }

@@ -84,6 +84,16 @@ impl Pki {
         self.issue(params)
     }
 
+    /// A Redis node's certificate: a server one that also serves as a client one, as
+    /// a node presents it to the nodes it replicates from, its sentinels and its cluster
+    /// bus peers.
+    pub fn node(&self) -> Issued {
+        let mut params =
+            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).expect("params");
+        params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        self.issue(params)
+    }
+
     /// A client certificate named `name`; `expired` makes one that ran out in 2001.
     pub fn client(&self, name: &str, expired: bool) -> Issued {
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");

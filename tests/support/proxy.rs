@@ -202,15 +202,25 @@ impl ChildProxy {
     /// free a moment ago may be taken when the child binds them: a child that exits
     /// at once is started again on other ports.
     pub async fn start_via(config: &TestConfig, launcher: &[&str], log: Option<&Path>) -> ChildProxy {
+        ChildProxy::start_until(config, launcher, log, "/readyz").await
+    }
+
+    /// Like `start_via` with no launcher, waiting only until `/healthz` answers: for a
+    /// proxy whose store cannot serve.
+    pub async fn start_live(config: &TestConfig, log: Option<&Path>) -> ChildProxy {
+        ChildProxy::start_until(config, &[], log, "/healthz").await
+    }
+
+    async fn start_until(config: &TestConfig, launcher: &[&str], log: Option<&Path>, up: &str) -> ChildProxy {
         for _ in 0..5 {
-            if let Some(proxy) = ChildProxy::try_start(config, launcher, log).await {
+            if let Some(proxy) = ChildProxy::try_start(config, launcher, log, up).await {
                 return proxy;
             }
         }
         panic!("the idemproxy binary exited at start on five sets of free ports in a row");
     }
 
-    async fn try_start(config: &TestConfig, launcher: &[&str], log: Option<&Path>) -> Option<ChildProxy> {
+    async fn try_start(config: &TestConfig, launcher: &[&str], log: Option<&Path>, up: &str) -> Option<ChildProxy> {
         let mut config = config.clone();
         let port = free_port();
         let admin_port = free_port();
@@ -246,7 +256,7 @@ impl ChildProxy {
         };
         let started = tokio::time::Instant::now();
         loop {
-            let ready = super::client::try_send(proxy.admin, "GET", "/readyz", &[], "").await;
+            let ready = super::client::try_send(proxy.admin, "GET", up, &[], "").await;
             if ready.map(|r| r.status == 200).unwrap_or(false) {
                 return Some(proxy);
             }
@@ -255,7 +265,7 @@ impl ChildProxy {
             }
             assert!(
                 started.elapsed() < std::time::Duration::from_secs(20),
-                "the idemproxy binary did not become ready"
+                "the idemproxy binary did not answer {up} with 200"
             );
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }

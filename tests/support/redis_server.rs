@@ -17,6 +17,37 @@ pub struct RedisServer {
     persistent: bool,
     /// More arguments, e.g. `--replicaof` or `--cluster-enabled`.
     extra: Vec<String>,
+    /// With TLS: the port it listens on for TLS, beside the plain `port` the test's own
+    /// checks use.
+    tls: Option<(ServerTls, u16)>,
+}
+
+/// TLS on a test server: its certificate and key, the CA its clients' certificates
+/// must chain to, and whether a client must present one (`tls-auth-clients`).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    pub ca_file: PathBuf,
+    pub auth_clients: bool,
+}
+
+impl ServerTls {
+    fn args(&self, port: u16) -> Vec<String> {
+        let path = |path: &PathBuf| path.display().to_string();
+        vec![
+            "--tls-port".into(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            path(&self.cert_file),
+            "--tls-key-file".into(),
+            path(&self.key_file),
+            "--tls-ca-cert-file".into(),
+            path(&self.ca_file),
+            "--tls-auth-clients".into(),
+            if self.auth_clients { "yes" } else { "no" }.into(),
+        ]
+    }
 }
 
 /// The `redis-server` binary: `$IDEMPROXY_REDIS_SERVER`, else the one on PATH.
@@ -53,11 +84,27 @@ impl RedisServer {
         RedisServer::start_with_args(persistent, Vec::new())
     }
 
+    /// A server that also listens for TLS (`tls_url`). A `redis-server` built without
+    /// TLS fails the test and says so; it never skips.
+    pub fn start_tls(tls: &ServerTls) -> RedisServer {
+        RedisServer::start_on(false, Vec::new(), Some(tls))
+    }
+
+    /// Like `start_tls`, with `extra` arguments.
+    pub fn start_tls_with_args(tls: &ServerTls, extra: Vec<String>) -> RedisServer {
+        RedisServer::start_on(false, extra, Some(tls))
+    }
+
     /// A server with `extra` arguments after the usual ones. A port that was free a
     /// moment ago may be taken by the time the server binds it (many servers start at
     /// once in the topology tests): a server that exits at once is started again on
     /// another port.
     pub fn start_with_args(persistent: bool, extra: Vec<String>) -> RedisServer {
+        RedisServer::start_on(persistent, extra, None)
+    }
+
+    fn start_on(persistent: bool, extra: Vec<String>, tls: Option<&ServerTls>) -> RedisServer {
+        let mut log = String::new();
         for _ in 0..5 {
             let port = free_port();
             let dir = std::env::temp_dir().join(format!("idemproxy-redis-{}-{port}", std::process::id()));
@@ -68,12 +115,22 @@ impl RedisServer {
                 dir,
                 persistent,
                 extra: extra.clone(),
+                tls: tls.map(|tls| (tls.clone(), free_port())),
             };
             if server.try_spawn() {
                 return server;
             }
+            log = std::fs::read_to_string(server.dir.join("redis.log")).unwrap_or_default();
+            if tls.is_some() && !log.contains("Address already in use") {
+                panic!(
+                    "{} did not start with --tls-port; these tests need a redis-server built with TLS \
+                     (Debian's and Ubuntu's redis-server 6 and later are): set IDEMPROXY_REDIS_SERVER \
+                     to one. Its log:\n{log}",
+                    binary().display()
+                );
+            }
         }
-        panic!("redis-server exited at start on five free ports in a row");
+        panic!("redis-server exited at start on five free ports in a row; the last log:\n{log}");
     }
 
     fn spawn(&mut self) {
@@ -94,6 +151,9 @@ impl RedisServer {
             .args(["--maxmemory-policy", "noeviction"])
             .arg("--dir")
             .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.dir.join("redis.log"))
+            .args(self.tls.as_ref().map(|(tls, port)| tls.args(*port)).unwrap_or_default())
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -131,6 +191,15 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// The TLS port's URL, by the name its certificate is for.
+    pub fn tls_url(&self) -> String {
+        format!("rediss://localhost:{}/0", self.tls_port())
+    }
+
+    pub fn tls_port(&self) -> u16 {
+        self.tls.as_ref().expect("a server started with start_tls").1
     }
 
     pub fn pid(&self) -> u32 {

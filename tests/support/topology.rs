@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::proxy::free_port;
-use super::redis_server::{RedisServer, binary};
+use super::redis_server::{RedisServer, ServerTls, binary};
 use super::relay::Relay;
 
 /// How long a topology may take to become whole, or to fail over.
@@ -50,14 +50,38 @@ pub struct Sentinel {
     child: Option<Child>,
     pub port: u16,
     dir: PathBuf,
+    /// With TLS: the port it listens on for TLS, beside the plain `port`.
+    tls_port: Option<u16>,
 }
 
 impl Sentinel {
     /// A sentinel on a free port, started again on another if it exits at once (its
     /// port was taken in between).
     fn start(master_name: &str, primary: u16) -> Sentinel {
+        Sentinel::start_on(master_name, primary, 2, None)
+    }
+
+    /// The only sentinel of a primary that speaks TLS only to it (on `primary_tls_port`)
+    /// and also listens for TLS itself (`tls_url`), with `tls`'s certificate.
+    pub fn start_tls(master_name: &str, primary_tls_port: u16, tls: &ServerTls) -> Sentinel {
+        Sentinel::start_on(master_name, primary_tls_port, 1, Some(tls))
+    }
+
+    fn start_on(master_name: &str, primary: u16, quorum: u8, tls: Option<&ServerTls>) -> Sentinel {
         for _ in 0..5 {
             let port = free_port();
+            let tls_port = tls.map(|_| free_port());
+            let tls_lines = match (tls, tls_port) {
+                (Some(tls), Some(tls_port)) => format!(
+                    "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\ntls-ca-cert-file {}\n\
+                     tls-auth-clients {}\ntls-replication yes\n",
+                    tls.cert_file.display(),
+                    tls.key_file.display(),
+                    tls.ca_file.display(),
+                    if tls.auth_clients { "yes" } else { "no" }
+                ),
+                _ => String::new(),
+            };
             let dir = std::env::temp_dir().join(format!("idemproxy-sentinel-{}-{port}", std::process::id()));
             std::fs::create_dir_all(&dir).expect("create a directory for the sentinel");
             // The sentinel rewrites its own config file: each has one of its own.
@@ -66,10 +90,10 @@ impl Sentinel {
                 &config,
                 format!(
                     "port {port}\nbind 127.0.0.1\ndir {}\nsentinel resolve-hostnames no\n\
-                     sentinel monitor {master_name} 127.0.0.1 {primary} 2\n\
+                     sentinel monitor {master_name} 127.0.0.1 {primary} {quorum}\n\
                      sentinel down-after-milliseconds {master_name} 1000\n\
                      sentinel failover-timeout {master_name} 10000\n\
-                     sentinel parallel-syncs {master_name} 2\n",
+                     sentinel parallel-syncs {master_name} 2\n{tls_lines}",
                     dir.display()
                 ),
             )
@@ -85,6 +109,7 @@ impl Sentinel {
                 child: Some(child),
                 port,
                 dir,
+                tls_port,
             };
             let mut exited = false;
             until("a sentinel answers or exits", SETTLE, || {
@@ -106,6 +131,23 @@ impl Sentinel {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn tls_url(&self) -> String {
+        format!(
+            "rediss://127.0.0.1:{}",
+            self.tls_port.expect("a sentinel started with start_tls")
+        )
+    }
+
+    /// The primary this sentinel names, as `(ip, port)`.
+    pub fn primary(&self, master_name: &str) -> Option<(String, u16)> {
+        let named: Vec<String> = query(
+            self.port,
+            redis::cmd("SENTINEL").arg("GET-MASTER-ADDR-BY-NAME").arg(master_name),
+        )
+        .ok()?;
+        Some((named.first()?.clone(), named.get(1)?.parse().ok()?))
     }
 }
 
@@ -295,6 +337,64 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes };
         cluster.until_whole();
         cluster
+    }
+
+    /// Three primaries, no replicas, that speak TLS to clients and on the cluster bus
+    /// (`tls-cluster yes`) with `tls`'s certificate; made over TLS with `redis-cli`.
+    pub fn start_tls(tls: &ServerTls) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_tls_with_args(
+                    tls,
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--tls-cluster",
+                        "yes",
+                    ]
+                    .map(String::from)
+                    .to_vec(),
+                )
+            })
+            .collect();
+        let mut command = Command::new("redis-cli");
+        command.args(["--tls", "--cacert"]).arg(&tls.ca_file);
+        if tls.auth_clients {
+            command
+                .arg("--cert")
+                .arg(&tls.cert_file)
+                .arg("--key")
+                .arg(&tls.key_file);
+        }
+        let output = command
+            .args(["--cluster", "create"])
+            .args(nodes.iter().map(|node| format!("127.0.0.1:{}", node.tls_port())))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run redis-cli --cluster create (Debian: apt-get install redis-tools)");
+        assert!(
+            output.status.success(),
+            "redis-cli --tls --cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        for node in &nodes {
+            until("every node sees cluster_state:ok", SETTLE, || {
+                let info: String = query(node.port, redis::cmd("CLUSTER").arg("INFO")).unwrap_or_default();
+                info.contains("cluster_state:ok")
+            });
+        }
+        RedisCluster { nodes }
+    }
+
+    /// Seed URLs for a cluster started with `start_tls`.
+    pub fn tls_urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|node| format!("rediss://127.0.0.1:{}", node.tls_port()))
+            .collect()
     }
 
     /// Waits until every running node sees every slot served and each primary has a

@@ -10,14 +10,14 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, RedisError, RedisFuture,
-    RedisResult, ServerErrorKind, TlsMode, Value,
+    AsyncConnectionConfig, ClientTlsConfig, Cmd, ConnectionAddr, ErrorKind, IntoConnectionInfo, Pipeline, RedisError,
+    RedisFuture, RedisResult, ServerErrorKind, TlsCertificates, TlsMode, Value,
 };
 use tokio::sync::OnceCell;
 
-use crate::config::RedisTopology;
+use crate::config::{RedisTopology, StoreTls};
 
 /// A connection to the primary that holds a record, whatever the topology. Cheap to
 /// clone: every clone shares the same underlying connections.
@@ -35,11 +35,16 @@ pub(super) enum Connection {
 
 impl Connection {
     /// Prepares the connection. Nothing connects yet: the proxy starts while Redis is
-    /// down, `/readyz` says so, and the first operation connects.
-    pub(super) fn new(topology: &RedisTopology, timeout: Duration) -> RedisResult<Connection> {
+    /// down, `/readyz` says so, and the first operation connects. `tls`'s files are
+    /// read now, for every connection this store makes.
+    pub(super) fn new(topology: &RedisTopology, tls: Option<&StoreTls>, timeout: Duration) -> RedisResult<Connection> {
+        let certificates = tls.map(certificates).transpose()?;
         match topology {
             RedisTopology::Standalone { url } => {
-                let client = redis::Client::open(url.as_str())?;
+                let client = match certificates {
+                    Some(certificates) => redis::Client::build_with_tls(url.as_str(), certificates)?,
+                    None => redis::Client::open(url.as_str())?,
+                };
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout))
                     // Each call is bounded by the store's timeout instead: a response
@@ -56,10 +61,15 @@ impl Connection {
             RedisTopology::Sentinel { urls, master_name } => Ok(Connection::Sentinel(SentinelConnection::new(
                 urls,
                 master_name,
+                certificates,
                 timeout,
             )?)),
             RedisTopology::Cluster { urls } => {
-                let client = ClusterClient::builder(urls.iter().map(String::as_str))
+                let mut builder = ClusterClient::builder(urls.iter().map(String::as_str));
+                if let Some(certificates) = certificates {
+                    builder = builder.certs(certificates);
+                }
+                let client = builder
                     .connection_timeout(timeout)
                     // The store bounds each operation itself and retries before forwarding;
                     // the client's own retries cover redirections and a failover's first
@@ -112,6 +122,30 @@ impl Connection {
     }
 }
 
+/// The store's CA and client certificate, read from their files, in the form the
+/// redis crate takes them (PEM).
+fn certificates(tls: &StoreTls) -> RedisResult<TlsCertificates> {
+    let read = |path: &std::path::Path| {
+        std::fs::read(path).map_err(|error| {
+            RedisError::from((
+                ErrorKind::InvalidClientConfig,
+                "cannot read a store TLS file",
+                format!("{}: {error}", path.display()),
+            ))
+        })
+    };
+    Ok(TlsCertificates {
+        root_cert: tls.ca_file.as_deref().map(read).transpose()?,
+        client_tls: match &tls.client {
+            None => None,
+            Some(client) => Some(ClientTlsConfig {
+                client_cert: read(&client.cert_file)?,
+                client_key: read(&client.key_file)?,
+            }),
+        },
+    })
+}
+
 /// Why the store cannot serve.
 #[derive(Debug)]
 pub(super) enum Unready {
@@ -129,6 +163,9 @@ impl From<RedisError> for Unready {
 /// loading, migrating a slot, or the connection was lost. An operation that failed so
 /// is tried again within the store's timeout.
 pub(super) fn is_transient(error: &RedisError) -> bool {
+    if tls_failure(error).is_some() {
+        return false;
+    }
     matches!(
         error.kind(),
         ErrorKind::Server(
@@ -145,6 +182,30 @@ pub(super) fn is_transient(error: &RedisError) -> bool {
         || error.is_io_error()
         || error.is_connection_dropped()
         || error.is_connection_refusal()
+}
+
+/// The TLS error under `error`, if the connection failed in its handshake or was
+/// refused by the node's TLS layer (a certificate not trusted, none presented). Such a
+/// failure repeats on every attempt: it is a configuration to fix, not a moment to wait.
+pub(super) fn tls_failure(error: &RedisError) -> Option<&rustls::Error> {
+    type Shared = Arc<dyn std::error::Error + Send + Sync>;
+    // The redis crate keeps an I/O error behind an `Arc`, and gives that as the source.
+    let source = std::error::Error::source(error)?;
+    let io = match source.downcast_ref::<Shared>() {
+        Some(shared) => shared.downcast_ref::<std::io::Error>()?,
+        None => source.downcast_ref::<std::io::Error>()?,
+    };
+    let tls = io.get_ref()?.downcast_ref::<rustls::Error>()?;
+    // Only what a handshake fails with: a record error on an established connection
+    // (which may have carried a command) stays an ordinary lost connection.
+    matches!(
+        tls,
+        rustls::Error::InvalidCertificate(_)
+            | rustls::Error::NoCertificatesPresented
+            | rustls::Error::AlertReceived(_)
+            | rustls::Error::PeerIncompatible(_)
+    )
+    .then_some(tls)
 }
 
 // === impl ConnectionLike ===
@@ -195,28 +256,53 @@ struct SentinelShared {
 }
 
 impl SentinelConnection {
-    fn new(urls: &[String], master_name: &str, timeout: Duration) -> RedisResult<SentinelConnection> {
-        // The data nodes take the sentinels' scheme and credentials (database 0).
-        let first = urls
+    /// The sentinels at `urls`; the data nodes take the first sentinel's scheme and
+    /// credentials (database 0). `certificates` serve every `rediss://` connection: to a
+    /// sentinel and to a data node.
+    fn new(
+        urls: &[String],
+        master_name: &str,
+        certificates: Option<TlsCertificates>,
+        timeout: Duration,
+    ) -> RedisResult<SentinelConnection> {
+        let sentinels = urls
+            .iter()
+            .map(|url| match (&certificates, url.starts_with("rediss://")) {
+                (Some(certificates), true) => Ok(redis::Client::build_with_tls(url.as_str(), certificates.clone())?
+                    .get_connection_info()
+                    .clone()),
+                _ => url.as_str().into_connection_info(),
+            })
+            .collect::<RedisResult<Vec<_>>>()?;
+        let first = sentinels
             .first()
-            .ok_or_else(|| RedisError::from((ErrorKind::InvalidClientConfig, "no sentinel url")))?
-            .as_str()
-            .into_connection_info()?;
-        let tls = match first.addr() {
-            ConnectionAddr::TcpTls { .. } => Some(TlsMode::Secure),
-            _ => None,
-        };
-        let mut node =
-            SentinelNodeConnectionInfo::default().set_redis_connection_info(first.redis_settings().clone().set_db(0));
-        if let Some(tls) = tls {
-            node = node.set_tls_mode(tls);
-        }
-        let client = SentinelClient::build(
-            urls.iter().map(String::as_str).collect(),
+            .ok_or_else(|| RedisError::from((ErrorKind::InvalidClientConfig, "no sentinel url")))?;
+        let settings = first.redis_settings().clone();
+        let tls = matches!(first.addr(), ConnectionAddr::TcpTls { .. });
+        let mut builder = SentinelClientBuilder::new(
+            sentinels.iter().map(|sentinel| sentinel.addr().clone()),
             master_name,
-            Some(node),
             SentinelServerType::Master,
-        )?;
+        )?
+        .set_client_to_redis_db(0)
+        .set_client_to_redis_protocol(settings.protocol());
+        if let Some(username) = settings.username() {
+            builder = builder
+                .set_client_to_redis_username(username)
+                .set_client_to_sentinel_username(username);
+        }
+        if let Some(password) = settings.password() {
+            builder = builder
+                .set_client_to_redis_password(password)
+                .set_client_to_sentinel_password(password);
+        }
+        if tls {
+            builder = builder.set_client_to_redis_tls_mode(TlsMode::Secure);
+            if let Some(certificates) = certificates {
+                builder = builder.set_client_to_redis_certificates(certificates);
+            }
+        }
+        let client = builder.build()?;
         Ok(SentinelConnection {
             shared: Arc::new(SentinelShared {
                 client: tokio::sync::Mutex::new(client),
