@@ -1,5 +1,5 @@
 //! The admin listener's service: liveness, readiness (the store answers a ping within
-//! its timeout) and Prometheus metrics. It never touches records.
+//! its timeout), Prometheus metrics, and, with a token, the records API.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -9,16 +9,23 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
+use arc_swap::ArcSwap;
+
 use crate::body::{ProxyBody, full};
+use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::{Metrics, StoreOp};
 use crate::proxy::{DisplayChain, GuardedRequests};
 use crate::store::{AnyStore, RecordStore};
 
+mod records;
+
 #[derive(Clone)]
 pub(crate) struct Admin {
     store: AnyStore,
     metrics: Arc<Metrics>,
+    /// The configuration served now: the records API reads routes and token from it.
+    live: Arc<ArcSwap<Config>>,
     timeout: Duration,
     guarded: GuardedRequests,
     /// What the last `/readyz` found: `UNKNOWN` before the first.
@@ -30,10 +37,17 @@ const READY: u8 = 1;
 const UNREADY: u8 = 2;
 
 impl Admin {
-    pub(crate) fn new(store: AnyStore, metrics: Arc<Metrics>, timeout: Duration, guarded: GuardedRequests) -> Admin {
+    pub(crate) fn new(
+        store: AnyStore,
+        metrics: Arc<Metrics>,
+        live: Arc<ArcSwap<Config>>,
+        guarded: GuardedRequests,
+    ) -> Admin {
+        let timeout = live.load().store.timeout;
         Admin {
             store,
             metrics,
+            live,
             timeout,
             guarded,
             ready: Arc::new(AtomicU8::new(UNKNOWN)),
@@ -54,6 +68,19 @@ impl Admin {
     }
 
     pub(crate) async fn handle(&self, request: Request<Incoming>) -> Response<ProxyBody> {
+        if request.uri().path().starts_with("/records/") {
+            let config = self.live.load_full();
+            let answer = records::handle(
+                &config,
+                &self.store,
+                request.method(),
+                request.uri().path(),
+                request.uri().query(),
+                request.headers(),
+            )
+            .await;
+            return answer.unwrap_or_else(|| text(StatusCode::NOT_FOUND, "not found\n"));
+        }
         if request.method() != Method::GET && request.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
         }

@@ -31,6 +31,9 @@ pub struct Config {
     pub admin: Option<AdminConfig>,
     pub store: StoreConfig,
     pub routes: Vec<Route>,
+    /// SHA-256 of the file's bytes, hex: what `sha256sum` prints for it, and what
+    /// `/metrics` reports as loaded.
+    pub sha256: String,
 }
 
 #[derive(Debug, Clone)]
@@ -47,6 +50,8 @@ pub struct ServerConfig {
     /// Guarded requests in flight at once, from reading the body to recording the
     /// response; more get 503 `overloaded`.
     pub max_guarded_requests: usize,
+    /// One log line per request, with target `idemproxy::access`.
+    pub access_log: bool,
     /// TLS on the listener, when configured.
     pub tls: Option<ServerTls>,
 }
@@ -64,6 +69,44 @@ pub struct ServerTls {
 #[derive(Debug, Clone)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
+    /// With `token_file`: the records API is on, for this Bearer token.
+    pub token: Option<AdminToken>,
+}
+
+/// The admin token, kept only as its SHA-256: the comparison then takes the same time
+/// whatever the presented token shares with it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken {
+    pub file: PathBuf,
+    digest: [u8; 32],
+}
+
+impl AdminToken {
+    /// The token in `text` (surrounding whitespace ignored), from `file`.
+    pub(crate) fn new(file: PathBuf, text: &str) -> AdminToken {
+        AdminToken {
+            file,
+            digest: sha256(text.trim().as_bytes()),
+        }
+    }
+
+    /// Whether `presented` is the token.
+    pub fn verify(&self, presented: &[u8]) -> bool {
+        sha256(presented) == self.digest
+    }
+}
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AdminToken({})", self.file.display())
+    }
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+    let mut out = [0; 32];
+    out.copy_from_slice(digest.as_ref());
+    out
 }
 
 #[derive(Debug, Clone)]
@@ -249,7 +292,15 @@ impl std::fmt::Display for Config {
             )?,
         }
         if let Some(admin) = &self.admin {
-            writeln!(f, "admin  {}", admin.listen)?;
+            match &admin.token {
+                None => writeln!(f, "admin  {} (records API off: no token_file)", admin.listen)?,
+                Some(token) => writeln!(
+                    f,
+                    "admin  {} (records API on, token from {})",
+                    admin.listen,
+                    token.file.display()
+                )?,
+            }
         }
         writeln!(
             f,

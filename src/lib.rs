@@ -15,6 +15,7 @@ pub mod config;
 pub mod error;
 pub mod idempotency;
 mod metrics;
+pub mod ops;
 mod proxy;
 pub mod record;
 mod router;

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::Config;
+use idemproxy::ops::{RecordsAction, RecordsCall};
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc: fewer cycles per request than the system allocator on this workload
@@ -36,7 +37,43 @@ enum Command {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
+    /// Show, purge or release one record through the running proxy's admin listener
+    /// (needs admin.token_file). Exit status: 0 done, 3 no such record, 4 release
+    /// refused (the record is not unknown), 1 any other failure.
+    Records {
+        action: Action,
+        /// The route's name.
+        #[arg(long)]
+        route: String,
+        /// The idempotency key, as the client sent it.
+        #[arg(long)]
+        key: String,
+        /// NAME:VALUE for each of the route's scope_headers (jwt.CLAIM for scope_jwt);
+        /// repeat for each.
+        #[arg(long = "scope", value_name = "NAME:VALUE")]
+        scopes: Vec<String>,
+        /// Print the admin listener's JSON answer instead.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
+        config: PathBuf,
+    },
 }
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Action {
+    /// The record's state, TTL, lease, status, reason, size and fingerprint.
+    Show,
+    /// Remove the record, whatever its state: the next request with the key runs.
+    Purge,
+    /// Free a key whose outcome is unknown, after checking with the upstream that the
+    /// request did not take effect: the next request with the key runs.
+    Release,
+}
+
+/// Exit statuses of `records` that scripts can tell apart.
+const EXIT_NOT_FOUND: u8 = 3;
+const EXIT_REFUSED: u8 = 4;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
@@ -50,6 +87,30 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check { config } => check(&config),
         Command::Serve { config } => serve(&config),
+        Command::Records {
+            action,
+            route,
+            key,
+            scopes,
+            json,
+            config,
+        } => {
+            let action = match action {
+                Action::Show => RecordsAction::Show,
+                Action::Purge => RecordsAction::Purge,
+                Action::Release => RecordsAction::Release,
+            };
+            let call = RecordsCall {
+                action,
+                route,
+                key,
+                scopes,
+            };
+            match records(&config, &call, json) {
+                Ok(code) => return code,
+                Err(error) => Err(error),
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -79,6 +140,73 @@ fn check(path: &std::path::Path) -> anyhow::Result<()> {
         eprintln!("idemproxy: warning: {warning}");
     }
     Ok(())
+}
+
+/// Runs one records call and prints its answer; the exit status says how it went.
+fn records(path: &std::path::Path, call: &RecordsCall, json: bool) -> anyhow::Result<ExitCode> {
+    let config = Config::load(path)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let answer = runtime.block_on(idemproxy::ops::records(&config, call))?;
+    let status = answer.status;
+    if json {
+        println!("{}", answer.body);
+    }
+    let field = |name: &str| answer.body.get(name).filter(|value| !value.is_null()).cloned();
+    let error = || {
+        field("error")
+            .and_then(|value| value.as_str().map(str::to_string))
+            .unwrap_or_default()
+    };
+    let code = match status.as_u16() {
+        200 | 204 => ExitCode::SUCCESS,
+        404 => {
+            eprintln!("idemproxy: {}", error());
+            return Ok(ExitCode::from(EXIT_NOT_FOUND));
+        }
+        409 => {
+            eprintln!("idemproxy: {}", error());
+            return Ok(ExitCode::from(EXIT_REFUSED));
+        }
+        _ => anyhow::bail!("the admin listener answered {status}: {}", error()),
+    };
+    if json {
+        return Ok(code);
+    }
+    match call.action {
+        RecordsAction::Show => {
+            let text = |name: &str| field(name).map(|value| value.to_string().trim_matches('"').to_string());
+            println!("route        {}", call.route);
+            println!("record       {}", text("record").unwrap_or_default());
+            println!("state        {}", text("state").unwrap_or_default());
+            for (label, name) in [("status", "status"), ("reason", "reason")] {
+                if let Some(value) = text(name) {
+                    println!("{label:<12} {value}");
+                }
+            }
+            if let Some(bytes) = text("response_bytes") {
+                println!("response     {bytes} bytes");
+            }
+            let millis = |name: &str| {
+                field(name)
+                    .and_then(|value| value.as_u64())
+                    .map(std::time::Duration::from_millis)
+            };
+            if let Some(lease) = millis("lease_remaining_ms") {
+                println!("lease        {} left", humantime::format_duration(lease));
+            }
+            if let Some(ttl) = millis("ttl_ms") {
+                let seconds = std::time::Duration::from_secs(ttl.as_secs());
+                println!("expires in   {}", humantime::format_duration(seconds));
+            }
+            println!("fingerprint  {}", text("fingerprint").unwrap_or_default());
+        }
+        RecordsAction::Purge => println!("purged: the next request with this key runs"),
+        RecordsAction::Release => println!("released: the next request with this key runs"),
+    }
+    Ok(code)
 }
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {

@@ -126,6 +126,13 @@ pub struct JwtVerifier {
     leeway: Duration,
 }
 
+impl JwtVerifier {
+    /// The claim that scopes the records (`sub` unless configured).
+    pub fn claim(&self) -> &str {
+        &self.claim
+    }
+}
+
 impl std::fmt::Debug for JwtVerifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let keys = match &self.keys {

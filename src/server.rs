@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -170,6 +171,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     let (addr, listeners) = bind_workers(config.server.listen, config.server.workers, share_port)?;
 
     let config = Arc::new(config);
+    let live = Arc::new(ArcSwap::new(config.clone()));
     let mut stopped = Vec::with_capacity(listeners.len() + 1);
     for (index, listener) in listeners.into_iter().enumerate() {
         let worker = Worker {
@@ -191,7 +193,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     }
     let admin_addr = match &config.admin {
         Some(admin) => {
-            let service = Admin::new(store.clone(), metrics.clone(), config.store.timeout, guarded);
+            let service = Admin::new(store.clone(), metrics.clone(), live.clone(), guarded);
             let (admin_addr, done) = start_admin(admin.listen, service, limits, metrics, shutdown.clone()).await?;
             stopped.push(done);
             Some(admin_addr)

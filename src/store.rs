@@ -159,6 +159,39 @@ pub enum RecordState {
     Unknown(UnknownReason),
 }
 
+/// What a record holds, as an operator sees it: never its body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordSummary {
+    pub fingerprint: Fingerprint,
+    /// How long until the whole record expires.
+    pub ttl: Duration,
+    pub state: SummaryState,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SummaryState {
+    InFlight {
+        lease_remaining: Duration,
+    },
+    /// In flight, its lease run out: clients get `outcome-unknown`.
+    LeaseExpired,
+    Completed {
+        status: u16,
+        response_bytes: u64,
+    },
+    Unknown(UnknownReason),
+}
+
+/// What an operator's release of an unknown record did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forget {
+    /// The record was unknown (or its lease had run out) and is gone: the next retry runs.
+    Released,
+    /// The record is completed, or in flight with its lease running: left as it is.
+    NotUnknown,
+    Absent,
+}
+
 /// Whether a compare-and-set write changed the record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Write {
@@ -193,9 +226,16 @@ pub trait RecordStore: Send + Sync + 'static {
     /// Removes an `in_flight` record whose request was never forwarded.
     fn release(&self, key: &StoreKey, owner: OwnerToken) -> impl Future<Output = Result<Write, StoreError>> + Send;
 
-    /// Removes a record whatever its state: an operator's tool, never on the request path.
-    #[cfg(feature = "test-util")]
+    /// Removes a record whatever its state: an operator's tool, never on the request
+    /// path. `false` when there was none.
     fn purge(&self, key: &StoreKey) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// What the record holds, without its body: an operator's view.
+    fn inspect(&self, key: &StoreKey) -> impl Future<Output = Result<Option<RecordSummary>, StoreError>> + Send;
+
+    /// Removes the record only if it reads as unknown (marked so, or in flight with
+    /// its lease run out): an operator's release after checking with the upstream.
+    fn forget_unknown(&self, key: &StoreKey) -> impl Future<Output = Result<Forget, StoreError>> + Send;
 
     /// Answers when the store is reachable.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -244,9 +284,16 @@ impl RecordStore for AnyStore {
         delegate!(self, store => store.release(key, owner))
     }
 
-    #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         delegate!(self, store => store.purge(key))
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
+        delegate!(self, store => store.inspect(key))
+    }
+
+    async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
+        delegate!(self, store => store.forget_unknown(key))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -15,8 +15,8 @@ use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, StoreTls};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, MemoryUsage, OwnerToken, RecordState, RecordStore,
-    RedisStore, StoreKey, StoredResponse, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, MemoryStore, MemoryUsage, OwnerToken, RecordState,
+    RecordStore, RedisStore, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use support::RedisServer;
 use support::pki::Pki;
@@ -287,6 +287,128 @@ async fn the_fingerprint_is_kept_with_every_state<S: RecordStore>(store: &S) {
     }
 }
 
+// === the operator's view ===
+
+async fn an_operator_sees_every_state_and_never_the_body<S: RecordStore>(store: &S) {
+    let done = key("op-done");
+    assert_eq!(store.inspect(&done).await.expect("inspect"), None);
+    let owner = new_owner();
+    store.claim(&claim(&done, owner, LONG)).await.expect("claim");
+    let summary = store.inspect(&done).await.expect("inspect").expect("a record");
+    assert_eq!(summary.fingerprint, Fingerprint([1; 32]));
+    assert!(
+        Duration::from_secs(58) <= summary.ttl && summary.ttl <= Duration::from_secs(60),
+        "{summary:?}"
+    );
+    match summary.state {
+        SummaryState::InFlight { lease_remaining } => {
+            assert!(
+                Duration::from_secs(28) <= lease_remaining && lease_remaining <= LONG,
+                "{lease_remaining:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    store
+        .complete(&done, owner, &response("twelve bytes"))
+        .await
+        .expect("complete");
+    assert_eq!(
+        store.inspect(&done).await.expect("inspect").expect("a record").state,
+        SummaryState::Completed {
+            status: 201,
+            response_bytes: 12
+        }
+    );
+
+    let unknown = key("op-unknown");
+    let owner = new_owner();
+    store.claim(&claim(&unknown, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&unknown, owner, UnknownReason::ResponseTooLarge)
+        .await
+        .expect("mark");
+    assert_eq!(
+        store.inspect(&unknown).await.expect("inspect").expect("a record").state,
+        SummaryState::Unknown(UnknownReason::ResponseTooLarge)
+    );
+
+    let expired = key("op-expired");
+    store
+        .claim(&claim(&expired, new_owner(), Duration::from_millis(300)))
+        .await
+        .expect("claim");
+    until_lease_expires(store, &expired).await;
+    assert_eq!(
+        store.inspect(&expired).await.expect("inspect").expect("a record").state,
+        SummaryState::LeaseExpired
+    );
+    // Inspecting changes nothing.
+    assert_eq!(
+        state_of(store, &done).await,
+        RecordState::Completed(response("twelve bytes"))
+    );
+}
+
+async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>(store: &S) {
+    let live = key("op-live");
+    let live_owner = new_owner();
+    store.claim(&claim(&live, live_owner, LONG)).await.expect("claim");
+    assert_eq!(store.forget_unknown(&live).await.expect("forget"), Forget::NotUnknown);
+    assert!(matches!(state_of(store, &live).await, RecordState::InFlight { .. }));
+
+    let done = key("op-done");
+    let owner = new_owner();
+    store.claim(&claim(&done, owner, LONG)).await.expect("claim");
+    store.complete(&done, owner, &response("x")).await.expect("complete");
+    assert_eq!(store.forget_unknown(&done).await.expect("forget"), Forget::NotUnknown);
+    assert_eq!(state_of(store, &done).await, RecordState::Completed(response("x")));
+
+    let unknown = key("op-unknown");
+    let owner = new_owner();
+    store.claim(&claim(&unknown, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout)
+        .await
+        .expect("mark");
+    assert_eq!(store.forget_unknown(&unknown).await.expect("forget"), Forget::Released);
+    assert_eq!(store.forget_unknown(&unknown).await.expect("forget"), Forget::Absent);
+    // The next request with the key runs.
+    assert_eq!(
+        store.claim(&claim(&unknown, new_owner(), LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+
+    let expired = key("op-expired");
+    let expired_owner = new_owner();
+    store
+        .claim(&claim(&expired, expired_owner, Duration::from_millis(300)))
+        .await
+        .expect("claim");
+    until_lease_expires(store, &expired).await;
+    assert_eq!(store.forget_unknown(&expired).await.expect("forget"), Forget::Released);
+    // Its old owner's late write finds nothing of its own.
+    assert_eq!(
+        store
+            .complete(&expired, expired_owner, &response("late"))
+            .await
+            .expect("complete"),
+        Write::Fenced
+    );
+
+    // Purge removes whatever is there, live claims included.
+    assert!(store.purge(&live).await.expect("purge"));
+    assert!(!store.purge(&live).await.expect("purge"));
+    assert_eq!(store.inspect(&live).await.expect("inspect"), None);
+    assert_eq!(
+        store
+            .complete(&live, live_owner, &response("late"))
+            .await
+            .expect("complete"),
+        Write::Fenced
+    );
+}
+
 macro_rules! against_both_stores {
     ($($name:ident),* $(,)?) => {
         mod memory_store {
@@ -361,6 +483,8 @@ against_both_stores!(
     an_expired_lease_reads_as_unknown_and_is_never_taken_over,
     a_stale_owner_is_fenced_off,
     the_fingerprint_is_kept_with_every_state,
+    an_operator_sees_every_state_and_never_the_body,
+    an_operator_frees_only_an_unknown_record_and_purges_any,
 );
 
 // === memory only ===

@@ -33,6 +33,7 @@ pub(super) struct RawServer {
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) max_connections: Spanned<usize>,
     pub(super) max_guarded_requests: Spanned<usize>,
+    pub(super) access_log: bool,
     pub(super) tls: Option<RawTls>,
 }
 
@@ -55,6 +56,7 @@ impl Default for RawServer {
             workers: None,
             max_connections: Spanned::new(0..0, 10_000),
             max_guarded_requests: Spanned::new(0..0, super::DEFAULT_MAX_GUARDED_REQUESTS),
+            access_log: false,
             tls: None,
         }
     }
@@ -65,6 +67,7 @@ impl Default for RawServer {
 pub(super) struct RawAdmin {
     #[serde(default = "default_admin_listen")]
     pub(super) listen: SocketAddr,
+    pub(super) token_file: Option<Spanned<String>>,
 }
 
 fn default_admin_listen() -> SocketAddr {

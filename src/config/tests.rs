@@ -379,3 +379,25 @@ fn each_topology_refuses_the_fields_of_the_others() {
         assert!(message.contains(needle), "{needle:?} not in {message:?}");
     }
 }
+
+#[test]
+fn the_admin_token_is_read_and_checked() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let admin = |path: &std::path::Path| format!("[admin]\ntoken_file = {:?}\n{ROUTE}", path.display().to_string());
+    let missing = dir.path().join("missing");
+    assert!(error(&admin(&missing)).contains("t.toml:2: admin.token_file: cannot read"));
+    let short = dir.path().join("short");
+    std::fs::write(&short, "  fifteen-chars!\n").expect("write");
+    assert!(error(&admin(&short)).contains("must hold a token of at least 16 characters"));
+    let good = dir.path().join("good");
+    std::fs::write(&good, "sixteen-chars-ok\n").expect("write");
+    let config = parse(&admin(&good)).expect("valid");
+    let token = config.admin.and_then(|admin| admin.token).expect("a token");
+    assert!(
+        token.verify(b"sixteen-chars-ok"),
+        "whitespace around the token is not part of it"
+    );
+    assert!(!token.verify(b"sixteen-chars-o"));
+    assert!(!token.verify(b"sixteen-chars-ok\n"));
+    assert_eq!(config.sha256.len(), 64);
+}

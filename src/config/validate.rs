@@ -15,8 +15,9 @@ use toml::Spanned;
 
 use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls};
 use super::{
-    AdminConfig, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
-    IdempotencyPolicy, LEASE_GRACE, RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls,
+    AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
+    DEFAULT_REPLICA_ACK_TIMEOUT, IdempotencyPolicy, LEASE_GRACE, RedisConfig, RedisTopology, Route, ServerConfig,
+    ServerTls, StoreConfig, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::scope::{JwtVerifier, KeySource};
@@ -146,12 +147,40 @@ impl Validator<'_> {
             }
             routes.push(route);
         }
+        let admin = match raw.admin {
+            None => None,
+            Some(admin) => Some(AdminConfig {
+                listen: admin.listen,
+                token: admin.token_file.map(|file| self.admin_token(&file)).transpose()?,
+            }),
+        };
         Ok(Config {
             server,
-            admin: raw.admin.map(|admin| AdminConfig { listen: admin.listen }),
+            admin,
             store,
             routes,
+            sha256: const_hex::encode(ring::digest::digest(&ring::digest::SHA256, self.source.as_bytes())),
         })
+    }
+
+    /// The admin token: at least 16 bytes, read now so that `check` tells a bad file.
+    fn admin_token(&self, file: &Spanned<String>) -> Result<AdminToken, ConfigError> {
+        let path = self.file(file.get_ref());
+        let text = std::fs::read_to_string(&path).map_err(|error| {
+            self.error(
+                file.span(),
+                "admin.token_file",
+                format!("cannot read {}: {error}", path.display()),
+            )
+        })?;
+        if text.trim().len() < 16 {
+            return Err(self.error(
+                file.span(),
+                "admin.token_file",
+                format!("{} must hold a token of at least 16 characters", path.display()),
+            ));
+        }
+        Ok(AdminToken::new(path, &text))
     }
 
     fn server(&self, raw: RawServer) -> Result<ServerConfig, ConfigError> {
@@ -194,6 +223,7 @@ impl Validator<'_> {
             workers,
             max_connections: raw.max_connections.into_inner(),
             max_guarded_requests: raw.max_guarded_requests.into_inner(),
+            access_log: raw.access_log,
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
             header_read_timeout: raw.header_read_timeout.into_inner().0,

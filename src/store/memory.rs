@@ -11,8 +11,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse,
-    UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, OwnerToken, RecordState, RecordStore, RecordSummary,
+    StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -327,9 +327,47 @@ impl RecordStore for MemoryStore {
         Ok(Write::Applied)
     }
 
-    #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         Ok(self.shared.lock().remove(key).is_some())
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
+        let records = self.shared.lock();
+        let now = Instant::now();
+        let Some(record) = records.map.get(key).filter(|record| record.expires_at > now) else {
+            return Ok(None);
+        };
+        let state = match &record.state {
+            State::InFlight { lease_until, .. } if *lease_until > now => SummaryState::InFlight {
+                lease_remaining: *lease_until - now,
+            },
+            State::InFlight { .. } => SummaryState::LeaseExpired,
+            State::Completed(response) => SummaryState::Completed {
+                status: response.status.as_u16(),
+                response_bytes: response.body.len() as u64,
+            },
+            State::Unknown(reason) => SummaryState::Unknown(*reason),
+        };
+        Ok(Some(RecordSummary {
+            fingerprint: record.fingerprint,
+            ttl: record.expires_at - now,
+            state,
+        }))
+    }
+
+    async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
+        let mut records = self.shared.lock();
+        let now = Instant::now();
+        let Some(record) = records.map.get(key).filter(|record| record.expires_at > now) else {
+            return Ok(Forget::Absent);
+        };
+        match record.state {
+            State::Unknown(_) => {}
+            State::InFlight { lease_until, .. } if lease_until <= now => {}
+            State::InFlight { .. } | State::Completed(_) => return Ok(Forget::NotUnknown),
+        }
+        records.remove(key);
+        Ok(Forget::Released)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -15,8 +15,8 @@ use tokio::time::Instant;
 
 use self::topology::{Connection, Unready, is_transient};
 use super::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, StoreKey, StoredResponse,
-    UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, OwnerToken, RecordState, RecordStore, RecordSummary,
+    StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
@@ -35,17 +35,22 @@ static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
         complete: Script::new(include_str!("scripts/complete.lua")),
         mark_unknown: Script::new(include_str!("scripts/mark_unknown.lua")),
         release: Script::new(include_str!("scripts/release.lua")),
+        inspect: Script::new(include_str!("scripts/inspect.lua")),
+        forget: Script::new(include_str!("scripts/forget.lua")),
     })
 });
 
-/// The four lifecycle scripts. Every store shares the ones in `scripts/`; tests may
-/// load a mutated one on the side to show that the suite catches it.
+/// The four lifecycle scripts and the operator's two. Every store shares the ones in
+/// `scripts/`; tests may load a mutated one on the side to show that the suite catches
+/// it.
 #[derive(Clone)]
 struct Scripts {
     claim: Script,
     complete: Script,
     mark_unknown: Script,
     release: Script,
+    inspect: Script,
+    forget: Script,
 }
 
 /// One of the lifecycle scripts, to swap in a test.
@@ -325,7 +330,6 @@ impl RecordStore for RedisStore {
         self.fenced_write(invocation).await
     }
 
-    #[cfg(feature = "test-util")]
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let removed: i64 = self
             .attempt(Retry::Refused, self.timeout, |mut connection| async move {
@@ -333,6 +337,32 @@ impl RecordStore for RedisStore {
             })
             .await?;
         Ok(removed == 1)
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
+        let invocation = self.scripts.inspect.key(key.as_str());
+        let reply: Vec<Bytes> = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut connection).await }
+            })
+            .await?;
+        parse_inspect_reply(&reply)
+    }
+
+    async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
+        let invocation = self.scripts.forget.key(key.as_str());
+        let result: i64 = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut connection).await }
+            })
+            .await?;
+        Ok(match result {
+            1 => Forget::Released,
+            0 => Forget::NotUnknown,
+            _ => Forget::Absent,
+        })
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -344,6 +374,48 @@ impl RecordStore for RedisStore {
             Ok(Err(Unready::Topology(why))) => Err(StoreError::Unready(why)),
         }
     }
+}
+
+/// The reply of `inspect.lua`: empty when there is no record, else eight fields.
+fn parse_inspect_reply(reply: &[Bytes]) -> Result<Option<RecordSummary>, StoreError> {
+    let [state, _version, fingerprint, lease, status, reason, ttl, body] = reply else {
+        return if reply.is_empty() {
+            Ok(None)
+        } else {
+            Err(StoreError::Protocol("inspect reply of the wrong length"))
+        };
+    };
+    let number = |field: &Bytes| -> Result<i64, StoreError> {
+        std::str::from_utf8(field)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .ok_or(StoreError::Protocol("inspect reply with a malformed number"))
+    };
+    let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
+    let fingerprint =
+        Fingerprint::from_hex(fingerprint).ok_or(StoreError::Protocol("record with a malformed fingerprint"))?;
+    let state = match state.as_ref() {
+        b"in_flight" => match number(lease)? {
+            remaining if remaining > 0 => SummaryState::InFlight {
+                lease_remaining: millis(remaining),
+            },
+            _ => SummaryState::LeaseExpired,
+        },
+        b"completed" => SummaryState::Completed {
+            status: u16::try_from(number(status)?)
+                .map_err(|_| StoreError::Protocol("record with a malformed status"))?,
+            response_bytes: u64::try_from(number(body)?).unwrap_or(0),
+        },
+        b"unknown" => SummaryState::Unknown(
+            UnknownReason::parse(reason).ok_or(StoreError::Protocol("record with an unknown reason"))?,
+        ),
+        _ => return Err(StoreError::Protocol("record in an unknown state")),
+    };
+    Ok(Some(RecordSummary {
+        fingerprint,
+        ttl: millis(number(ttl)?),
+        state,
+    }))
 }
 
 fn millis(duration: Duration) -> u64 {

@@ -42,6 +42,8 @@ pub struct TestConfig {
     pub store_extra: String,
     /// Extra lines in the payments route's own table (e.g. `upstream_ca_file`).
     pub upstream_extra: String,
+    /// Extra lines in `[admin]` (e.g. `token_file`).
+    pub admin_extra: String,
 }
 
 impl TestConfig {
@@ -58,6 +60,7 @@ impl TestConfig {
             server: String::new(),
             store_extra: String::new(),
             upstream_extra: String::new(),
+            admin_extra: String::new(),
         }
     }
 
@@ -82,6 +85,7 @@ listen = "{listen}"
 
 [admin]
 listen = "{admin}"
+{admin_extra}
 
 [store]
 {store}
@@ -118,6 +122,7 @@ upstream_timeout = "{upstream_timeout}"
             listen = self.listen,
             server = self.server,
             admin = self.admin_listen,
+            admin_extra = self.admin_extra,
             store_timeout = self.store_timeout,
             store_extra = self.store_extra,
             upstream_extra = self.upstream_extra,
@@ -269,6 +274,11 @@ impl ChildProxy {
             );
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
+    }
+
+    /// The config file the child reads (with the ports it was given).
+    pub fn config_path(&self) -> &Path {
+        self._config.path()
     }
 
     /// SIGKILL, and reap.

@@ -1,0 +1,223 @@
+//! The records API on the admin listener: an operator looks at one record, purges it,
+//! or frees a key whose outcome is unknown after checking with the upstream. A record
+//! is named as the proxy names it: route, key and the scope values the route's
+//! `scope_headers` and `scope_jwt` would have produced, through the same derivation
+//! (`scope::values`, `idempotency::store_key`). Only with `admin.token_file`; every
+//! call is logged with the route and the record hash, never the key.
+
+use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, WWW_AUTHENTICATE};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
+use serde_json::{Value, json};
+
+use crate::body::{ProxyBody, full};
+use crate::config::{Config, IdempotencyPolicy};
+use crate::idempotency::{self, IdempotencyKey};
+use crate::proxy::DisplayChain;
+use crate::scope;
+use crate::store::{AnyStore, Forget, RecordStore, StoreKey, SummaryState};
+
+/// What the operator asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Show,
+    Purge,
+    Release,
+}
+
+impl Action {
+    fn as_str(self) -> &'static str {
+        match self {
+            Action::Show => "show",
+            Action::Purge => "purge",
+            Action::Release => "release",
+        }
+    }
+}
+
+/// Serves `/records/...`; `None` when the records API is off, so that the caller
+/// answers 404 as for any unknown path.
+pub(crate) async fn handle(
+    config: &Config,
+    store: &AnyStore,
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    headers: &HeaderMap,
+) -> Option<Response<ProxyBody>> {
+    let token = config.admin.as_ref()?.token.as_ref()?;
+    let presented = headers
+        .get(AUTHORIZATION)
+        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "));
+    if !presented.is_some_and(|presented| token.verify(presented)) {
+        tracing::warn!(path, "records API: missing or wrong token");
+        let mut response = error(StatusCode::UNAUTHORIZED, "a valid admin token is required");
+        response
+            .headers_mut()
+            .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return Some(response);
+    }
+    let rest = path.strip_prefix("/records/")?;
+    let (route_name, action) = match (rest.strip_suffix("/release"), method) {
+        (Some(route), &Method::POST) => (route, Action::Release),
+        (Some(_), _) => return Some(error(StatusCode::METHOD_NOT_ALLOWED, "use POST to release")),
+        (None, &Method::GET) => (rest, Action::Show),
+        (None, &Method::DELETE) => (rest, Action::Purge),
+        (None, _) => {
+            return Some(error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "use GET to show, DELETE to purge",
+            ));
+        }
+    };
+    let Some(route) = config.routes.iter().find(|route| route.name == route_name) else {
+        return Some(error(StatusCode::NOT_FOUND, "no such route"));
+    };
+    let Some(policy) = &route.idempotency else {
+        return Some(error(
+            StatusCode::NOT_FOUND,
+            "the route guards nothing: it has no records",
+        ));
+    };
+    let record = match record_key(config, &route.name, policy, query.unwrap_or("")) {
+        Ok(record) => record,
+        Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
+    };
+    let response = run(store, action, &route.name, &record).await;
+    tracing::info!(
+        route = %route.name,
+        record = %record.short_hash(),
+        action = action.as_str(),
+        result = response.status().as_u16(),
+        "records API"
+    );
+    Some(response)
+}
+
+/// The store key the query names: `key=K` and any number of `scope=NAME:VALUE`, where
+/// NAME is one of the route's `scope_headers`, or `jwt.CLAIM` for its `scope_jwt`.
+fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &str) -> Result<StoreKey, String> {
+    let mut key: Option<IdempotencyKey> = None;
+    let mut headers = HeaderMap::new();
+    let mut claim: Option<String> = None;
+    let jwt_name = policy.scope_jwt.as_ref().map(|jwt| format!("jwt.{}", jwt.claim()));
+    for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+        match name.as_ref() {
+            "key" if key.is_some() => return Err("key is given twice".into()),
+            "key" => {
+                key = Some(idempotency::parse_key_value(value.as_bytes()).map_err(|error| format!("key: {error}"))?);
+            }
+            "scope" => {
+                let Some((scope_name, scope_value)) = value.split_once(':') else {
+                    return Err("scope must be NAME:VALUE".into());
+                };
+                let scope_name = scope_name.trim().to_ascii_lowercase();
+                if Some(&scope_name) == jwt_name.as_ref() {
+                    claim = Some(scope_value.to_string());
+                    continue;
+                }
+                let header = HeaderName::from_bytes(scope_name.as_bytes())
+                    .ok()
+                    .filter(|header| policy.scope_headers.contains(header))
+                    .ok_or_else(|| scope_names(policy, jwt_name.as_deref(), &scope_name))?;
+                let value = HeaderValue::from_str(scope_value)
+                    .map_err(|_| format!("scope {scope_name}: not a header value"))?;
+                headers.append(header, value);
+            }
+            other => return Err(format!("unknown parameter {other:?}: the query takes key and scope")),
+        }
+    }
+    let key = key.ok_or("key is required")?;
+    if let (Some(name), None) = (&jwt_name, &claim) {
+        return Err(format!(
+            "the route scopes records by a verified token: give scope={name}:VALUE"
+        ));
+    }
+    let scope = scope::values(&headers, &policy.scope_headers, claim.as_deref());
+    Ok(idempotency::store_key(&config.store.key_prefix, route, &scope, &key))
+}
+
+fn scope_names(policy: &IdempotencyPolicy, jwt: Option<&str>, given: &str) -> String {
+    let names: Vec<&str> = jwt
+        .into_iter()
+        .chain(policy.scope_headers.iter().map(HeaderName::as_str))
+        .collect();
+    if names.is_empty() {
+        format!("scope {given}: the route has no scope")
+    } else {
+        format!("scope {given}: the route's scope names are {}", names.join(", "))
+    }
+}
+
+async fn run(store: &AnyStore, action: Action, route: &str, record: &StoreKey) -> Response<ProxyBody> {
+    let named = |mut body: Value| {
+        body["route"] = json!(route);
+        body["record"] = json!(record.short_hash());
+        body
+    };
+    match action {
+        Action::Show => match store.inspect(record).await {
+            Ok(Some(summary)) => {
+                let (state, lease, status, reason, bytes) = match summary.state {
+                    SummaryState::InFlight { lease_remaining } => {
+                        ("in_flight", Some(lease_remaining.as_millis()), None, None, None)
+                    }
+                    SummaryState::LeaseExpired => ("unknown", Some(0), None, Some("lease-expired"), None),
+                    SummaryState::Completed { status, response_bytes } => {
+                        ("completed", None, Some(status), None, Some(response_bytes))
+                    }
+                    SummaryState::Unknown(reason) => ("unknown", None, None, Some(reason.as_str()), None),
+                };
+                json_response(
+                    StatusCode::OK,
+                    &named(json!({
+                        "state": state,
+                        "ttl_ms": summary.ttl.as_millis(),
+                        "lease_remaining_ms": lease,
+                        "status": status,
+                        "reason": reason,
+                        "response_bytes": bytes,
+                        "fingerprint": summary.fingerprint.to_hex(),
+                    })),
+                )
+            }
+            Ok(None) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Err(failure) => store_failed(&failure),
+        },
+        Action::Purge => match store.purge(record).await {
+            Ok(true) => {
+                let mut response = Response::new(full(""));
+                *response.status_mut() = StatusCode::NO_CONTENT;
+                response
+            }
+            Ok(false) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Err(failure) => store_failed(&failure),
+        },
+        Action::Release => match store.forget_unknown(record).await {
+            Ok(Forget::Released) => json_response(StatusCode::OK, &named(json!({ "released": true }))),
+            Ok(Forget::NotUnknown) => error(
+                StatusCode::CONFLICT,
+                "the record is not unknown (completed, or in flight with its lease running): nothing was changed",
+            ),
+            Ok(Forget::Absent) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Err(failure) => store_failed(&failure),
+        },
+    }
+}
+
+fn store_failed(failure: &crate::error::StoreError) -> Response<ProxyBody> {
+    tracing::warn!(error = %DisplayChain(failure), "records API: the store failed");
+    error(StatusCode::SERVICE_UNAVAILABLE, "the store failed; try again")
+}
+
+fn error(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    json_response(status, &json!({ "error": message }))
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response<ProxyBody> {
+    let mut response = Response::new(full(format!("{body}\n")));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
+}

@@ -1,0 +1,328 @@
+//! The records API and `idemproxy records` (DESIGN §8): an operator shows, purges and
+//! releases records through the admin listener, against the memory store and a real
+//! `redis-server`, with the token rules, and the CLI's output and exit codes.
+
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+
+use serde_json::Value;
+use support::{ChildProxy, RedisServer, StoreKind, TestConfig, TestResponse, Upstream, send};
+
+const TOKEN: &str = "s3cret-admin-token-for-tests";
+/// The route's scope: records are per `Authorization`.
+const ALICE: (&str, &str) = ("authorization", "Bearer alice");
+
+/// A config whose admin listener has the records API on, and whose payments route is
+/// scoped by `Authorization` with a 500 ms upstream timeout. The token file lives as
+/// long as the returned directory.
+fn config(store: StoreKind, upstream: &Upstream) -> (TestConfig, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).expect("write the token");
+    let mut config = TestConfig::new(store, &upstream.url());
+    config.admin_extra = format!("token_file = {:?}", token_file.display().to_string());
+    config.idempotency = "scope_headers = [\"authorization\"]".into();
+    config.upstream_timeout = "500ms".into();
+    (config, dir)
+}
+
+async fn admin(admin: SocketAddr, method: &str, path: &str, token: Option<&str>) -> TestResponse {
+    let bearer = token.map(|token| format!("Bearer {token}"));
+    let headers: Vec<(&str, &str)> = bearer.iter().map(|bearer| ("authorization", bearer.as_str())).collect();
+    send(admin, method, path, &headers, "").await
+}
+
+fn json(response: &TestResponse) -> Value {
+    serde_json::from_slice(&response.body).unwrap_or_else(|_| panic!("not JSON: {response:?}"))
+}
+
+async fn post(addr: SocketAddr, key: &str, extra: &[(&str, &str)]) -> TestResponse {
+    let mut headers = vec![("idempotency-key", key), ALICE];
+    headers.extend_from_slice(extra);
+    send(addr, "POST", "/v1/payments", &headers, "{\"amount\":1}").await
+}
+
+#[tokio::test]
+async fn the_records_api_is_off_without_a_token_and_refuses_a_wrong_one() {
+    let upstream = Upstream::start().await;
+    let off = TestConfig::new(StoreKind::Memory, &upstream.url()).start().await;
+    let answer = admin(off.admin(), "GET", "/records/payments?key=k", Some(TOKEN)).await;
+    assert_eq!(answer.status, 404, "no token_file, no records API: {answer:?}");
+
+    let (config, _dir) = config(StoreKind::Memory, &upstream);
+    let proxy = config.start().await;
+    let at = proxy.admin();
+    let missing = admin(at, "GET", "/records/payments?key=k", None).await;
+    assert_eq!(missing.status, 401);
+    assert_eq!(missing.header("www-authenticate"), Some("Bearer"));
+    assert_eq!(
+        admin(at, "GET", "/records/payments?key=k", Some("wrong-token-of-some-length"))
+            .await
+            .status,
+        401
+    );
+    let prefix = &TOKEN[..TOKEN.len() - 1];
+    assert_eq!(
+        admin(at, "GET", "/records/payments?key=k", Some(prefix)).await.status,
+        401
+    );
+
+    for (method, path, status, error) in [
+        (
+            "GET",
+            "/records/payments?key=k&scope=authorization:Bearer%20alice",
+            404,
+            "no record for this key",
+        ),
+        ("GET", "/records/nope?key=k", 404, "no such route"),
+        ("GET", "/records/reads?key=k", 404, "the route guards nothing"),
+        ("GET", "/records/payments", 400, "key is required"),
+        ("GET", "/records/payments?key=", 400, "key:"),
+        ("GET", "/records/payments?key=a&key=b", 400, "key is given twice"),
+        (
+            "GET",
+            "/records/payments?key=k&scope=cookie:x",
+            400,
+            "the route's scope names are authorization",
+        ),
+        (
+            "GET",
+            "/records/payments?key=k&scope=nocolon",
+            400,
+            "scope must be NAME:VALUE",
+        ),
+        ("GET", "/records/payments?key=k&limit=1", 400, "unknown parameter"),
+        ("PUT", "/records/payments?key=k", 405, "use GET to show"),
+        ("GET", "/records/payments/release?key=k", 405, "use POST to release"),
+    ] {
+        let answer = admin(at, method, path, Some(TOKEN)).await;
+        assert_eq!(answer.status, status, "{method} {path}: {answer:?}");
+        let body = json(&answer);
+        assert!(
+            body["error"].as_str().is_some_and(|text| text.contains(error)),
+            "{method} {path}: {body}"
+        );
+    }
+}
+
+/// Show, purge and release on a completed, an in-flight and an unknown record.
+async fn each_state(store: StoreKind) {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(store, &upstream);
+    let proxy = config.start().await;
+    let (addr, at) = (proxy.addr(), proxy.admin());
+    let path =
+        |key: &str, action: &str| format!("/records/payments{action}?key={key}&scope=authorization:Bearer%20alice");
+
+    // Completed: shown without its body; the scope is part of its name.
+    let first = post(addr, "done", &[]).await;
+    assert_eq!(first.status, 201);
+    let shown = admin(at, "GET", &path("done", ""), Some(TOKEN)).await;
+    assert_eq!(shown.status, 200, "{shown:?}");
+    let body = json(&shown);
+    assert_eq!(body["state"], "completed", "{body}");
+    assert_eq!(body["status"], 201);
+    assert_eq!(body["response_bytes"], first.body.len() as u64);
+    assert_eq!(body["route"], "payments");
+    assert_eq!(body["record"].as_str().map(str::len), Some(12));
+    assert_eq!(body["fingerprint"].as_str().map(str::len), Some(64));
+    let ttl = body["ttl_ms"].as_u64().expect("ttl_ms");
+    assert!((3_590_000..=3_600_000).contains(&ttl), "{ttl}");
+    assert!(
+        body["lease_remaining_ms"].is_null() && body["reason"].is_null(),
+        "{body}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&shown.body).contains("execution"),
+        "the body is never shown"
+    );
+    let unscoped = admin(at, "GET", "/records/payments?key=done", Some(TOKEN)).await;
+    assert_eq!(unscoped.status, 404, "another scope names another record");
+    // Release refuses a completed record and changes nothing.
+    assert_eq!(
+        admin(at, "POST", &path("done", "/release"), Some(TOKEN)).await.status,
+        409
+    );
+    assert!(post(addr, "done", &[]).await.replayed());
+    // Purge removes it: the next request runs again.
+    assert_eq!(admin(at, "DELETE", &path("done", ""), Some(TOKEN)).await.status, 204);
+    assert_eq!(admin(at, "DELETE", &path("done", ""), Some(TOKEN)).await.status, 404);
+    let again = post(addr, "done", &[]).await;
+    assert_eq!((again.status.as_u16(), again.replayed()), (201, false));
+    assert_eq!(upstream.executions("done"), 2);
+
+    // In flight: the lease is shown; release refuses it.
+    let held = tokio::spawn(async move { post(addr, "held", &[("x-test-hold", "held")]).await });
+    upstream.wait_for_key("held").await;
+    let body = json(&admin(at, "GET", &path("held", ""), Some(TOKEN)).await);
+    assert_eq!(body["state"], "in_flight", "{body}");
+    let lease = body["lease_remaining_ms"].as_u64().expect("lease_remaining_ms");
+    assert!((1..=1_500).contains(&lease), "{lease}");
+    assert_eq!(
+        admin(at, "POST", &path("held", "/release"), Some(TOKEN)).await.status,
+        409
+    );
+    upstream.release("held");
+    assert_eq!(held.await.expect("held request").status, 201);
+
+    // Unknown (the upstream timed out): the reason is shown; release frees the key, and
+    // the retry runs.
+    let timed_out = post(addr, "slow", &[("x-test-hold", "slow")]).await;
+    assert_eq!(timed_out.status, 504);
+    let body = json(&admin(at, "GET", &path("slow", ""), Some(TOKEN)).await);
+    assert_eq!(
+        (body["state"].as_str(), body["reason"].as_str()),
+        (Some("unknown"), Some("upstream-timeout")),
+        "{body}"
+    );
+    assert_eq!(post(addr, "slow", &[]).await.problem(), "outcome-unknown");
+    let released = admin(at, "POST", &path("slow", "/release"), Some(TOKEN)).await;
+    assert_eq!(released.status, 200, "{released:?}");
+    assert_eq!(json(&released)["released"], true);
+    let retry = post(addr, "slow", &[]).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false));
+    assert_eq!(upstream.executions("slow"), 2);
+    upstream.release("slow");
+    assert_eq!(
+        admin(at, "POST", &path("absent", "/release"), Some(TOKEN)).await.status,
+        404
+    );
+}
+
+#[tokio::test]
+async fn show_purge_and_release_on_each_state_with_the_memory_store() {
+    each_state(StoreKind::Memory).await;
+}
+
+#[tokio::test]
+async fn show_purge_and_release_on_each_state_with_redis() {
+    let redis = RedisServer::start();
+    each_state(StoreKind::Redis(redis.url())).await;
+}
+
+/// Runs `idemproxy records ...` against `config_path`; returns its exit code, stdout
+/// and stderr.
+fn cli(config_path: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .arg("records")
+        .args(args)
+        .arg("--config")
+        .arg(config_path)
+        .output()
+        .expect("run idemproxy records");
+    (
+        output.status.code().expect("an exit code"),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// The CLI reads the admin address and token from the same config the proxy runs with.
+/// Every call is logged with the route and record hash, never the key.
+#[tokio::test]
+async fn the_cli_shows_purges_and_releases_with_exit_codes_scripts_can_use() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let (config, dir) = config(StoreKind::Redis(redis.url()), &upstream);
+    let log = dir.path().join("proxy.log");
+    let proxy = ChildProxy::start_via(&config, &[], Some(&log)).await;
+    let file = proxy.config_path();
+    let key = "cli-key-7f3a";
+    let scope = ["--scope", "authorization:Bearer alice"];
+    let target = |action: &'static str| -> Vec<&str> {
+        let mut args = vec![action, "--route", "payments", "--key", key];
+        args.extend_from_slice(&scope);
+        args
+    };
+
+    let (code, _, stderr) = cli(file, &target("show"));
+    assert_eq!(code, 3, "no record yet: {stderr}");
+    assert!(stderr.contains("no record for this key"), "{stderr}");
+
+    assert_eq!(post(proxy.addr, key, &[]).await.status, 201);
+    let (code, stdout, stderr) = cli(file, &target("show"));
+    assert_eq!(code, 0, "{stderr}");
+    for line in [
+        "route        payments",
+        "state        completed",
+        "status       201",
+        "expires in   59m",
+    ] {
+        assert!(stdout.contains(line), "{line:?} not in:\n{stdout}");
+    }
+    let mut json_args = target("show");
+    json_args.push("--json");
+    let (code, stdout, _) = cli(file, &json_args);
+    assert_eq!(code, 0);
+    let body: Value = serde_json::from_str(&stdout).expect("--json prints JSON");
+    assert_eq!(body["state"], "completed");
+
+    let (code, _, stderr) = cli(file, &target("release"));
+    assert_eq!(code, 4, "a completed record is not released: {stderr}");
+    assert!(stderr.contains("is not unknown"), "{stderr}");
+    let (code, stdout, _) = cli(file, &target("purge"));
+    assert_eq!(
+        (code, stdout.trim()),
+        (0, "purged: the next request with this key runs")
+    );
+    assert_eq!(cli(file, &target("show")).0, 3);
+
+    // A config whose token is not the proxy's: 401, exit 1.
+    let wrong_token = dir.path().join("wrong-token");
+    std::fs::write(&wrong_token, "another-token-entirely").expect("write");
+    let text = std::fs::read_to_string(file).expect("read the config");
+    let token_line = text
+        .lines()
+        .find(|line| line.starts_with("token_file"))
+        .expect("token_file line");
+    let wrong = dir.path().join("wrong.toml");
+    std::fs::write(
+        &wrong,
+        text.replace(
+            token_line,
+            &format!("token_file = {:?}", wrong_token.display().to_string()),
+        ),
+    )
+    .expect("write");
+    let (code, _, stderr) = cli(&wrong, &target("show"));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("401"), "{stderr}");
+
+    drop(proxy);
+    let text = std::fs::read_to_string(&log).expect("read the log");
+    let calls: Vec<&str> = text
+        .lines()
+        .filter(|line| line.contains("records API route="))
+        .collect();
+    let actions: Vec<&str> = calls
+        .iter()
+        .filter_map(|line| line.split("action=").nth(1)?.split_whitespace().next())
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            "\"show\"",
+            "\"show\"",
+            "\"show\"",
+            "\"release\"",
+            "\"purge\"",
+            "\"show\""
+        ],
+        "{text}"
+    );
+    assert!(
+        calls
+            .iter()
+            .all(|line| line.contains("route=payments") && line.contains("record=")),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|line| line.contains("missing or wrong token")),
+        "{text}"
+    );
+    assert!(!text.contains(key), "the raw key reached the log:\n{text}");
+}
