@@ -23,7 +23,9 @@ ENV IDEMPROXY_CONFIG=/etc/idemproxy/proxy.toml
 # 8080: the proxy. 9090: admin (/healthz, /readyz, /metrics). Mount your own config
 # over /etc/idemproxy/proxy.toml; the shipped one proxies to 127.0.0.1:9000.
 EXPOSE 8080 9090
-USER nonroot:nonroot
+# distroless's nonroot user, by number: Kubernetes' runAsNonRoot can only verify a
+# numeric user ("cannot verify user is non-root" otherwise).
+USER 65532:65532
 # distroless has no shell or curl: orchestrators should probe GET :9090/healthz
 # (liveness) and GET :9090/readyz (readiness) directly.
 ENTRYPOINT ["/usr/local/bin/idemproxy"]

@@ -2,9 +2,10 @@
 """A toy upstream for trying idemproxy by hand: answers every method with 201 and a
 JSON body that counts executions, so a replay is easy to tell from a second run.
 
-    python3 examples/upstream.py [PORT]        (default 9000)
+    python3 examples/upstream.py [PORT [HOST]]   (default 9000 on 127.0.0.1)
 
-`?sleep=SECONDS` holds the answer, to see 409 request-in-progress.
+`?sleep=SECONDS` (or an `X-Sleep: SECONDS` header, which is not part of the request's
+fingerprint) holds the answer, to see 409 request-in-progress, or an upstream timeout.
 """
 import itertools
 import json
@@ -23,7 +24,7 @@ class Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("content-length") or 0)
         body = self.rfile.read(length) if length else b""
         query = parse_qs(urlparse(self.path).query)
-        time.sleep(float(query.get("sleep", ["0"])[0]))
+        time.sleep(float(query.get("sleep", [self.headers.get("x-sleep") or "0"])[0]))
         out = json.dumps({
             "execution": next(COUNTER),
             "method": self.command,
@@ -41,5 +42,6 @@ class Handler(BaseHTTPRequestHandler):
 
 if __name__ == "__main__":
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 9000
-    print(f"toy upstream on http://127.0.0.1:{port}", flush=True)
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    host = sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"
+    print(f"toy upstream on http://{host}:{port}", flush=True)
+    ThreadingHTTPServer((host, port), Handler).serve_forever()

@@ -116,14 +116,14 @@ pub struct StoreConfig {
     pub timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
     Memory { max_records: usize, max_bytes: usize },
     Redis(RedisConfig),
 }
 
 /// A Redis store: where it is, and how durable a claim must be before it counts.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisConfig {
     pub topology: RedisTopology,
     /// More than 0: a claim counts only once this many replicas acknowledged it
@@ -246,6 +246,41 @@ impl Config {
             .unwrap_or(0);
         let each = self.server.max_request_body_bytes.saturating_add(response);
         each.saturating_mul(u64::try_from(self.server.max_guarded_requests).unwrap_or(u64::MAX))
+    }
+
+    /// The settings that differ between `self` and `new` and that only a restart can
+    /// change, as their config names: the listeners, the workers and every bound
+    /// fixed at start, and the store. A reload (SIGHUP) swaps everything else: routes,
+    /// their policies and upstreams, the request body limits, the access log, the
+    /// listener's certificates and client CA, and the admin token.
+    pub fn needs_restart(&self, new: &Config) -> Vec<&'static str> {
+        let (server, next) = (&self.server, &new.server);
+        let admin_listen = |config: &Config| config.admin.as_ref().map(|admin| admin.listen);
+        [
+            ("server.listen", server.listen != next.listen),
+            ("server.workers", server.workers != next.workers),
+            ("server.max_connections", server.max_connections != next.max_connections),
+            (
+                "server.max_guarded_requests",
+                server.max_guarded_requests != next.max_guarded_requests,
+            ),
+            (
+                "server.header_read_timeout",
+                server.header_read_timeout != next.header_read_timeout,
+            ),
+            ("server.shutdown_grace", server.shutdown_grace != next.shutdown_grace),
+            (
+                "server.tls (on or off; its files reload)",
+                server.tls.is_some() != next.tls.is_some(),
+            ),
+            ("admin.listen", admin_listen(self) != admin_listen(new)),
+            ("store", self.store.backend != new.store.backend),
+            ("store.key_prefix", self.store.key_prefix != new.store.key_prefix),
+            ("store.timeout", self.store.timeout != new.store.timeout),
+        ]
+        .into_iter()
+        .filter_map(|(name, changed)| changed.then_some(name))
+        .collect()
     }
 
     /// Reads and validates the file at `path`.

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::Config;
 use idemproxy::ops::{RecordsAction, RecordsCall};
+use idemproxy::server::{ReloadError, Reloader};
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc: fewer cycles per request than the system allocator on this workload
@@ -75,6 +76,9 @@ enum Action {
 const EXIT_NOT_FOUND: u8 = 3;
 const EXIT_REFUSED: u8 = 4;
 
+/// The access log's target (`server.access_log`).
+const ACCESS_TARGET: &str = "idemproxy::access";
+
 #[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
     Text,
@@ -122,7 +126,13 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // `server.access_log` is what turns the access log on or off; a `RUST_LOG=warn`
+    // meant for the rest should not silence it, unless it names the target itself.
+    let named = std::env::var("RUST_LOG").is_ok_and(|directives| directives.contains(ACCESS_TARGET));
+    if !named && let Ok(directive) = format!("{ACCESS_TARGET}=info").parse() {
+        filter = filter.add_directive(directive);
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -221,7 +231,10 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
         .build()
         .context("cannot start the runtime")?;
     runtime.block_on(async {
+        // Installed before the listeners open: SIGHUP's default action ends the process.
+        let hangups = hangups()?;
         let running = idemproxy::start(config).await?;
+        tokio::spawn(reload_on(hangups, running.reloader(), path.to_path_buf()));
         let stop = running.shutdown_token();
         tokio::spawn(async move {
             shutdown_signal().await;
@@ -233,6 +246,53 @@ fn serve(path: &std::path::Path) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[cfg(unix)]
+type Hangups = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+type Hangups = ();
+
+#[cfg(unix)]
+fn hangups() -> anyhow::Result<Hangups> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("cannot handle SIGHUP")
+}
+
+#[cfg(not(unix))]
+fn hangups() -> anyhow::Result<Hangups> {
+    Ok(())
+}
+
+/// Reloads the config at `path` on each SIGHUP, one at a time, and logs the result.
+#[cfg(unix)]
+async fn reload_on(mut hangups: Hangups, reloader: Reloader, path: PathBuf) {
+    while hangups.recv().await.is_some() {
+        match reloader.reload(&path).await {
+            Ok(reloaded) => {
+                for warning in &reloaded.warnings {
+                    tracing::warn!("{warning}");
+                }
+                tracing::info!(
+                    config = %path.display(),
+                    sha256 = reloaded.sha256,
+                    routes = reloaded.routes,
+                    "config reloaded"
+                );
+            }
+            Err(ReloadError::Invalid(error)) => tracing::error!(
+                "config reload refused, the old config keeps serving: {:#}",
+                anyhow::Error::from(error)
+            ),
+            Err(error) => tracing::error!(
+                config = %path.display(),
+                "config reload refused, the old config keeps serving: {:#}",
+                anyhow::Error::from(error)
+            ),
+        }
+    }
+}
+
+#[cfg(not(unix))]
+async fn reload_on(_: Hangups, _: Reloader, _: PathBuf) {}
 
 async fn shutdown_signal() {
     let interrupt = tokio::signal::ctrl_c();

@@ -96,6 +96,48 @@ impl StoreOp {
     }
 }
 
+/// How a reload ended (`idemproxy_config_reloads_total{result}`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+#[repr(usize)]
+pub(crate) enum ReloadResult {
+    /// Swapped in.
+    Ok,
+    /// The file did not validate.
+    Invalid,
+    /// It changed what only a restart can.
+    Refused,
+    /// A worker could not build or take the new routes.
+    Failed,
+}
+
+impl ReloadResult {
+    const ALL: [ReloadResult; 4] = [
+        ReloadResult::Ok,
+        ReloadResult::Invalid,
+        ReloadResult::Refused,
+        ReloadResult::Failed,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            ReloadResult::Ok => "ok",
+            ReloadResult::Invalid => "invalid",
+            ReloadResult::Refused => "refused",
+            ReloadResult::Failed => "failed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConfigLabels {
+    sha256: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StoreLabels {
     op: &'static str,
@@ -132,6 +174,8 @@ pub(crate) struct Metrics {
     /// backend so that nothing shows with Redis, whose memory is Redis's to report.
     store_held: [Family<BackendLabels, Gauge>; 4],
     guarded_in_flight: Gauge,
+    config_reloads: [Counter; ReloadResult::ALL.len()],
+    config_info: Family<ConfigLabels, Gauge>,
 }
 
 /// One route's metric handles, made once so a request only bumps atomics.
@@ -235,7 +279,28 @@ impl Metrics {
             "Guarded requests between reading their body and recording their response (bound: server.max_guarded_requests)",
             guarded_in_flight.clone(),
         );
+        let reloads = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "config_reloads",
+            "Config reloads (SIGHUP) by result: ok, invalid, refused (needs a restart), failed",
+            reloads.clone(),
+        );
+        let config_reloads = ReloadResult::ALL.map(|result| {
+            reloads
+                .get_or_create(&ResultLabels {
+                    result: result.as_str(),
+                })
+                .clone()
+        });
+        let config_info = Family::<ConfigLabels, Gauge>::default();
+        registry.register(
+            "config_info",
+            "1 for the SHA-256 of the config file serving now",
+            config_info.clone(),
+        );
         Metrics {
+            config_reloads,
+            config_info,
             guarded_in_flight,
             store_held,
             tls_handshakes_failed,
@@ -299,6 +364,22 @@ impl Metrics {
                 .get_or_create(&labels)
                 .set(i64::try_from(value).unwrap_or(i64::MAX));
         }
+    }
+
+    pub(crate) fn config_reloaded(&self, result: ReloadResult) {
+        self.config_reloads[result as usize].inc();
+    }
+
+    /// The config file serving now is `sha256`, in place of `old` (the same at start).
+    pub(crate) fn config_loaded(&self, old: &str, sha256: &str) {
+        self.config_info.remove(&ConfigLabels {
+            sha256: old.to_string(),
+        });
+        self.config_info
+            .get_or_create(&ConfigLabels {
+                sha256: sha256.to_string(),
+            })
+            .set(1);
     }
 
     pub(crate) fn pending_releases(&self) -> &Gauge {

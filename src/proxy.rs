@@ -5,8 +5,10 @@
 //! store and the upstream together; the claim's lifecycle lives in `claim`.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::SystemTime;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header;
 use http::{Request, Response, request};
@@ -23,11 +25,12 @@ use crate::config::{Config, IdempotencyPolicy, OnStoreError};
 use crate::error::{KeyError, ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, Decision, Recording};
 use crate::metrics::{Metrics, Outcome};
-use crate::router::{RouteState, Router, host_without_port};
+use crate::router::{BodyLimits, RouteState, Router, host_without_port};
 use crate::scope;
 use crate::store::{AnyStore, ClaimRequest, Fingerprint, OwnerToken, StoreKey, StoredResponse, UnknownReason};
-use crate::upstream;
+use crate::upstream::{self, HttpClient};
 
+mod access;
 mod claim;
 
 /// A cheap-to-clone handle on everything a request needs.
@@ -37,12 +40,18 @@ pub(crate) struct Proxy {
 }
 
 struct Shared {
-    router: Router,
+    /// The routes as the config loaded last made them. A request takes its route out
+    /// once, so a reload never changes a request in flight.
+    router: ArcSwap<Router>,
+    /// The client of every route without roots of its own: kept across reloads, and
+    /// its pooled connections with it.
+    client: HttpClient,
+    metrics: Arc<Metrics>,
     ledger: Ledger,
     key_prefix: String,
-    max_request_body_bytes: u64,
-    request_body_timeout: Duration,
     guarded: GuardedRequests,
+    /// `server.access_log`: gather what the access log says, and write it.
+    access_log: AtomicBool,
     /// Exchanges and background store work, so shutdown can wait for them.
     tasks: TaskTracker,
 }
@@ -74,6 +83,24 @@ impl GuardedRequests {
     }
 }
 
+/// The routes of `config`, each with its metric handles and its upstream's client:
+/// `client` unless it has roots of its own.
+fn routes(config: &Config, metrics: &Metrics, client: &HttpClient) -> Result<Router, rustls::Error> {
+    let body = BodyLimits {
+        max_bytes: config.server.max_request_body_bytes,
+        timeout: config.server.request_body_timeout,
+    };
+    let mut routes = Vec::with_capacity(config.routes.len());
+    for route in &config.routes {
+        let client = match &route.upstream_tls {
+            None => client.clone(),
+            Some(tls) => upstream::client(Some(tls.clone()))?,
+        };
+        routes.push(RouteState::new(route, metrics, client, body));
+    }
+    Ok(Router::new(routes))
+}
+
 /// A guarded request, prepared for its claim: read, fingerprinted, and named.
 struct Prepared {
     parts: request::Parts,
@@ -90,41 +117,57 @@ impl Proxy {
         guarded: GuardedRequests,
         tasks: TaskTracker,
     ) -> Result<Proxy, rustls::Error> {
-        let shared_client = upstream::client(None)?;
-        let mut routes = Vec::with_capacity(config.routes.len());
-        for route in &config.routes {
-            let client = match &route.upstream_tls {
-                None => shared_client.clone(),
-                Some(tls) => upstream::client(Some(tls.clone()))?,
-            };
-            routes.push(RouteState {
-                metrics: metrics.route(&route.name),
-                client,
-                route: route.clone(),
-            });
-        }
+        let client = upstream::client(None)?;
+        let router = routes(config, &metrics, &client)?;
         Ok(Proxy {
             shared: Arc::new(Shared {
-                router: Router::new(routes),
+                router: ArcSwap::from_pointee(router),
+                client,
+                metrics: metrics.clone(),
                 ledger: Ledger::new(store, metrics, tasks.clone()),
                 key_prefix: config.store.key_prefix.clone(),
-                max_request_body_bytes: config.server.max_request_body_bytes,
-                request_body_timeout: config.server.request_body_timeout,
                 guarded,
+                access_log: AtomicBool::new(config.server.access_log),
                 tasks,
             }),
         })
     }
 
-    /// Serves one request. Never fails: every error becomes a problem response.
+    /// Serves the requests that start from now on with `config`'s routes, policies,
+    /// upstreams, body limits and access log; requests in flight keep what they have.
+    /// The store, its key prefix and the guarded-request bound do not change here.
+    pub(crate) fn reload(&self, config: &Config) -> Result<(), rustls::Error> {
+        let router = routes(config, &self.shared.metrics, &self.shared.client)?;
+        self.shared.router.store(Arc::new(router));
+        self.shared
+            .access_log
+            .store(config.server.access_log, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn access_log(&self) -> bool {
+        self.shared.access_log.load(Ordering::Relaxed)
+    }
+
+    /// Serves one request. Never fails: every error becomes a problem response. With
+    /// the access log on, its line is written when the response body ends.
     pub(crate) async fn handle(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
+        if !self.access_log() {
+            return self.serve(request, client).await;
+        }
+        let (started, method) = (Instant::now(), request.method().clone());
+        let response = self.serve(request, client).await;
+        access::logged(response, method, started)
+    }
+
+    async fn serve(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
         let host = request
             .headers()
             .get(header::HOST)
             .and_then(|host| host.to_str().ok())
             .or_else(|| request.uri().authority().map(|a| a.as_str()))
             .map(host_without_port);
-        let Some(route) = self.shared.router.route(host, request.uri().path()) else {
+        let Some(route) = self.shared.router.load().route(host, request.uri().path()).cloned() else {
             return self.reject(None, Rejection::NoRoute);
         };
         match &route.route.idempotency {
@@ -137,7 +180,7 @@ impl Proxy {
                 // future should not carry (and move) it.
                 Box::pin(self.guarded(route.clone(), policy.clone(), request, client)).await
             }
-            _ => self.pass(route, streamed(request), &client).await,
+            _ => self.pass(&route, streamed(request), &client).await,
         }
     }
 
@@ -155,17 +198,46 @@ impl Proxy {
         let started = Instant::now();
         let deadline = started + timeout;
         let result = upstream::send(&route.client, request, deadline).await;
-        route.metrics.upstream(started.elapsed());
-        match result {
+        let elapsed = started.elapsed();
+        route.metrics.upstream(elapsed);
+        let response = match result {
             Ok(response) => {
-                route.metrics.request(Outcome::Forwarded);
                 let (mut parts, body) = response.into_parts();
                 upstream::strip_hop_by_hop(&mut parts.headers);
                 let body = StreamedBody::new(None, body, deadline, timeout);
-                Response::from_parts(parts, body.boxed_unsync())
+                self.served(
+                    route,
+                    Outcome::Forwarded,
+                    Response::from_parts(parts, body.boxed_unsync()),
+                )
             }
             Err(error) => self.reject(Some(route), error.into()),
+        };
+        self.noted(response, access::UpstreamTime(elapsed))
+    }
+
+    /// Counts `outcome` on `route`, and notes it for the access log.
+    fn served(&self, route: &RouteState, outcome: Outcome, response: Response<ProxyBody>) -> Response<ProxyBody> {
+        route.metrics.request(outcome);
+        self.noted(
+            response,
+            access::Served {
+                outcome,
+                route: Some(route.name.clone()),
+            },
+        )
+    }
+
+    /// Notes `note` on `response` for the access log, when it is on.
+    fn noted<T: Clone + Send + Sync + 'static>(
+        &self,
+        mut response: Response<ProxyBody>,
+        note: T,
+    ) -> Response<ProxyBody> {
+        if self.access_log() {
+            response.extensions_mut().insert(note);
         }
+        response
     }
 
     /// A guarded request: prepare, claim, decide, then forward or answer. Everything
@@ -192,12 +264,15 @@ impl Proxy {
         let scope = scope::values(request.headers(), &policy.scope_headers, claim.as_deref());
         let record = idempotency::store_key(&self.shared.key_prefix, &route.route.name, &scope, &key);
         let span = tracing::info_span!("guarded", route = %route.route.name, record = %record.short_hash());
+        let hash = self
+            .access_log()
+            .then(|| access::RecordHash(record.short_hash().to_string()));
         // Refused at once rather than queued: nothing is read, claimed or forwarded, and
         // the client may retry with the same key.
         let Some(permit) = self.shared.guarded.try_enter() else {
             return self.reject(Some(&route), Rejection::Overloaded(self.shared.guarded.max));
         };
-        async move {
+        let response = async move {
             let prepared = match self.prepare(&route, &policy, record, request).await {
                 Ok(prepared) => prepared,
                 Err(rejection) => return self.reject(Some(&route), rejection),
@@ -213,15 +288,16 @@ impl Proxy {
             };
             match idempotency::decide(outcome, prepared.fingerprint) {
                 Decision::Forward(claim) => self.forward(route, policy, claim, prepared, &client, permit).await,
-                Decision::Replay(stored) => {
-                    route.metrics.request(Outcome::Replayed);
-                    stored.into_response()
-                }
+                Decision::Replay(stored) => self.served(&route, Outcome::Replayed, stored.into_response()),
                 Decision::Reject(rejection) => self.reject(Some(&route), rejection),
             }
         }
         .instrument(span)
-        .await
+        .await;
+        match hash {
+            Some(hash) => self.noted(response, hash),
+            None => response,
+        }
     }
 
     /// Reads the body within its limits and works out what the claim asks for.
@@ -233,13 +309,7 @@ impl Proxy {
         request: Request<Incoming>,
     ) -> Result<Prepared, Rejection> {
         let (parts, body) = request.into_parts();
-        let body = body::read_request_body(
-            body,
-            &parts.headers,
-            self.shared.max_request_body_bytes,
-            self.shared.request_body_timeout,
-        )
-        .await?;
+        let body = body::read_request_body(body, &parts.headers, route.body.max_bytes, route.body.timeout).await?;
         let fingerprint = idempotency::fingerprint(
             &parts.method,
             &parts.uri,
@@ -310,16 +380,23 @@ impl Proxy {
         let deadline = started + timeout;
         claim.forwarding();
         let sent = upstream::send(&route.client, request, deadline).await;
-        route.metrics.upstream(started.elapsed());
+        let elapsed = started.elapsed();
+        route.metrics.upstream(elapsed);
         let response = match sent {
             Ok(response) => response,
-            Err(error) => return self.upstream_failed(route, claim, error).await,
+            Err(error) => {
+                let response = self.upstream_failed(route, claim, error).await;
+                return self.noted(response, access::UpstreamTime(elapsed));
+            }
         };
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
         let recording = idempotency::recording_for(parts.status, policy.on_server_error);
         let body = match body::buffer_response(body, policy.max_response_body_bytes, deadline, timeout).await {
-            Err(error) => return self.upstream_failed(route, claim, error).await,
+            Err(error) => {
+                let response = self.upstream_failed(route, claim, error).await;
+                return self.noted(response, access::UpstreamTime(elapsed));
+            }
             Ok(Buffered::Whole(body)) => {
                 match recording {
                     Recording::Record => {
@@ -344,8 +421,8 @@ impl Proxy {
                 StreamedBody::new(Some(head), rest, deadline, timeout).boxed_unsync()
             }
         };
-        route.metrics.request(Outcome::Forwarded);
-        Response::from_parts(parts, body)
+        let response = self.served(route, Outcome::Forwarded, Response::from_parts(parts, body));
+        self.noted(response, access::UpstreamTime(elapsed))
     }
 
     /// The upstream failed: free the key if nothing was sent, else mark it unknown.
@@ -379,10 +456,12 @@ impl Proxy {
             }
             _ => tracing::info!(route = name, status, problem = slug, "problem response"),
         }
-        if let Some(route) = route {
-            route.metrics.request(problem.outcome);
+        let outcome = problem.outcome;
+        let response = problem.into_response().map(full);
+        match route {
+            Some(route) => self.served(route, outcome, response),
+            None => self.noted(response, access::Served { outcome, route: None }),
         }
-        problem.into_response().map(full)
     }
 }
 

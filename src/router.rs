@@ -5,17 +5,42 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use crate::config::Route;
-use crate::metrics::RouteMetrics;
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::upstream::HttpClient;
 
 /// A configured route with everything a request on it needs, made once per config.
 #[derive(Clone)]
 pub(crate) struct RouteState {
     pub(crate) route: Route,
+    /// The route's name, shared with what a request notes for the access log.
+    pub(crate) name: Arc<str>,
     pub(crate) metrics: RouteMetrics,
     /// The client its upstream is reached with (its own when it has extra roots).
     pub(crate) client: HttpClient,
+    /// The server's bounds on reading a guarded request's body.
+    pub(crate) body: BodyLimits,
+}
+
+/// `server.max_request_body_bytes` and `server.request_body_timeout`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BodyLimits {
+    pub(crate) max_bytes: u64,
+    pub(crate) timeout: Duration,
+}
+
+impl RouteState {
+    pub(crate) fn new(route: &Route, metrics: &Metrics, client: HttpClient, body: BodyLimits) -> RouteState {
+        RouteState {
+            route: route.clone(),
+            name: Arc::from(route.name.as_str()),
+            metrics: metrics.route(&route.name),
+            client,
+            body,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -101,10 +126,12 @@ mod tests {
         Router::new(
             routes
                 .iter()
-                .map(|route| RouteState {
-                    metrics: metrics.route(&route.name),
-                    client: client.clone(),
-                    route: route.clone(),
+                .map(|route| {
+                    let body = BodyLimits {
+                        max_bytes: 1024,
+                        timeout: Duration::from_secs(1),
+                    };
+                    RouteState::new(route, &metrics, client.clone(), body)
                 })
                 .collect(),
         )

@@ -16,7 +16,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::either::Either;
@@ -32,8 +32,11 @@ use crate::proxy::{GuardedRequests, Proxy};
 use crate::store::{AnyStore, MemoryStore, RedisStore};
 
 use self::limits::{Activity, Backoff};
+use self::reload::WorkerReload;
+pub use self::reload::{ReloadError, Reloaded, Reloader};
 
 mod limits;
+mod reload;
 
 /// How long an idle connection asked to close may take to do so before it is dropped.
 const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
@@ -78,10 +81,16 @@ pub struct Running {
     #[cfg(feature = "test-util")]
     store: AnyStore,
     shutdown: CancellationToken,
+    reloader: Reloader,
     done: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
+    /// The handle that reloads the config (what SIGHUP does).
+    pub fn reloader(&self) -> Reloader {
+        self.reloader.clone()
+    }
+
     /// Stops accepting, lets open requests finish within `shutdown_grace`, and returns
     /// when everything has stopped.
     pub async fn shutdown(self) {
@@ -172,8 +181,17 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
 
     let config = Arc::new(config);
     let live = Arc::new(ArcSwap::new(config.clone()));
+    metrics.config_loaded(&config.sha256, &config.sha256);
+    let tls = config
+        .server
+        .tls
+        .as_ref()
+        .map(|tls| Arc::new(ArcSwap::new(tls.config.clone())));
     let mut stopped = Vec::with_capacity(listeners.len() + 1);
+    let mut reloads = Vec::with_capacity(listeners.len());
     for (index, listener) in listeners.into_iter().enumerate() {
+        let (reload, reloaded) = mpsc::unbounded_channel();
+        reloads.push(reload);
         let worker = Worker {
             config: config.clone(),
             factory: factory.clone(),
@@ -182,6 +200,8 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
             limits,
             connections: connections.clone(),
             guarded: guarded.clone(),
+            tls: tls.clone(),
+            reloads: reloaded,
         };
         match worker.start(index, listener).await {
             Ok(done) => stopped.push(done),
@@ -194,7 +214,8 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     let admin_addr = match &config.admin {
         Some(admin) => {
             let service = Admin::new(store.clone(), metrics.clone(), live.clone(), guarded);
-            let (admin_addr, done) = start_admin(admin.listen, service, limits, metrics, shutdown.clone()).await?;
+            let (admin_addr, done) =
+                start_admin(admin.listen, service, limits, metrics.clone(), shutdown.clone()).await?;
             stopped.push(done);
             Some(admin_addr)
         }
@@ -217,6 +238,13 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
         #[cfg(feature = "test-util")]
         store,
         shutdown,
+        reloader: Reloader {
+            live,
+            workers: reloads,
+            tls,
+            metrics,
+            one_at_a_time: Arc::default(),
+        },
         done: tokio::spawn(async move {
             for done in stopped {
                 let _ = done.await;
@@ -264,6 +292,10 @@ struct Worker {
     connections: Arc<Semaphore>,
     /// The process's guarded-request permits, shared by every worker.
     guarded: GuardedRequests,
+    /// The listener's TLS configuration, shared by every worker and swapped on reload.
+    tls: Option<Arc<ArcSwap<rustls::ServerConfig>>>,
+    /// Reloads for this worker's routes.
+    reloads: mpsc::UnboundedReceiver<WorkerReload>,
 }
 
 impl Worker {
@@ -322,6 +354,13 @@ impl Worker {
                 }
             };
             let _ = started.send(Ok(()));
+            let reloading = proxy.clone();
+            let mut reloads = self.reloads;
+            tokio::spawn(async move {
+                while let Some(reload) = reloads.recv().await {
+                    let _ = reload.done.send(reloading.reload(&reload.config));
+                }
+            });
             let service = move |request: Request<Incoming>, client: ClientInfo| {
                 let proxy = proxy.clone();
                 async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
@@ -329,12 +368,7 @@ impl Worker {
             let listening = Listening {
                 limits: self.limits,
                 connections: self.connections,
-                tls: self
-                    .config
-                    .server
-                    .tls
-                    .as_ref()
-                    .map(|tls| TlsAcceptor::from(tls.config.clone())),
+                tls: self.tls,
                 metrics: self.metrics.clone(),
             };
             serve(listener, listening, self.shutdown, service).await;
@@ -404,7 +438,8 @@ fn store_name(config: &Config) -> &'static str {
 struct Listening {
     limits: Limits,
     connections: Arc<Semaphore>,
-    tls: Option<TlsAcceptor>,
+    /// The configuration each new connection's handshake takes (reload swaps it).
+    tls: Option<Arc<ArcSwap<rustls::ServerConfig>>>,
     metrics: Arc<Metrics>,
 }
 
@@ -510,7 +545,8 @@ async fn serve_connection<S, F>(
     // The handshake is part of the time a connection has to send its request head.
     let stream = match &listening.tls {
         None => Either::Left(stream),
-        Some(acceptor) => {
+        Some(tls) => {
+            let acceptor = TlsAcceptor::from(tls.load_full());
             let deadline = Instant::now() + limits.header_read_timeout;
             match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => Either::Right(tls),

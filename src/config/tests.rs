@@ -401,3 +401,44 @@ fn the_admin_token_is_read_and_checked() {
     assert!(!token.verify(b"sixteen-chars-ok\n"));
     assert_eq!(config.sha256.len(), 64);
 }
+
+#[test]
+fn a_reload_names_each_setting_only_a_restart_can_change() {
+    let base = parse(&format!(
+        "[admin]\nlisten = \"127.0.0.1:9090\"\n{ROUTE}[route.idempotency]\n"
+    ))
+    .expect("valid");
+    // What a reload swaps: routes, policies, upstreams, body limits, the access log.
+    let swappable = format!(
+        "[server]\nmax_request_body_bytes = 10\nrequest_body_timeout = \"1s\"\naccess_log = true\n\
+         [admin]\nlisten = \"127.0.0.1:9090\"\n{}[route.idempotency]\nretention = \"1h\"\n",
+        ROUTE.replace("9000", "9001")
+    );
+    assert_eq!(
+        base.needs_restart(&parse(&swappable).expect("valid")),
+        Vec::<&str>::new()
+    );
+    for (changed, name) in [
+        ("[server]\nlisten = \"127.0.0.1:8081\"\n", "server.listen"),
+        ("[server]\nworkers = 3\n", "server.workers"),
+        ("[server]\nmax_connections = 5\n", "server.max_connections"),
+        ("[server]\nmax_guarded_requests = 5\n", "server.max_guarded_requests"),
+        ("[server]\nheader_read_timeout = \"2s\"\n", "server.header_read_timeout"),
+        ("[server]\nshutdown_grace = \"2s\"\n", "server.shutdown_grace"),
+        ("[store]\nkey_prefix = \"other\"\n", "store.key_prefix"),
+        ("[store]\ntimeout = \"1s\"\n", "store.timeout"),
+        ("[store]\nmax_records = 5\n", "store"),
+        (
+            "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n",
+            "store",
+        ),
+    ] {
+        let text = format!("{changed}[admin]\nlisten = \"127.0.0.1:9090\"\n{ROUTE}[route.idempotency]\n");
+        let new = parse(&text).expect("valid");
+        assert_eq!(base.needs_restart(&new), vec![name], "{changed}");
+    }
+    let moved = parse(&format!("[admin]\nlisten = \"127.0.0.1:9091\"\n{ROUTE}")).expect("valid");
+    assert_eq!(base.needs_restart(&moved), vec!["admin.listen"]);
+    let no_admin = parse(ROUTE).expect("valid");
+    assert_eq!(base.needs_restart(&no_admin), vec!["admin.listen"]);
+}

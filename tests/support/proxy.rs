@@ -186,6 +186,15 @@ fn child_log(port: u16) -> std::process::Stdio {
     }
 }
 
+/// How a child proxy is started: through what, logging where, with which global
+/// arguments, and ready when which admin path answers 200.
+struct Launch<'a> {
+    launcher: &'a [&'a str],
+    log: Option<&'a Path>,
+    args: &'a [&'a str],
+    up: &'a str,
+}
+
 /// The idemproxy binary as a child process, killed when dropped.
 pub struct ChildProxy {
     pub child: std::process::Child,
@@ -207,25 +216,55 @@ impl ChildProxy {
     /// free a moment ago may be taken when the child binds them: a child that exits
     /// at once is started again on other ports.
     pub async fn start_via(config: &TestConfig, launcher: &[&str], log: Option<&Path>) -> ChildProxy {
-        ChildProxy::start_until(config, launcher, log, "/readyz").await
+        let launch = Launch {
+            launcher,
+            log,
+            args: &[],
+            up: "/readyz",
+        };
+        ChildProxy::start_until(config, &launch).await
     }
 
     /// Like `start_via` with no launcher, waiting only until `/healthz` answers: for a
     /// proxy whose store cannot serve.
     pub async fn start_live(config: &TestConfig, log: Option<&Path>) -> ChildProxy {
-        ChildProxy::start_until(config, &[], log, "/healthz").await
+        let launch = Launch {
+            launcher: &[],
+            log,
+            args: &[],
+            up: "/healthz",
+        };
+        ChildProxy::start_until(config, &launch).await
     }
 
-    async fn start_until(config: &TestConfig, launcher: &[&str], log: Option<&Path>, up: &str) -> ChildProxy {
+    /// Like `start`, logging at `RUST_LOG=info` to `log`, with `args` (e.g.
+    /// `--log-format json`) before the subcommand.
+    pub async fn start_logged(config: &TestConfig, log: &Path, args: &[&str]) -> ChildProxy {
+        let launch = Launch {
+            launcher: &[],
+            log: Some(log),
+            args,
+            up: "/readyz",
+        };
+        ChildProxy::start_until(config, &launch).await
+    }
+
+    async fn start_until(config: &TestConfig, launch: &Launch<'_>) -> ChildProxy {
         for _ in 0..5 {
-            if let Some(proxy) = ChildProxy::try_start(config, launcher, log, up).await {
+            if let Some(proxy) = ChildProxy::try_start(config, launch).await {
                 return proxy;
             }
         }
         panic!("the idemproxy binary exited at start on five sets of free ports in a row");
     }
 
-    async fn try_start(config: &TestConfig, launcher: &[&str], log: Option<&Path>, up: &str) -> Option<ChildProxy> {
+    async fn try_start(config: &TestConfig, launch: &Launch<'_>) -> Option<ChildProxy> {
+        let Launch {
+            launcher,
+            log,
+            args,
+            up,
+        } = *launch;
         let mut config = config.clone();
         let port = free_port();
         let admin_port = free_port();
@@ -246,6 +285,7 @@ impl ChildProxy {
             None => child_log(port),
         };
         let child = command
+            .args(args)
             .args(["serve", "--config"])
             .arg(file.path())
             .env("RUST_LOG", if log.is_some() { "info" } else { "warn" })
@@ -279,6 +319,29 @@ impl ChildProxy {
     /// The config file the child reads (with the ports it was given).
     pub fn config_path(&self) -> &Path {
         self._config.path()
+    }
+
+    /// Writes `config` (on this child's ports) over the file the child reads.
+    pub fn rewrite(&self, config: &TestConfig) {
+        let mut config = config.clone();
+        config.listen = self.addr.to_string();
+        config.admin_listen = self.admin.to_string();
+        self.write(&config.toml());
+    }
+
+    /// Writes `text` over the file the child reads.
+    pub fn write(&self, text: &str) {
+        std::fs::write(self._config.path(), text).expect("rewrite the child's config");
+    }
+
+    /// Sends `signal` (e.g. "HUP") to the child.
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} failed");
     }
 
     /// SIGKILL, and reap.
