@@ -14,6 +14,7 @@ use http::header::HeaderName;
 use serde::Deserialize;
 
 use crate::error::ConfigError;
+pub use crate::idempotency::json::JsonPointer;
 use crate::scope::JwtVerifier;
 pub use crate::upstream::Target;
 
@@ -181,6 +182,8 @@ pub struct IdempotencyPolicy {
     pub required: bool,
     pub retention: Duration,
     pub fingerprint_headers: Vec<HeaderName>,
+    /// How the body counts in the fingerprint.
+    pub fingerprint_body: FingerprintBody,
     pub scope_headers: Vec<HeaderName>,
     /// Response fields the first client gets and no replay ever does.
     pub replay_exclude_headers: Vec<HeaderName>,
@@ -189,6 +192,16 @@ pub struct IdempotencyPolicy {
     pub max_response_body_bytes: u64,
     pub on_server_error: OnServerError,
     pub on_store_error: OnStoreError,
+}
+
+/// `fingerprint_body` (with `fingerprint_ignore`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FingerprintBody {
+    /// Every byte counts.
+    Bytes,
+    /// The canonical JSON value counts, without what `ignore` points at; a body that
+    /// is not JSON counts by its bytes.
+    Json { ignore: Vec<JsonPointer> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -8,9 +8,11 @@ use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use ring::digest;
 
-use crate::config::OnServerError;
+use crate::config::{FingerprintBody, OnServerError};
 use crate::error::{KeyError, Rejection};
 use crate::store::{ClaimOutcome, Existing, Fingerprint, RecordState, StoreKey, StoredResponse};
+
+pub mod json;
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -128,12 +130,14 @@ fn put_header(context: &mut digest::Context, headers: &HeaderMap, name: &HeaderN
 }
 
 /// The fingerprint of a request: its method, path, query, the route's
-/// `fingerprint_headers`, and its body.
+/// `fingerprint_headers`, and its body: its bytes, or with `FingerprintBody::Json` its
+/// canonical JSON (see `json`) when it has one.
 pub fn fingerprint(
     method: &Method,
     uri: &Uri,
     headers: &HeaderMap,
     fingerprint_headers: &[HeaderName],
+    body_rule: &FingerprintBody,
     body: &[u8],
 ) -> Fingerprint {
     let mut context = digest::Context::new(&digest::SHA256);
@@ -151,7 +155,20 @@ pub fn fingerprint(
         put(&mut context, name.as_str().as_bytes());
         put_header(&mut context, headers, name);
     }
-    put(&mut context, body);
+    match body_rule {
+        // Unchanged since the first round, so records made before stay comparable.
+        FingerprintBody::Bytes => put(&mut context, body),
+        FingerprintBody::Json { ignore } => match json::canonical(body, ignore) {
+            Some(canonical) => {
+                context.update(b"J");
+                put(&mut context, &canonical);
+            }
+            None => {
+                context.update(b"B");
+                put(&mut context, body);
+            }
+        },
+    }
     Fingerprint(digest_array(&context.finish()))
 }
 

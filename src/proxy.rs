@@ -315,6 +315,7 @@ impl Proxy {
             &parts.uri,
             &parts.headers,
             &policy.fingerprint_headers,
+            &policy.fingerprint_body,
             &body,
         );
         let owner = OwnerToken::generate().map_err(|_| ProxyError::Random)?;

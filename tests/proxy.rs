@@ -907,3 +907,28 @@ async fn a_second_instance_may_share_the_port_only_with_a_shared_store() {
     let response = post_key(first.addr(), "shared").await;
     assert_eq!(response.status, 201);
 }
+
+#[tokio::test]
+async fn a_json_fingerprint_replays_the_same_value_spelled_differently_and_refuses_another() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "fingerprint_body = \"json\"\nfingerprint_ignore = [\"/sent_at\"]".into();
+    let proxy = config.start().await;
+    let post = |body: &'static str| {
+        let addr = proxy.addr();
+        async move {
+            let headers = [("idempotency-key", "json-1"), ("content-type", "application/json")];
+            send(addr, "POST", "/v1/payments", &headers, body).await
+        }
+    };
+    let first = post(r#"{"amount": 1299, "currency": "EUR", "sent_at": "10:00:00"}"#).await;
+    assert_eq!((first.status.as_u16(), first.replayed()), (201, false));
+    let same = post("{\n  \"currency\":\"\\u0045UR\",\"amount\":1299.0,\"sent_at\":\"10:00:05\"}").await;
+    assert!(same.replayed(), "{same:?}");
+    assert_eq!(same.body, first.body);
+    let other = post(r#"{"amount": 1300, "currency": "EUR", "sent_at": "10:00:00"}"#).await;
+    assert_eq!(other.status, 422, "{other:?}");
+    // A body that is not JSON counts by its bytes.
+    assert_eq!(post("amount=1299").await.status, 422);
+    assert_eq!(upstream.executions("json-1"), 1);
+}

@@ -146,12 +146,21 @@ pub(super) struct RawIdempotency {
     pub(super) required: bool,
     pub(super) retention: Spanned<HumanDuration>,
     pub(super) fingerprint_headers: Spanned<Vec<String>>,
+    pub(super) fingerprint_body: RawFingerprintBody,
+    pub(super) fingerprint_ignore: Spanned<Vec<String>>,
     pub(super) scope_headers: Spanned<Vec<String>>,
     pub(super) replay_exclude_headers: Spanned<Vec<String>>,
     pub(super) scope_jwt: Option<RawScopeJwt>,
     pub(super) max_response_body_bytes: Spanned<u64>,
     pub(super) on_server_error: OnServerError,
     pub(super) on_store_error: OnStoreError,
+}
+
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RawFingerprintBody {
+    Bytes,
+    Json,
 }
 
 impl Default for RawIdempotency {
@@ -162,6 +171,8 @@ impl Default for RawIdempotency {
             required: true,
             retention: Spanned::new(0..0, HumanDuration(Duration::from_secs(24 * 3600))),
             fingerprint_headers: Spanned::new(0..0, vec!["content-type".into()]),
+            fingerprint_body: RawFingerprintBody::Bytes,
+            fingerprint_ignore: Spanned::new(0..0, Vec::new()),
             scope_headers: Spanned::new(0..0, Vec::new()),
             replay_exclude_headers: Spanned::new(0..0, vec!["set-cookie".into()]),
             scope_jwt: None,

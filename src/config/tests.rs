@@ -442,3 +442,33 @@ fn a_reload_names_each_setting_only_a_restart_can_change() {
     let no_admin = parse(ROUTE).expect("valid");
     assert_eq!(base.needs_restart(&no_admin), vec!["admin.listen"]);
 }
+
+#[test]
+fn fingerprint_body_and_its_ignore_pointers_are_validated() {
+    let with = |lines: &str| format!("{ROUTE}[route.idempotency]\n{lines}\n");
+    let policy = |config: &Config| config.routes[0].idempotency.clone().expect("guarded");
+    let default = parse(&with("")).expect("valid");
+    assert_eq!(policy(&default).fingerprint_body, FingerprintBody::Bytes);
+    let json = parse(&with(
+        "fingerprint_body = \"json\"\nfingerprint_ignore = [\"/request_id\", \"/meta/a~1b\"]",
+    ))
+    .expect("valid");
+    assert_eq!(
+        policy(&json).fingerprint_body,
+        FingerprintBody::Json {
+            ignore: vec![
+                JsonPointer::parse("/request_id").expect("pointer"),
+                JsonPointer::parse("/meta/a~1b").expect("pointer"),
+            ]
+        }
+    );
+    assert!(
+        error(&with("fingerprint_ignore = [\"/a\"]"))
+            .contains("route[0].idempotency.fingerprint_ignore: needs fingerprint_body = \"json\"")
+    );
+    assert!(
+        error(&with("fingerprint_body = \"json\"\nfingerprint_ignore = [\"a\"]"))
+            .contains("route[0].idempotency.fingerprint_ignore: \"a\" is not a JSON pointer")
+    );
+    assert!(error(&with("fingerprint_body = \"xml\"")).contains("route[0].idempotency.fingerprint_body"));
+}

@@ -13,11 +13,13 @@ use http::Method;
 use http::header::HeaderName;
 use toml::Spanned;
 
-use super::raw::{BackendKind, RawConfig, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls};
+use super::raw::{
+    BackendKind, RawConfig, RawFingerprintBody, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls,
+};
 use super::{
     AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
-    DEFAULT_REPLICA_ACK_TIMEOUT, IdempotencyPolicy, LEASE_GRACE, RedisConfig, RedisTopology, Route, ServerConfig,
-    ServerTls, StoreConfig, StoreTls,
+    DEFAULT_REPLICA_ACK_TIMEOUT, FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, RedisConfig,
+    RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::scope::{JwtVerifier, KeySource};
@@ -599,6 +601,7 @@ impl Validator<'_> {
         }
         let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
+        let fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
         let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
         let replay_exclude_headers = self.header_names(&raw.replay_exclude_headers, field("replay_exclude_headers"))?;
         let scope_jwt = match &raw.scope_jwt {
@@ -630,6 +633,7 @@ impl Validator<'_> {
             required: raw.required,
             retention,
             fingerprint_headers,
+            fingerprint_body,
             scope_headers,
             replay_exclude_headers,
             scope_jwt,
@@ -637,6 +641,24 @@ impl Validator<'_> {
             on_server_error: raw.on_server_error,
             on_store_error: raw.on_store_error,
         })
+    }
+
+    /// `fingerprint_body` with its `fingerprint_ignore` pointers (only with `"json"`).
+    fn fingerprint_body(&self, raw: &RawIdempotency, field: &str) -> Result<FingerprintBody, ConfigError> {
+        let span = raw.fingerprint_ignore.span();
+        let pointers = raw.fingerprint_ignore.get_ref();
+        if raw.fingerprint_body == RawFingerprintBody::Bytes {
+            if !pointers.is_empty() {
+                return Err(self.error(span, field.to_string(), "needs fingerprint_body = \"json\""));
+            }
+            return Ok(FingerprintBody::Bytes);
+        }
+        let ignore = pointers
+            .iter()
+            .map(|pointer| JsonPointer::parse(pointer))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|reason| self.error(span, field.to_string(), reason))?;
+        Ok(FingerprintBody::Json { ignore })
     }
 
     /// The route's JWT verifier: its keys read from the JWKS file or the secret taken

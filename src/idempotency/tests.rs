@@ -85,9 +85,15 @@ fn the_fingerprint_covers_method_path_query_headers_and_body() {
     let mut headers = HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("application/json"));
     let names = [HeaderName::from_static("content-type")];
-    let base = fingerprint(&Method::POST, &uri, &headers, &names, b"{}");
-    assert_eq!(base, fingerprint(&Method::POST, &uri, &headers, &names, b"{}"));
-    assert_ne!(base, fingerprint(&Method::PATCH, &uri, &headers, &names, b"{}"));
+    let base = fingerprint(&Method::POST, &uri, &headers, &names, &FingerprintBody::Bytes, b"{}");
+    assert_eq!(
+        base,
+        fingerprint(&Method::POST, &uri, &headers, &names, &FingerprintBody::Bytes, b"{}")
+    );
+    assert_ne!(
+        base,
+        fingerprint(&Method::PATCH, &uri, &headers, &names, &FingerprintBody::Bytes, b"{}")
+    );
     assert_ne!(
         base,
         fingerprint(
@@ -95,19 +101,43 @@ fn the_fingerprint_covers_method_path_query_headers_and_body() {
             &"/v1/pay?x=2".parse().expect("uri"),
             &headers,
             &names,
+            &FingerprintBody::Bytes,
             b"{}"
         )
     );
     assert_ne!(
         base,
-        fingerprint(&Method::POST, &"/v1/pay".parse().expect("uri"), &headers, &names, b"{}")
+        fingerprint(
+            &Method::POST,
+            &"/v1/pay".parse().expect("uri"),
+            &headers,
+            &names,
+            &FingerprintBody::Bytes,
+            b"{}"
+        )
     );
-    assert_ne!(base, fingerprint(&Method::POST, &uri, &headers, &names, b"{ }"));
-    assert_ne!(base, fingerprint(&Method::POST, &uri, &HeaderMap::new(), &names, b"{}"));
+    assert_ne!(
+        base,
+        fingerprint(&Method::POST, &uri, &headers, &names, &FingerprintBody::Bytes, b"{ }")
+    );
+    assert_ne!(
+        base,
+        fingerprint(
+            &Method::POST,
+            &uri,
+            &HeaderMap::new(),
+            &names,
+            &FingerprintBody::Bytes,
+            b"{}"
+        )
+    );
     // A header outside `fingerprint_headers` does not count.
     let mut other = headers.clone();
     other.insert("x-request-id", HeaderValue::from_static("1"));
-    assert_eq!(base, fingerprint(&Method::POST, &uri, &other, &names, b"{}"));
+    assert_eq!(
+        base,
+        fingerprint(&Method::POST, &uri, &other, &names, &FingerprintBody::Bytes, b"{}")
+    );
 }
 
 #[test]
@@ -187,4 +217,29 @@ fn decisions_follow_the_record() {
         ),
         Decision::Reject(Rejection::KeyReused)
     ));
+}
+
+#[test]
+fn a_json_fingerprint_ignores_spelling_and_ignored_fields_but_not_values() {
+    let uri: Uri = "/v1/pay".parse().expect("uri");
+    let json = FingerprintBody::Json {
+        ignore: vec![json::JsonPointer::parse("/request_id").expect("pointer")],
+    };
+    let of = |rule: &FingerprintBody, body: &[u8]| fingerprint(&Method::POST, &uri, &HeaderMap::new(), &[], rule, body);
+    let base = of(&json, br#"{"amount":10,"currency":"EUR","request_id":"a"}"#);
+    assert_eq!(
+        base,
+        of(&json, br#"{ "currency": "EUR", "amount": 10.0, "request_id": "b" }"#)
+    );
+    assert_ne!(base, of(&json, br#"{"amount":11,"currency":"EUR","request_id":"a"}"#));
+    // Bytes: every byte counts, and the two rules never meet.
+    let bytes = br#"{"amount":10}"#;
+    assert_ne!(
+        of(&FingerprintBody::Bytes, bytes),
+        of(&FingerprintBody::Bytes, br#"{ "amount":10}"#)
+    );
+    assert_ne!(of(&FingerprintBody::Bytes, bytes), of(&json, bytes));
+    // Not JSON: fingerprinted by its bytes.
+    assert_eq!(of(&json, b"amount=10"), of(&json, b"amount=10"));
+    assert_ne!(of(&json, b"amount=10"), of(&json, b"amount=11"));
 }
