@@ -78,6 +78,59 @@ pub(crate) async fn read_request_body(
     }
 }
 
+/// A request body read for shadow mode, which must forward every request whatever
+/// its body: the whole of it, or what arrived before it passed `max` bytes or the
+/// read timeout, with the rest still to stream.
+pub(crate) enum Peeked {
+    Whole(Bytes),
+    Partial { head: Bytes, rest: Incoming },
+}
+
+/// Reads `body` like `read_request_body`, but a body too large or too slow is handed
+/// back to be forwarded instead of refused. A body the client broke is still refused.
+pub(crate) async fn peek_request_body(
+    mut body: Incoming,
+    headers: &HeaderMap,
+    max: u64,
+    timeout: Duration,
+) -> Result<Peeked, Rejection> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > max) {
+        return Ok(Peeked::Partial {
+            head: Bytes::new(),
+            rest: body,
+        });
+    }
+    let mut collected = BytesMut::new();
+    let deadline = tokio::time::sleep(timeout);
+    tokio::pin!(deadline);
+    loop {
+        // `frame()` only polls the body, so a deadline that wins loses nothing.
+        let frame = tokio::select! {
+            frame = body.frame() => frame,
+            () = &mut deadline => {
+                return Ok(Peeked::Partial { head: collected.freeze(), rest: body });
+            }
+        };
+        let Some(frame) = frame else {
+            return Ok(Peeked::Whole(collected.freeze()));
+        };
+        let frame = frame.map_err(|error| Rejection::BodyIncomplete(error.into()))?;
+        if let Ok(data) = frame.into_data() {
+            collected.extend_from_slice(&data);
+            if collected.len() as u64 > max {
+                return Ok(Peeked::Partial {
+                    head: collected.freeze(),
+                    rest: body,
+                });
+            }
+        }
+    }
+}
+
 /// A response body read as far as the proxy may record it.
 pub(crate) enum Buffered {
     /// The whole body, within the limit.

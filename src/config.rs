@@ -182,6 +182,9 @@ pub struct IdempotencyPolicy {
     pub required: bool,
     pub retention: Duration,
     pub fingerprint_headers: Vec<HeaderName>,
+    /// `"enforce"`, or `"shadow"`: forward everything, write records, count what
+    /// enforce would have done.
+    pub mode: Mode,
     /// How the body counts in the fingerprint.
     pub fingerprint_body: FingerprintBody,
     pub scope_headers: Vec<HeaderName>,
@@ -192,6 +195,18 @@ pub struct IdempotencyPolicy {
     pub max_response_body_bytes: u64,
     pub on_server_error: OnServerError,
     pub on_store_error: OnStoreError,
+}
+
+/// A guarded route's `mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Claims, replays and refusals as the contract says.
+    Enforce,
+    /// Every request forwarded as on an unguarded route; claims and records written as
+    /// in enforce mode; `idemproxy_shadow_decisions_total{would}` counts what enforce
+    /// would have done.
+    Shadow,
 }
 
 /// `fingerprint_body` (with `fingerprint_ignore`).
@@ -219,6 +234,13 @@ pub enum OnStoreError {
 }
 
 impl Route {
+    /// Whether the route is guarded in shadow mode.
+    pub fn shadow(&self) -> bool {
+        self.idempotency
+            .as_ref()
+            .is_some_and(|policy| policy.mode == Mode::Shadow)
+    }
+
     /// How long a claim's owner may hold it before the record reads as unknown.
     pub fn lease(&self) -> Duration {
         self.upstream_timeout + LEASE_GRACE
@@ -369,14 +391,23 @@ impl std::fmt::Display for Config {
             let guard = match &route.idempotency {
                 None => "unguarded".to_string(),
                 Some(policy) => format!(
-                    "guards {} by {} (retention {}){}",
+                    "{} {} by {} (retention {}){}{}",
+                    match policy.mode {
+                        Mode::Enforce => "guards",
+                        Mode::Shadow => "shadows",
+                    },
                     policy.methods.iter().map(Method::as_str).collect::<Vec<_>>().join(","),
                     policy.header,
                     humantime::format_duration(policy.retention),
                     policy
                         .scope_jwt
                         .as_ref()
-                        .map_or_else(String::new, |jwt| format!(", scoped by the {}", jwt.describe()))
+                        .map_or_else(String::new, |jwt| format!(", scoped by the {}", jwt.describe())),
+                    match &policy.fingerprint_body {
+                        FingerprintBody::Bytes => String::new(),
+                        FingerprintBody::Json { ignore } =>
+                            format!(", JSON bodies ({} pointers ignored)", ignore.len()),
+                    }
                 ),
             };
             writeln!(

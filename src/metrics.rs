@@ -96,6 +96,66 @@ impl StoreOp {
     }
 }
 
+/// What enforce mode would have done with a request a shadow-mode route forwarded
+/// (`idemproxy_shadow_decisions_total{route, would}`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+#[repr(usize)]
+pub(crate) enum Would {
+    /// Claimed it and forwarded it.
+    Forward,
+    /// Replayed the recorded response.
+    Replay,
+    /// 409: in progress, or outcome unknown.
+    Conflict,
+    /// 422: the key was used with another request.
+    Mismatch,
+    /// 400: no key on a route that requires one.
+    MissingKey,
+    /// 400: a key that is not valid.
+    InvalidKey,
+    /// Refused the request for the guard's other reasons: a body too large or too slow
+    /// to read, a scope token that does not verify.
+    Rejected,
+    /// 503: at `max_guarded_requests`.
+    Overloaded,
+    /// 503: the store failed.
+    StoreError,
+}
+
+impl Would {
+    pub(crate) const ALL: [Would; 9] = [
+        Would::Forward,
+        Would::Replay,
+        Would::Conflict,
+        Would::Mismatch,
+        Would::MissingKey,
+        Would::InvalidKey,
+        Would::Rejected,
+        Would::Overloaded,
+        Would::StoreError,
+    ];
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Would::Forward => "forward",
+            Would::Replay => "replay",
+            Would::Conflict => "conflict",
+            Would::Mismatch => "mismatch",
+            Would::MissingKey => "missing_key",
+            Would::InvalidKey => "invalid_key",
+            Would::Rejected => "rejected",
+            Would::Overloaded => "overloaded",
+            Would::StoreError => "store_error",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShadowLabels {
+    route: String,
+    would: &'static str,
+}
+
 /// How a reload ended (`idemproxy_config_reloads_total{result}`).
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 #[repr(usize)]
@@ -162,6 +222,7 @@ struct RouteLabels {
 pub(crate) struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
+    shadow_decisions: Family<ShadowLabels, Counter>,
     upstream_latency: Family<RouteLabels, Histogram>,
     /// Handles by [op][ok], made once: the request path never looks labels up.
     store_latency: [[Histogram; 2]; StoreOp::ALL.len()],
@@ -182,6 +243,8 @@ pub(crate) struct Metrics {
 #[derive(Clone)]
 pub(crate) struct RouteMetrics {
     requests: [Counter; Outcome::ALL.len()],
+    /// For a shadow-mode route: what enforce would have done.
+    shadow: Option<[Counter; Would::ALL.len()]>,
     upstream_latency: Histogram,
 }
 
@@ -192,6 +255,12 @@ impl RouteMetrics {
 
     pub(crate) fn upstream(&self, elapsed: Duration) {
         self.upstream_latency.observe(elapsed.as_secs_f64());
+    }
+
+    pub(crate) fn shadow(&self, would: Would) {
+        if let Some(counters) = &self.shadow {
+            counters[would as usize].inc();
+        }
     }
 }
 
@@ -206,6 +275,12 @@ impl Metrics {
         let mut registry = Registry::with_prefix("idemproxy");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register("requests", "Requests by route and outcome", requests.clone());
+        let shadow_decisions = Family::<ShadowLabels, Counter>::default();
+        registry.register(
+            "shadow_decisions",
+            "Requests a shadow-mode route forwarded, by what enforce mode would have done",
+            shadow_decisions.clone(),
+        );
         let store_family = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.0001, 2.0, 16))
         });
@@ -307,6 +382,7 @@ impl Metrics {
             replica_acks_missed,
             registry,
             requests,
+            shadow_decisions,
             upstream_latency,
             store_latency,
             fenced_writes,
@@ -314,9 +390,20 @@ impl Metrics {
         }
     }
 
-    /// The handles for one route. Only outcomes that happen show in the exposition.
-    pub(crate) fn route(&self, route: &str) -> RouteMetrics {
+    /// The handles for one route (with shadow decisions for a shadow-mode route).
+    /// Every outcome shows in the exposition from the start, at zero.
+    pub(crate) fn route(&self, route: &str, shadow: bool) -> RouteMetrics {
         RouteMetrics {
+            shadow: shadow.then(|| {
+                Would::ALL.map(|would| {
+                    self.shadow_decisions
+                        .get_or_create(&ShadowLabels {
+                            route: route.to_string(),
+                            would: would.as_str(),
+                        })
+                        .clone()
+                })
+            }),
             requests: Outcome::ALL.map(|outcome| {
                 self.requests
                     .get_or_create(&RequestLabels {

@@ -21,7 +21,7 @@ use tracing::{Instrument, Span};
 
 use self::claim::{Ledger, OwnedClaim};
 use crate::body::{self, Buffered, ClientInfo, ProxyBody, StreamedBody, full, streamed};
-use crate::config::{Config, IdempotencyPolicy, OnStoreError};
+use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
 use crate::error::{KeyError, ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, Decision, Recording};
 use crate::metrics::{Metrics, Outcome};
@@ -32,6 +32,7 @@ use crate::upstream::{self, HttpClient};
 
 mod access;
 mod claim;
+mod shadow;
 
 /// A cheap-to-clone handle on everything a request needs.
 #[derive(Clone)]
@@ -80,6 +81,40 @@ impl GuardedRequests {
     /// The guarded requests in flight now.
     pub(crate) fn in_flight(&self) -> usize {
         self.max - self.permits.available_permits()
+    }
+}
+
+impl Prepared {
+    /// Fingerprints the request read into `parts` and `body`, and names its claim.
+    fn new(
+        parts: request::Parts,
+        body: Bytes,
+        route: &RouteState,
+        policy: &IdempotencyPolicy,
+        record: StoreKey,
+    ) -> Result<Prepared, Rejection> {
+        let fingerprint = idempotency::fingerprint(
+            &parts.method,
+            &parts.uri,
+            &parts.headers,
+            &policy.fingerprint_headers,
+            &policy.fingerprint_body,
+            &body,
+        );
+        let owner = OwnerToken::generate().map_err(|_| ProxyError::Random)?;
+        let claim = ClaimRequest {
+            key: record,
+            owner,
+            fingerprint,
+            retention: policy.retention,
+            lease: route.route.lease(),
+        };
+        Ok(Prepared {
+            parts,
+            body,
+            fingerprint,
+            claim,
+        })
     }
 }
 
@@ -178,7 +213,10 @@ impl Proxy {
             {
                 // Boxed: the guarded path's state is large, and the pass-through
                 // future should not carry (and move) it.
-                Box::pin(self.guarded(route.clone(), policy.clone(), request, client)).await
+                match policy.mode {
+                    Mode::Enforce => Box::pin(self.guarded(route.clone(), policy.clone(), request, client)).await,
+                    Mode::Shadow => Box::pin(self.shadow(route.clone(), policy.clone(), request, client)).await,
+                }
             }
             _ => self.pass(&route, streamed(request), &client).await,
         }
@@ -249,20 +287,10 @@ impl Proxy {
         request: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<ProxyBody> {
-        let key = match idempotency::parse_key(request.headers().get_all(&policy.header)) {
-            Ok(Some(key)) => key,
-            Ok(None) => return self.reject(Some(&route), KeyError::Missing.into()),
-            Err(error) => return self.reject(Some(&route), error.into()),
+        let record = match self.identify(&route, &policy, request.headers()) {
+            Ok(record) => record,
+            Err(rejection) => return self.reject(Some(&route), rejection),
         };
-        let claim = match &policy.scope_jwt {
-            None => None,
-            Some(verifier) => match verifier.verify(request.headers(), SystemTime::now()) {
-                Ok(claim) => Some(claim),
-                Err(error) => return self.reject(Some(&route), error.into()),
-            },
-        };
-        let scope = scope::values(request.headers(), &policy.scope_headers, claim.as_deref());
-        let record = idempotency::store_key(&self.shared.key_prefix, &route.route.name, &scope, &key);
         let span = tracing::info_span!("guarded", route = %route.route.name, record = %record.short_hash());
         let hash = self
             .access_log()
@@ -300,6 +328,28 @@ impl Proxy {
         }
     }
 
+    /// The record a guarded request names: its key, within its scope (the
+    /// `scope_headers` and the verified `scope_jwt` claim).
+    fn identify(
+        &self,
+        route: &RouteState,
+        policy: &IdempotencyPolicy,
+        headers: &http::HeaderMap,
+    ) -> Result<StoreKey, Rejection> {
+        let key = idempotency::parse_key(headers.get_all(&policy.header))?.ok_or(KeyError::Missing)?;
+        let claim = match &policy.scope_jwt {
+            None => None,
+            Some(verifier) => Some(verifier.verify(headers, SystemTime::now())?),
+        };
+        let scope = scope::values(headers, &policy.scope_headers, claim.as_deref());
+        Ok(idempotency::store_key(
+            &self.shared.key_prefix,
+            &route.route.name,
+            &scope,
+            &key,
+        ))
+    }
+
     /// Reads the body within its limits and works out what the claim asks for.
     async fn prepare(
         &self,
@@ -310,28 +360,7 @@ impl Proxy {
     ) -> Result<Prepared, Rejection> {
         let (parts, body) = request.into_parts();
         let body = body::read_request_body(body, &parts.headers, route.body.max_bytes, route.body.timeout).await?;
-        let fingerprint = idempotency::fingerprint(
-            &parts.method,
-            &parts.uri,
-            &parts.headers,
-            &policy.fingerprint_headers,
-            &policy.fingerprint_body,
-            &body,
-        );
-        let owner = OwnerToken::generate().map_err(|_| ProxyError::Random)?;
-        let claim = ClaimRequest {
-            key: record,
-            owner,
-            fingerprint,
-            retention: policy.retention,
-            lease: route.route.lease(),
-        };
-        Ok(Prepared {
-            parts,
-            body,
-            fingerprint,
-            claim,
-        })
+        Prepared::new(parts, body, route, policy, record)
     }
 
     /// Sends the claimed request from a task of its own, and returns its response once

@@ -36,7 +36,7 @@ impl RouteState {
         RouteState {
             route: route.clone(),
             name: Arc::from(route.name.as_str()),
-            metrics: metrics.route(&route.name),
+            metrics: metrics.route(&route.name, route.shadow()),
             client,
             body,
         }

@@ -322,7 +322,10 @@ fn the_kubernetes_manifests_agree_with_their_config_and_the_image() {
 /// running proxy, with each family's sample names (`_total`, `_bucket`, ...).
 async fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     let upstream = support::Upstream::start().await;
-    let proxy = TestConfig::new(StoreKind::Memory, &upstream.url()).start().await;
+    // With a shadow-mode route, so that its counters exist.
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "mode = \"shadow\"".into();
+    let proxy = config.start().await;
     let metrics = send(proxy.admin(), "GET", "/metrics", &[], "").await;
     let metrics = String::from_utf8_lossy(&metrics.body).to_string();
     let mut names = BTreeSet::new();

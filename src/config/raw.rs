@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{OnServerError, OnStoreError};
+use super::{Mode, OnServerError, OnStoreError};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -146,6 +146,7 @@ pub(super) struct RawIdempotency {
     pub(super) required: bool,
     pub(super) retention: Spanned<HumanDuration>,
     pub(super) fingerprint_headers: Spanned<Vec<String>>,
+    pub(super) mode: Mode,
     pub(super) fingerprint_body: RawFingerprintBody,
     pub(super) fingerprint_ignore: Spanned<Vec<String>>,
     pub(super) scope_headers: Spanned<Vec<String>>,
@@ -171,6 +172,7 @@ impl Default for RawIdempotency {
             required: true,
             retention: Spanned::new(0..0, HumanDuration(Duration::from_secs(24 * 3600))),
             fingerprint_headers: Spanned::new(0..0, vec!["content-type".into()]),
+            mode: Mode::Enforce,
             fingerprint_body: RawFingerprintBody::Bytes,
             fingerprint_ignore: Spanned::new(0..0, Vec::new()),
             scope_headers: Spanned::new(0..0, Vec::new()),

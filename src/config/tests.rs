@@ -472,3 +472,15 @@ fn fingerprint_body_and_its_ignore_pointers_are_validated() {
     );
     assert!(error(&with("fingerprint_body = \"xml\"")).contains("route[0].idempotency.fingerprint_body"));
 }
+
+#[test]
+fn mode_is_enforce_unless_shadow_is_asked_for() {
+    let with = |lines: &str| format!("{ROUTE}[route.idempotency]\n{lines}\n");
+    let mode = |config: &Config| config.routes[0].idempotency.as_ref().expect("guarded").mode;
+    assert_eq!(mode(&parse(&with("")).expect("valid")), Mode::Enforce);
+    let shadow = parse(&with("mode = \"shadow\"")).expect("valid");
+    assert_eq!(mode(&shadow), Mode::Shadow);
+    assert!(shadow.routes[0].shadow());
+    assert!(shadow.to_string().contains("shadows POST,PATCH"));
+    assert!(error(&with("mode = \"audit\"")).contains("route[0].idempotency.mode"));
+}

@@ -633,6 +633,7 @@ impl Validator<'_> {
             required: raw.required,
             retention,
             fingerprint_headers,
+            mode: raw.mode,
             fingerprint_body,
             scope_headers,
             replay_exclude_headers,
