@@ -51,6 +51,9 @@ pub struct ServerConfig {
     /// Guarded requests in flight at once, from reading the body to recording the
     /// response; more get 503 `overloaded`.
     pub max_guarded_requests: usize,
+    /// Duplicates waiting for their first request at once (`wait_for_in_flight`);
+    /// more get 409 at once.
+    pub max_waiters: usize,
     /// One log line per request, with target `idemproxy::access`.
     pub access_log: bool,
     /// TLS on the listener, when configured.
@@ -181,6 +184,8 @@ pub struct IdempotencyPolicy {
     pub header: HeaderName,
     pub required: bool,
     pub retention: Duration,
+    /// How long a duplicate waits for the first request in flight before 409.
+    pub wait_for_in_flight: Duration,
     pub fingerprint_headers: Vec<HeaderName>,
     /// `"enforce"`, or `"shadow"`: forward everything, write records, count what
     /// enforce would have done.
@@ -299,6 +304,7 @@ impl Config {
                 "server.max_guarded_requests",
                 server.max_guarded_requests != next.max_guarded_requests,
             ),
+            ("server.max_waiters", server.max_waiters != next.max_waiters),
             (
                 "server.header_read_timeout",
                 server.header_read_timeout != next.header_read_timeout,
@@ -339,6 +345,9 @@ pub const DEFAULT_MAX_RECORDS: usize = 100_000;
 /// Guarded requests in flight at once when `server.max_guarded_requests` is not set.
 /// With the default body limits (1 MiB each way), at most 2 GiB of bodies.
 pub const DEFAULT_MAX_GUARDED_REQUESTS: usize = 1024;
+
+/// Waiters at once when `server.max_waiters` is not set.
+pub const DEFAULT_MAX_WAITERS: usize = 10_000;
 
 /// The memory store's byte bound when `store.max_bytes` is not set: 256 MiB.
 pub const DEFAULT_MAX_BYTES: usize = 256 * 1024 * 1024;
@@ -407,6 +416,13 @@ impl std::fmt::Display for Config {
                         FingerprintBody::Bytes => String::new(),
                         FingerprintBody::Json { ignore } =>
                             format!(", JSON bodies ({} pointers ignored)", ignore.len()),
+                    } + &if policy.wait_for_in_flight.is_zero() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", duplicates wait {}",
+                            humantime::format_duration(policy.wait_for_in_flight)
+                        )
                     }
                 ),
             };

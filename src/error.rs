@@ -137,7 +137,11 @@ pub(crate) enum Rejection {
     #[error("the request's token does not verify: {0}")]
     UnverifiedScope(#[from] crate::scope::JwtError),
     #[error("the first request with this key is still in flight")]
-    InProgress { retry_after: Duration },
+    InProgress {
+        retry_after: Duration,
+        /// How long the first request's lease still runs: a waiter's latest re-read.
+        lease_remaining: Duration,
+    },
     #[error("the outcome of the first request with this key is unknown")]
     OutcomeUnknown,
     #[error("{0} guarded requests are already in flight")]
@@ -335,7 +339,7 @@ impl Rejection {
             _ => None,
         };
         let retry_after = match self {
-            Rejection::InProgress { retry_after } => Some(retry_after.as_secs().max(1)),
+            Rejection::InProgress { retry_after, .. } => Some(retry_after.as_secs().max(1)),
             Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
             _ => None,
         };

@@ -233,6 +233,7 @@ pub(crate) fn decide<C>(outcome: ClaimOutcome<C>, fingerprint: Fingerprint) -> D
         // Most requests finish long before their lease ends: ask for a retry soon.
         RecordState::InFlight { lease_remaining } => Decision::Reject(Rejection::InProgress {
             retry_after: lease_remaining.clamp(Duration::from_millis(1), IN_PROGRESS_RETRY_AFTER),
+            lease_remaining,
         }),
         RecordState::LeaseExpired | RecordState::Unknown(_) => Decision::Reject(Rejection::OutcomeUnknown),
     }

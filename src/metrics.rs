@@ -156,6 +156,51 @@ struct ShadowLabels {
     would: &'static str,
 }
 
+/// How a duplicate's wait for its first request ended
+/// (`idemproxy_waits_total{result}`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+#[repr(usize)]
+pub(crate) enum WaitEnd {
+    /// The first request completed: the waiter got its replay.
+    Replayed,
+    /// The key was released: this waiter claimed it and forwarded its own request.
+    Claimed,
+    /// The first request's outcome became unknown: 409 `outcome-unknown`.
+    Unknown,
+    /// The deadline came first: 409 `request-in-progress`.
+    Timeout,
+    /// The client went away while waiting.
+    Gone,
+    /// At `server.max_waiters`: 409 at once, without waiting.
+    Full,
+    /// Anything else: a mismatch, the store failing.
+    Other,
+}
+
+impl WaitEnd {
+    const ALL: [WaitEnd; 7] = [
+        WaitEnd::Replayed,
+        WaitEnd::Claimed,
+        WaitEnd::Unknown,
+        WaitEnd::Timeout,
+        WaitEnd::Gone,
+        WaitEnd::Full,
+        WaitEnd::Other,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            WaitEnd::Replayed => "replayed",
+            WaitEnd::Claimed => "claimed",
+            WaitEnd::Unknown => "unknown",
+            WaitEnd::Timeout => "timeout",
+            WaitEnd::Gone => "gone",
+            WaitEnd::Full => "full",
+            WaitEnd::Other => "other",
+        }
+    }
+}
+
 /// How a reload ended (`idemproxy_config_reloads_total{result}`).
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
 #[repr(usize)]
@@ -236,6 +281,9 @@ pub(crate) struct Metrics {
     store_held: [Family<BackendLabels, Gauge>; 4],
     guarded_in_flight: Gauge,
     config_reloads: [Counter; ReloadResult::ALL.len()],
+    waiters: Gauge,
+    waits: [Counter; WaitEnd::ALL.len()],
+    wait_seconds: Histogram,
     config_info: Family<ConfigLabels, Gauge>,
 }
 
@@ -367,6 +415,29 @@ impl Metrics {
                 })
                 .clone()
         });
+        let waiters = Gauge::default();
+        registry.register(
+            "waiters",
+            "Duplicates waiting now for their first request (wait_for_in_flight; bound: server.max_waiters)",
+            waiters.clone(),
+        );
+        let waits_family = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "waits",
+            "Waits for a first request by how they ended: replayed, claimed, unknown, timeout, gone, full, other",
+            waits_family.clone(),
+        );
+        let waits = WaitEnd::ALL.map(|end| {
+            waits_family
+                .get_or_create(&ResultLabels { result: end.as_str() })
+                .clone()
+        });
+        let wait_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        registry.register(
+            "wait_seconds",
+            "How long duplicates waited for their first request, from the wait's start to its end",
+            wait_seconds.clone(),
+        );
         let config_info = Family::<ConfigLabels, Gauge>::default();
         registry.register(
             "config_info",
@@ -374,6 +445,9 @@ impl Metrics {
             config_info.clone(),
         );
         Metrics {
+            waiters,
+            waits,
+            wait_seconds,
             config_reloads,
             config_info,
             guarded_in_flight,
@@ -450,6 +524,18 @@ impl Metrics {
             family
                 .get_or_create(&labels)
                 .set(i64::try_from(value).unwrap_or(i64::MAX));
+        }
+    }
+
+    pub(crate) fn waiters(&self) -> &Gauge {
+        &self.waiters
+    }
+
+    /// A wait ended as `end` after `waited` (`Full` waits never start: not timed).
+    pub(crate) fn wait_ended(&self, end: WaitEnd, waited: Duration) {
+        self.waits[end as usize].inc();
+        if end != WaitEnd::Full {
+            self.wait_seconds.observe(waited.as_secs_f64());
         }
     }
 

@@ -33,6 +33,9 @@ use crate::upstream::{self, HttpClient};
 mod access;
 mod claim;
 mod shadow;
+mod wait;
+
+pub(crate) use self::wait::Waiting;
 
 /// A cheap-to-clone handle on everything a request needs.
 #[derive(Clone)]
@@ -51,6 +54,7 @@ struct Shared {
     ledger: Ledger,
     key_prefix: String,
     guarded: GuardedRequests,
+    waiting: Waiting,
     /// `server.access_log`: gather what the access log says, and write it.
     access_log: AtomicBool,
     /// Exchanges and background store work, so shutdown can wait for them.
@@ -150,6 +154,7 @@ impl Proxy {
         store: AnyStore,
         metrics: Arc<Metrics>,
         guarded: GuardedRequests,
+        waiting: Waiting,
         tasks: TaskTracker,
     ) -> Result<Proxy, rustls::Error> {
         let client = upstream::client(None)?;
@@ -162,6 +167,7 @@ impl Proxy {
                 ledger: Ledger::new(store, metrics, tasks.clone()),
                 key_prefix: config.store.key_prefix.clone(),
                 guarded,
+                waiting,
                 access_log: AtomicBool::new(config.server.access_log),
                 tasks,
             }),
@@ -317,6 +323,9 @@ impl Proxy {
             match idempotency::decide(outcome, prepared.fingerprint) {
                 Decision::Forward(claim) => self.forward(route, policy, claim, prepared, &client, permit).await,
                 Decision::Replay(stored) => self.served(&route, Outcome::Replayed, stored.into_response()),
+                Decision::Reject(rejection @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
+                    self.wait(route, policy, prepared, &client, permit, rejection).await
+                }
                 Decision::Reject(rejection) => self.reject(Some(&route), rejection),
             }
         }

@@ -28,7 +28,8 @@ use crate::body::{ClientInfo, ProxyBody};
 use crate::config::{Backend, Config, RedisTopology};
 use crate::error::StoreError;
 use crate::metrics::Metrics;
-use crate::proxy::{GuardedRequests, Proxy};
+use crate::proxy::{GuardedRequests, Proxy, Waiting};
+use crate::store::notify::Watcher;
 use crate::store::{AnyStore, MemoryStore, RedisStore};
 
 use self::limits::{Activity, Backoff};
@@ -122,16 +123,23 @@ pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sy
 #[cfg(not(feature = "test-util"))]
 type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
 
-/// The factory for the configured store.
-fn store_factory(config: &Config) -> StoreFactory {
+/// The factory for the configured store, and where its waiters learn that records
+/// changed (on Redis, the process's subscriber, started here).
+fn store_factory(config: &Config) -> Result<(StoreFactory, Watcher), StoreError> {
     match &config.store.backend {
         Backend::Memory { max_records, max_bytes } => {
-            let shared = AnyStore::Memory(MemoryStore::new(*max_records, *max_bytes));
-            Arc::new(move || Ok(shared.clone()))
+            let store = MemoryStore::new(*max_records, *max_bytes);
+            let watcher = store.watcher();
+            let shared = AnyStore::Memory(store);
+            Ok((Arc::new(move || Ok(shared.clone())), watcher))
         }
         Backend::Redis(redis) => {
             let (redis, timeout) = (redis.clone(), config.store.timeout);
-            Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?)))
+            let watcher = crate::store::redis::start_subscriber(&redis, timeout)?;
+            Ok((
+                Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?))),
+                watcher,
+            ))
         }
     }
 }
@@ -143,19 +151,20 @@ fn store_factory(config: &Config) -> StoreFactory {
 /// threads. Must be called inside a Tokio runtime, which runs the admin
 /// listener and the memory store's sweeper.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let factory = store_factory(&config);
-    launch(config, factory).await
+    let (factory, watcher) = store_factory(&config).map_err(StartError::Store)?;
+    launch(config, factory, watcher).await
 }
 
-/// Like `start`, with stores made by `factory` instead of from `config.store`.
+/// Like `start`, with stores made by `factory` instead of from `config.store`. Its
+/// waiters get no notifications: they re-read at their deadlines.
 #[cfg(feature = "test-util")]
 pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<Running, StartError> {
-    launch(config, factory).await
+    launch(config, factory, Watcher::None).await
 }
 
 /// Binds, starts the workers one by one (so that a worker's start-up error stops the
 /// start), then the admin listener.
-async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartError> {
+async fn launch(config: Config, factory: StoreFactory, watcher: Watcher) -> Result<Running, StartError> {
     let metrics = Arc::new(Metrics::new());
     let shutdown = CancellationToken::new();
     let limits = Limits {
@@ -174,6 +183,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
     }
     let connections = Arc::new(Semaphore::new(capacity));
     let guarded = GuardedRequests::new(config.server.max_guarded_requests);
+    let waiting = Waiting::new(watcher, config.server.max_waiters);
     let store = factory().map_err(StartError::Store)?;
     // A memory store is one process's: a second instance must not share its port.
     let share_port = matches!(config.store.backend, Backend::Redis(_));
@@ -200,6 +210,7 @@ async fn launch(config: Config, factory: StoreFactory) -> Result<Running, StartE
             limits,
             connections: connections.clone(),
             guarded: guarded.clone(),
+            waiting: waiting.clone(),
             tls: tls.clone(),
             reloads: reloaded,
         };
@@ -292,6 +303,8 @@ struct Worker {
     connections: Arc<Semaphore>,
     /// The process's guarded-request permits, shared by every worker.
     guarded: GuardedRequests,
+    /// The process's waiters, shared by every worker.
+    waiting: Waiting,
     /// The listener's TLS configuration, shared by every worker and swapped on reload.
     tls: Option<Arc<ArcSwap<rustls::ServerConfig>>>,
     /// Reloads for this worker's routes.
@@ -346,7 +359,14 @@ impl Worker {
                 }
             };
             let tasks = TaskTracker::new();
-            let proxy = match Proxy::new(&self.config, store, self.metrics.clone(), self.guarded, tasks.clone()) {
+            let proxy = match Proxy::new(
+                &self.config,
+                store,
+                self.metrics.clone(),
+                self.guarded,
+                self.waiting,
+                tasks.clone(),
+            ) {
                 Ok(proxy) => proxy,
                 Err(error) => {
                     let _ = started.send(Err(StartError::UpstreamTls(error)));

@@ -11,6 +11,7 @@ use crate::error::StoreError;
 pub use crate::record::StoredResponse;
 
 pub mod memory;
+pub(crate) mod notify;
 pub mod redis;
 
 pub use self::memory::{MemoryStore, MemoryUsage};

@@ -33,6 +33,7 @@ pub(super) struct RawServer {
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) max_connections: Spanned<usize>,
     pub(super) max_guarded_requests: Spanned<usize>,
+    pub(super) max_waiters: Spanned<usize>,
     pub(super) access_log: bool,
     pub(super) tls: Option<RawTls>,
 }
@@ -56,6 +57,7 @@ impl Default for RawServer {
             workers: None,
             max_connections: Spanned::new(0..0, 10_000),
             max_guarded_requests: Spanned::new(0..0, super::DEFAULT_MAX_GUARDED_REQUESTS),
+            max_waiters: Spanned::new(0..0, super::DEFAULT_MAX_WAITERS),
             access_log: false,
             tls: None,
         }
@@ -145,6 +147,7 @@ pub(super) struct RawIdempotency {
     pub(super) header: Spanned<String>,
     pub(super) required: bool,
     pub(super) retention: Spanned<HumanDuration>,
+    pub(super) wait_for_in_flight: Spanned<HumanDuration>,
     pub(super) fingerprint_headers: Spanned<Vec<String>>,
     pub(super) mode: Mode,
     pub(super) fingerprint_body: RawFingerprintBody,
@@ -171,6 +174,7 @@ impl Default for RawIdempotency {
             header: Spanned::new(0..0, "Idempotency-Key".into()),
             required: true,
             retention: Spanned::new(0..0, HumanDuration(Duration::from_secs(24 * 3600))),
+            wait_for_in_flight: Spanned::new(0..0, HumanDuration(Duration::ZERO)),
             fingerprint_headers: Spanned::new(0..0, vec!["content-type".into()]),
             mode: Mode::Enforce,
             fingerprint_body: RawFingerprintBody::Bytes,

@@ -423,6 +423,7 @@ fn a_reload_names_each_setting_only_a_restart_can_change() {
         ("[server]\nworkers = 3\n", "server.workers"),
         ("[server]\nmax_connections = 5\n", "server.max_connections"),
         ("[server]\nmax_guarded_requests = 5\n", "server.max_guarded_requests"),
+        ("[server]\nmax_waiters = 5\n", "server.max_waiters"),
         ("[server]\nheader_read_timeout = \"2s\"\n", "server.header_read_timeout"),
         ("[server]\nshutdown_grace = \"2s\"\n", "server.shutdown_grace"),
         ("[store]\nkey_prefix = \"other\"\n", "store.key_prefix"),
@@ -483,4 +484,36 @@ fn mode_is_enforce_unless_shadow_is_asked_for() {
     assert!(shadow.routes[0].shadow());
     assert!(shadow.to_string().contains("shadows POST,PATCH"));
     assert!(error(&with("mode = \"audit\"")).contains("route[0].idempotency.mode"));
+}
+
+#[test]
+fn wait_for_in_flight_is_at_most_the_lease() {
+    let with = |lines: &str| format!("{ROUTE}upstream_timeout = \"5s\"\n[route.idempotency]\n{lines}\n");
+    let waits = parse(&with("wait_for_in_flight = \"6s\"")).expect("the lease itself is allowed");
+    assert_eq!(
+        waits.routes[0]
+            .idempotency
+            .as_ref()
+            .expect("guarded")
+            .wait_for_in_flight,
+        Duration::from_secs(6)
+    );
+    assert!(waits.to_string().contains("duplicates wait 6s"));
+    assert!(
+        error(&with("wait_for_in_flight = \"6001ms\""))
+            .contains("route[0].idempotency.wait_for_in_flight: 6s 1ms is longer than the lease")
+    );
+    let default = parse(&with("")).expect("valid");
+    assert_eq!(
+        default.routes[0]
+            .idempotency
+            .as_ref()
+            .expect("guarded")
+            .wait_for_in_flight,
+        Duration::ZERO
+    );
+    assert_eq!(default.server.max_waiters, DEFAULT_MAX_WAITERS);
+    assert!(
+        error(&format!("[server]\nmax_waiters = 0\n{ROUTE}")).contains("server.max_waiters: must be greater than 0")
+    );
 }

@@ -215,6 +215,7 @@ impl Validator<'_> {
         for (value, field) in [
             (&raw.max_connections, "server.max_connections"),
             (&raw.max_guarded_requests, "server.max_guarded_requests"),
+            (&raw.max_waiters, "server.max_waiters"),
         ] {
             if *value.get_ref() == 0 {
                 return Err(self.error(value.span(), field, "must be greater than 0"));
@@ -225,6 +226,7 @@ impl Validator<'_> {
             workers,
             max_connections: raw.max_connections.into_inner(),
             max_guarded_requests: raw.max_guarded_requests.into_inner(),
+            max_waiters: raw.max_waiters.into_inner(),
             access_log: raw.access_log,
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
@@ -620,6 +622,18 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let wait_for_in_flight = raw.wait_for_in_flight.get_ref().0;
+        if wait_for_in_flight > upstream_timeout + LEASE_GRACE {
+            return Err(self.error(
+                raw.wait_for_in_flight.span(),
+                field("wait_for_in_flight"),
+                format!(
+                    "{} is longer than the lease (upstream_timeout {} + 1s): past the lease a waiter can only get 409 outcome-unknown",
+                    humantime::format_duration(wait_for_in_flight),
+                    humantime::format_duration(upstream_timeout)
+                ),
+            ));
+        }
         if *raw.max_response_body_bytes.get_ref() == 0 {
             return Err(self.error(
                 raw.max_response_body_bytes.span(),
@@ -632,6 +646,7 @@ impl Validator<'_> {
             header,
             required: raw.required,
             retention,
+            wait_for_in_flight,
             fingerprint_headers,
             mode: raw.mode,
             fingerprint_body,

@@ -192,7 +192,7 @@ fn decisions_follow_the_record() {
     ));
     assert!(matches!(
         decide(existing(mine, RecordState::InFlight { lease_remaining: Duration::from_secs(30) }), mine),
-        Decision::Reject(Rejection::InProgress { retry_after }) if retry_after == Duration::from_secs(1)
+        Decision::Reject(Rejection::InProgress { retry_after, .. }) if retry_after == Duration::from_secs(1)
     ));
     assert!(matches!(
         decide(existing(mine, RecordState::LeaseExpired), mine),

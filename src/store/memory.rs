@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::notify::{Hub, Watcher};
 use super::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, OwnerToken, RecordState, RecordStore, RecordSummary,
     StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
@@ -44,6 +45,8 @@ struct Shared {
     records: Mutex<Records>,
     max_records: usize,
     max_bytes: usize,
+    /// The waiters of records, woken by every change to theirs.
+    hub: Arc<Hub>,
     #[cfg(feature = "test-util")]
     plant: Option<Plant>,
 }
@@ -154,11 +157,17 @@ impl MemoryStore {
             records: Mutex::new(Records::default()),
             max_records,
             max_bytes,
+            hub: Arc::default(),
             #[cfg(feature = "test-util")]
             plant: None,
         });
         tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
         MemoryStore { shared }
+    }
+
+    /// Where this store's waiters are woken.
+    pub(crate) fn watcher(&self) -> Watcher {
+        Watcher::Local(self.shared.hub.clone())
     }
 
     /// A store with `plant` in it, for the negative controls of the conformance test.
@@ -168,6 +177,7 @@ impl MemoryStore {
             records: Mutex::new(Records::default()),
             max_records,
             max_bytes: usize::MAX,
+            hub: Arc::default(),
             plant: Some(plant),
         });
         tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
@@ -296,6 +306,7 @@ impl RecordStore for MemoryStore {
         Ok(match self.owned(&records, key, owner, now) {
             Some(lease_until) if lease_until > now || planted!(self, LeaseCheckDropped) => {
                 records.set_state(key, State::Completed(response.clone()));
+                self.shared.hub.wake(key.as_str());
                 Write::Applied
             }
             _ => Write::Fenced,
@@ -312,6 +323,7 @@ impl RecordStore for MemoryStore {
         Ok(match self.owned(&records, key, owner, Instant::now()) {
             Some(_) => {
                 records.set_state(key, State::Unknown(reason));
+                self.shared.hub.wake(key.as_str());
                 Write::Applied
             }
             None => Write::Fenced,
@@ -324,11 +336,14 @@ impl RecordStore for MemoryStore {
             return Ok(Write::Fenced);
         }
         records.remove(key);
+        self.shared.hub.wake(key.as_str());
         Ok(Write::Applied)
     }
 
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        Ok(self.shared.lock().remove(key).is_some())
+        let removed = self.shared.lock().remove(key).is_some();
+        self.shared.hub.wake(key.as_str());
+        Ok(removed)
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
@@ -367,6 +382,7 @@ impl RecordStore for MemoryStore {
             State::InFlight { .. } | State::Completed(_) => return Ok(Forget::NotUnknown),
         }
         records.remove(key);
+        self.shared.hub.wake(key.as_str());
         Ok(Forget::Released)
     }
 

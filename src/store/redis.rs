@@ -22,7 +22,10 @@ use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
 use crate::record::FORMAT_VERSION;
 
+mod subscriber;
 mod topology;
+
+pub(crate) use self::subscriber::{publish_command, start as start_subscriber};
 
 /// The first pause between two tries of an operation the store refused for a moment,
 /// and the longest.
@@ -89,6 +92,8 @@ pub struct RedisStore {
     timeout: Duration,
     durability: Option<Durability>,
     topology: Arc<RedisTopology>,
+    /// How the scripts tell waiters that a record changed.
+    publish: &'static str,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -122,6 +127,7 @@ impl RedisStore {
                 timeout: config.replica_ack_timeout,
             }),
             topology: Arc::new(config.topology.clone()),
+            publish: publish_command(&config.topology),
         })
     }
 
@@ -309,7 +315,8 @@ impl RecordStore for RedisStore {
             .arg(owner.to_hex())
             .arg(response.status.as_u16())
             .arg(response.encode_headers())
-            .arg(response.body.as_ref());
+            .arg(response.body.as_ref())
+            .arg(self.publish);
         self.fenced_write(invocation).await
     }
 
@@ -320,20 +327,30 @@ impl RecordStore for RedisStore {
         reason: UnknownReason,
     ) -> Result<Write, StoreError> {
         let mut invocation = self.scripts.mark_unknown.key(key.as_str());
-        invocation.arg(owner.to_hex()).arg(reason.as_str());
+        invocation.arg(owner.to_hex()).arg(reason.as_str()).arg(self.publish);
         self.fenced_write(invocation).await
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
         let mut invocation = self.scripts.release.key(key.as_str());
-        invocation.arg(owner.to_hex());
+        invocation.arg(owner.to_hex()).arg(self.publish);
         self.fenced_write(invocation).await
     }
 
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let removed: i64 = self
             .attempt(Retry::Refused, self.timeout, |mut connection| async move {
-                redis::cmd("DEL").arg(key.as_str()).query_async(&mut connection).await
+                let channel = super::notify::channel(key.as_str());
+                redis::pipe()
+                    .cmd("DEL")
+                    .arg(key.as_str())
+                    .cmd(self.publish)
+                    .arg(channel)
+                    .arg("purged")
+                    .ignore()
+                    .query_async::<(i64,)>(&mut connection)
+                    .await
+                    .map(|(removed,)| removed)
             })
             .await?;
         Ok(removed == 1)
@@ -351,7 +368,8 @@ impl RecordStore for RedisStore {
     }
 
     async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
-        let invocation = self.scripts.forget.key(key.as_str());
+        let mut invocation = self.scripts.forget.key(key.as_str());
+        invocation.arg(self.publish);
         let result: i64 = self
             .attempt(Retry::Refused, self.timeout, |mut connection| {
                 let invocation = &invocation;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::cluster::ClusterClient;
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
@@ -65,19 +65,7 @@ impl Connection {
                 timeout,
             )?)),
             RedisTopology::Cluster { urls } => {
-                let mut builder = ClusterClient::builder(urls.iter().map(String::as_str));
-                if let Some(certificates) = certificates {
-                    builder = builder.certs(certificates);
-                }
-                let client = builder
-                    .connection_timeout(timeout)
-                    // The store bounds each operation itself and retries before forwarding;
-                    // the client's own retries cover redirections and a failover's first
-                    // moments within that bound.
-                    .retries(4)
-                    .min_retry_wait(10)
-                    .max_retry_wait(200)
-                    .build()?;
+                let client = cluster_builder(urls, certificates, timeout).build()?;
                 Ok(Connection::Cluster(LazyCluster {
                     client: Arc::new(client),
                     connection: Arc::new(OnceCell::new()),
@@ -124,7 +112,7 @@ impl Connection {
 
 /// The store's CA and client certificate, read from their files, in the form the
 /// redis crate takes them (PEM).
-fn certificates(tls: &StoreTls) -> RedisResult<TlsCertificates> {
+pub(super) fn certificates(tls: &StoreTls) -> RedisResult<TlsCertificates> {
     let read = |path: &std::path::Path| {
         std::fs::read(path).map_err(|error| {
             RedisError::from((
@@ -255,6 +243,54 @@ struct SentinelShared {
     config: AsyncConnectionConfig,
 }
 
+/// A client for the sentinels at `urls`; the data nodes take the first sentinel's
+/// scheme and credentials (database 0). `certificates` serve every `rediss://`
+/// connection: to a sentinel and to a data node.
+pub(super) fn sentinel_client(
+    urls: &[String],
+    master_name: &str,
+    certificates: Option<TlsCertificates>,
+) -> RedisResult<SentinelClient> {
+    let sentinels = urls
+        .iter()
+        .map(|url| match (&certificates, url.starts_with("rediss://")) {
+            (Some(certificates), true) => Ok(redis::Client::build_with_tls(url.as_str(), certificates.clone())?
+                .get_connection_info()
+                .clone()),
+            _ => url.as_str().into_connection_info(),
+        })
+        .collect::<RedisResult<Vec<_>>>()?;
+    let first = sentinels
+        .first()
+        .ok_or_else(|| RedisError::from((ErrorKind::InvalidClientConfig, "no sentinel url")))?;
+    let settings = first.redis_settings().clone();
+    let tls = matches!(first.addr(), ConnectionAddr::TcpTls { .. });
+    let mut builder = SentinelClientBuilder::new(
+        sentinels.iter().map(|sentinel| sentinel.addr().clone()),
+        master_name,
+        SentinelServerType::Master,
+    )?
+    .set_client_to_redis_db(0)
+    .set_client_to_redis_protocol(settings.protocol());
+    if let Some(username) = settings.username() {
+        builder = builder
+            .set_client_to_redis_username(username)
+            .set_client_to_sentinel_username(username);
+    }
+    if let Some(password) = settings.password() {
+        builder = builder
+            .set_client_to_redis_password(password)
+            .set_client_to_sentinel_password(password);
+    }
+    if tls {
+        builder = builder.set_client_to_redis_tls_mode(TlsMode::Secure);
+        if let Some(certificates) = certificates {
+            builder = builder.set_client_to_redis_certificates(certificates);
+        }
+    }
+    builder.build()
+}
+
 impl SentinelConnection {
     /// The sentinels at `urls`; the data nodes take the first sentinel's scheme and
     /// credentials (database 0). `certificates` serve every `rediss://` connection: to a
@@ -265,44 +301,7 @@ impl SentinelConnection {
         certificates: Option<TlsCertificates>,
         timeout: Duration,
     ) -> RedisResult<SentinelConnection> {
-        let sentinels = urls
-            .iter()
-            .map(|url| match (&certificates, url.starts_with("rediss://")) {
-                (Some(certificates), true) => Ok(redis::Client::build_with_tls(url.as_str(), certificates.clone())?
-                    .get_connection_info()
-                    .clone()),
-                _ => url.as_str().into_connection_info(),
-            })
-            .collect::<RedisResult<Vec<_>>>()?;
-        let first = sentinels
-            .first()
-            .ok_or_else(|| RedisError::from((ErrorKind::InvalidClientConfig, "no sentinel url")))?;
-        let settings = first.redis_settings().clone();
-        let tls = matches!(first.addr(), ConnectionAddr::TcpTls { .. });
-        let mut builder = SentinelClientBuilder::new(
-            sentinels.iter().map(|sentinel| sentinel.addr().clone()),
-            master_name,
-            SentinelServerType::Master,
-        )?
-        .set_client_to_redis_db(0)
-        .set_client_to_redis_protocol(settings.protocol());
-        if let Some(username) = settings.username() {
-            builder = builder
-                .set_client_to_redis_username(username)
-                .set_client_to_sentinel_username(username);
-        }
-        if let Some(password) = settings.password() {
-            builder = builder
-                .set_client_to_redis_password(password)
-                .set_client_to_sentinel_password(password);
-        }
-        if tls {
-            builder = builder.set_client_to_redis_tls_mode(TlsMode::Secure);
-            if let Some(certificates) = certificates {
-                builder = builder.set_client_to_redis_certificates(certificates);
-            }
-        }
-        let client = builder.build()?;
+        let client = sentinel_client(urls, master_name, certificates)?;
         Ok(SentinelConnection {
             shared: Arc::new(SentinelShared {
                 client: tokio::sync::Mutex::new(client),
@@ -391,6 +390,26 @@ impl ConnectionLike for SentinelConnection {
 }
 
 // === Cluster ===
+
+/// A client for the cluster whose seed nodes are `urls`.
+pub(super) fn cluster_builder(
+    urls: &[String],
+    certificates: Option<TlsCertificates>,
+    timeout: Duration,
+) -> ClusterClientBuilder {
+    let mut builder = ClusterClient::builder(urls.iter().map(String::as_str));
+    if let Some(certificates) = certificates {
+        builder = builder.certs(certificates);
+    }
+    builder
+        .connection_timeout(timeout)
+        // The store bounds each operation itself and retries before forwarding; the
+        // client's own retries cover redirections and a failover's first moments
+        // within that bound.
+        .retries(4)
+        .min_retry_wait(10)
+        .max_retry_wait(200)
+}
 
 /// A cluster connection made on first use: building one needs a seed node to answer,
 /// and the proxy must start while the cluster is down. A failed attempt leaves it

@@ -5,6 +5,8 @@
 -- ARGV[2]  the response status code
 -- ARGV[3]  the response headers, encoded by store::encode_headers
 -- ARGV[4]  the response body
+-- ARGV[5]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
+--          channel, its key and ':w', is in the record's slot)
 --
 -- Returns 1 when the record was completed, 0 when it was fenced off.
 --
@@ -25,4 +27,5 @@ end
 
 redis.call('HSET', KEYS[1], 'state', 'completed', 'status', ARGV[2], 'headers', ARGV[3], 'body', ARGV[4])
 redis.call('HDEL', KEYS[1], 'lease')
+redis.call(ARGV[5], KEYS[1] .. ':w', 'completed')
 return 1

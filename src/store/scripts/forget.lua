@@ -2,6 +2,8 @@
 -- take effect frees its key, so the next retry runs.
 --
 -- KEYS[1]  the record's store key
+-- ARGV[1]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
+--          channel, its key and ':w', is in the record's slot)
 --
 -- Returns 1 when the record was removed, 0 when it is not unknown (completed, or in
 -- flight with its lease running), -1 when there is no record.
@@ -19,6 +21,7 @@ end
 
 if record[1] == 'unknown' or (record[1] == 'in_flight' and tonumber(record[2]) <= now) then
   redis.call('DEL', KEYS[1])
+  redis.call(ARGV[1], KEYS[1] .. ':w', 'released')
   return 1
 end
 

@@ -3,6 +3,8 @@
 -- KEYS[1]  the record's store key
 -- ARGV[1]  the owner token the claim was made with
 -- ARGV[2]  the reason (upstream-timeout, upstream-failed, response-too-large)
+-- ARGV[3]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
+--          channel, its key and ':w', is in the record's slot)
 --
 -- Returns 1 when the record became unknown, 0 when it was fenced off.
 --
@@ -16,4 +18,5 @@ end
 
 redis.call('HSET', KEYS[1], 'state', 'unknown', 'reason', ARGV[2])
 redis.call('HDEL', KEYS[1], 'lease')
+redis.call(ARGV[3], KEYS[1] .. ':w', 'unknown')
 return 1

@@ -2,6 +2,8 @@
 --
 -- KEYS[1]  the record's store key
 -- ARGV[1]  the owner token the claim was made with
+-- ARGV[2]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
+--          channel, its key and ':w', is in the record's slot)
 --
 -- Returns 1 when the record was removed, 0 when it was fenced off (absent, owned by
 -- another request, or no longer in flight).
@@ -14,4 +16,5 @@ if record[1] ~= 'in_flight' or record[2] ~= ARGV[1] then
 end
 
 redis.call('DEL', KEYS[1])
+redis.call(ARGV[2], KEYS[1] .. ':w', 'released')
 return 1

@@ -1,0 +1,160 @@
+//! Wait, then replay (`wait_for_in_flight`): a duplicate that finds its key in flight
+//! waits for the first request instead of getting 409 at once. It is woken by the
+//! store when the record changes (see `store::notify`), never by polling it, and
+//! re-reads the record by claiming again: completed → the replay; released → it owns
+//! the key and forwards its own request (the claim is atomic, so one waiter wins);
+//! unknown → 409 `outcome-unknown`; still in flight at the deadline → 409
+//! `request-in-progress`. A lost notification costs time, not a wrong answer: a
+//! waiter re-reads at the end of the first request's lease and at its deadline.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Response;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tracing::Span;
+
+use super::{Prepared, Proxy};
+use crate::body::{ClientInfo, ProxyBody};
+use crate::config::IdempotencyPolicy;
+use crate::error::Rejection;
+use crate::idempotency::{self, Decision};
+use crate::metrics::{Metrics, Outcome, WaitEnd};
+use crate::router::RouteState;
+use crate::store::notify::{Watch, Watcher};
+
+/// How soon a waiter whose store failed reads its record again, unless woken first.
+const STORE_RETRY: Duration = Duration::from_millis(100);
+
+/// The process's waiters: where they learn that a record changed, and their bound.
+/// Shared by the workers.
+#[derive(Clone)]
+pub(crate) struct Waiting {
+    watcher: Watcher,
+    slots: Arc<Semaphore>,
+}
+
+impl Waiting {
+    pub(crate) fn new(watcher: Watcher, max: usize) -> Waiting {
+        Waiting {
+            watcher,
+            slots: Arc::new(Semaphore::new(max)),
+        }
+    }
+}
+
+/// Counts one wait: the waiters gauge while it lasts, and how it ended. A wait
+/// dropped before it ended is a client that went away.
+struct Tally {
+    metrics: Arc<Metrics>,
+    started: Instant,
+    ended: bool,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Tally {
+    fn new(metrics: Arc<Metrics>, slot: OwnedSemaphorePermit) -> Tally {
+        metrics.waiters().inc();
+        Tally {
+            metrics,
+            started: Instant::now(),
+            ended: false,
+            _slot: slot,
+        }
+    }
+
+    fn end(&mut self, end: WaitEnd) {
+        self.ended = true;
+        self.metrics.wait_ended(end, self.started.elapsed());
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.metrics.wait_ended(WaitEnd::Gone, self.started.elapsed());
+        }
+        self.metrics.waiters().dec();
+    }
+}
+
+impl Proxy {
+    /// A duplicate found its key in flight (`first` is the 409 it would get) on a route
+    /// that waits: it waits for the record to change, up to `wait_for_in_flight`, and
+    /// answers as the record then says. It keeps its guarded-request `permit` (and its
+    /// body) throughout, in case it wins the key.
+    pub(super) async fn wait(
+        &self,
+        route: Arc<RouteState>,
+        policy: Arc<IdempotencyPolicy>,
+        prepared: Prepared,
+        client: &ClientInfo,
+        permit: OwnedSemaphorePermit,
+        first: Rejection,
+    ) -> Response<ProxyBody> {
+        let waiting = &self.shared.waiting;
+        let Ok(slot) = waiting.slots.clone().try_acquire_owned() else {
+            self.shared.metrics.wait_ended(WaitEnd::Full, Duration::ZERO);
+            return self.reject(Some(&route), first);
+        };
+        let mut tally = Tally::new(self.shared.metrics.clone(), slot);
+        let deadline = Instant::now() + policy.wait_for_in_flight;
+        // Without a subscription (the store's subscriber cannot connect), the waiter
+        // still re-reads at the lease's end and at its deadline.
+        let watch = waiting.watcher.watch(&prepared.claim.key).await;
+        let notify = watch.as_ref().map_or_else(|| Arc::new(Notify::new()), Watch::notify);
+        loop {
+            // Registered before the record is read, so a change between the read and
+            // the wait still wakes it.
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let outcome = match self.shared.ledger.claim(&prepared.claim, &Span::current()).await {
+                Ok(outcome) => outcome,
+                // The store failing for a moment (a restart, a failover) does not end
+                // the wait: the waiter reads again when woken, or a moment later.
+                Err(error) if Instant::now() < deadline => {
+                    tracing::debug!(%error, "a waiter cannot read its record; waiting on");
+                    let again = deadline.min(Instant::now() + STORE_RETRY);
+                    tokio::select! {
+                        () = &mut notified => {}
+                        () = tokio::time::sleep_until(again) => {}
+                    }
+                    continue;
+                }
+                Err(error) => {
+                    tally.end(WaitEnd::Other);
+                    return self.reject(Some(&route), error.into());
+                }
+            };
+            let lease_remaining = match idempotency::decide(outcome, prepared.fingerprint) {
+                Decision::Forward(claim) => {
+                    tally.end(WaitEnd::Claimed);
+                    drop(watch);
+                    return self.forward(route, policy, claim, prepared, client, permit).await;
+                }
+                Decision::Replay(stored) => {
+                    tally.end(WaitEnd::Replayed);
+                    return self.served(&route, Outcome::Replayed, stored.into_response());
+                }
+                Decision::Reject(Rejection::InProgress { lease_remaining, .. }) if Instant::now() < deadline => {
+                    lease_remaining
+                }
+                Decision::Reject(rejection) => {
+                    tally.end(match rejection {
+                        Rejection::InProgress { .. } => WaitEnd::Timeout,
+                        Rejection::OutcomeUnknown => WaitEnd::Unknown,
+                        _ => WaitEnd::Other,
+                    });
+                    return self.reject(Some(&route), rejection);
+                }
+            };
+            let wake = deadline.min(Instant::now() + lease_remaining);
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(wake) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! Notifications that a record changed, for requests waiting on it
+//! (`wait_for_in_flight`). The store tells the process, not the waiters' polls: the
+//! memory store wakes the record's waiters itself; on Redis, the scripts that change a
+//! record publish on the record's channel (its key and `:w`, in the record's own slot),
+//! and one subscriber connection per process fans the messages out.
+//!
+//! A notification only says "read the record again": a waiter re-reads by claiming
+//! again, so a lost notification costs time, never a wrong answer. After the
+//! subscriber reconnects, every waiter is woken to re-read; a waiter re-reads at its
+//! deadline too.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use redis::RedisResult;
+use tokio::sync::{Notify, mpsc, oneshot};
+
+use super::StoreKey;
+
+/// The channel a record's changes are published on.
+pub(crate) fn channel(key: &str) -> String {
+    format!("{key}:w")
+}
+
+/// The waiters of each record that has some, each record with one `Notify`.
+#[derive(Default, Debug)]
+pub(crate) struct Hub {
+    records: Mutex<HashMap<String, (Arc<Notify>, usize)>>,
+}
+
+impl Hub {
+    fn records(&self) -> MutexGuard<'_, HashMap<String, (Arc<Notify>, usize)>> {
+        // Every change is one insert, increment or removal: a poisoned map is whole.
+        self.records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Registers one more waiter on `key`; whether it is the first.
+    fn enter(&self, key: &str) -> (Arc<Notify>, bool) {
+        let mut records = self.records();
+        let entry = records
+            .entry(key.to_string())
+            .or_insert_with(|| (Arc::new(Notify::new()), 0));
+        entry.1 += 1;
+        (entry.0.clone(), entry.1 == 1)
+    }
+
+    /// One waiter on `key` fewer; whether it was the last.
+    fn leave(&self, key: &str) -> bool {
+        let mut records = self.records();
+        let Some(entry) = records.get_mut(key) else {
+            return false;
+        };
+        entry.1 -= 1;
+        if entry.1 > 0 {
+            return false;
+        }
+        records.remove(key);
+        true
+    }
+
+    /// Wakes the waiters of `key`, if it has any.
+    pub(crate) fn wake(&self, key: &str) {
+        if let Some((notify, _)) = self.records().get(key) {
+            notify.notify_waiters();
+        }
+    }
+
+    /// Wakes every waiter: after a reconnect, when a notification may have been lost.
+    fn wake_all(&self) {
+        for (notify, _) in self.records().values() {
+            notify.notify_waiters();
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.records().keys().cloned().collect()
+    }
+}
+
+/// Where a process learns that records changed.
+#[derive(Clone)]
+pub(crate) enum Watcher {
+    /// No notifications (a test's own store): waiters re-read only at their deadline.
+    #[cfg_attr(not(feature = "test-util"), allow(dead_code))]
+    None,
+    /// The memory store wakes its own waiters.
+    Local(Arc<Hub>),
+    /// Redis: the subscriber task's hub, and its commands.
+    Redis {
+        hub: Arc<Hub>,
+        commands: mpsc::UnboundedSender<Command>,
+    },
+}
+
+/// What a waiter asks of the subscriber task.
+pub(crate) enum Command {
+    /// Subscribe to the record's channel (if no one is); answer once subscribed, or
+    /// `false` when there is no connection to subscribe on.
+    Subscribe(String, oneshot::Sender<bool>),
+    Unsubscribe(String),
+}
+
+/// One waiter's registration on a record: woken when the record changes. Leaving it
+/// (dropping it) unsubscribes with the record's last waiter.
+pub(crate) struct Watch {
+    notify: Arc<Notify>,
+    key: String,
+    watcher: Watcher,
+}
+
+impl Watch {
+    /// What wakes this waiter.
+    pub(crate) fn notify(&self) -> Arc<Notify> {
+        self.notify.clone()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let (hub, commands) = match &self.watcher {
+            Watcher::None => return,
+            Watcher::Local(hub) => (hub, None),
+            Watcher::Redis { hub, commands } => (hub, Some(commands)),
+        };
+        if hub.leave(&self.key)
+            && let Some(commands) = commands
+        {
+            let _ = commands.send(Command::Unsubscribe(self.key.clone()));
+        }
+    }
+}
+
+impl Watcher {
+    /// Registers a waiter on `key`. On Redis it returns once the process is subscribed
+    /// to the record's channel; `None` when it cannot be (no subscriber connection).
+    pub(crate) async fn watch(&self, key: &StoreKey) -> Option<Watch> {
+        let key = key.as_str().to_string();
+        let hub = match self {
+            Watcher::None => {
+                return Some(Watch {
+                    notify: Arc::new(Notify::new()),
+                    key,
+                    watcher: Watcher::None,
+                });
+            }
+            Watcher::Local(hub) | Watcher::Redis { hub, .. } => hub,
+        };
+        let (notify, _) = hub.enter(&key);
+        let watch = Watch {
+            notify,
+            key: key.clone(),
+            watcher: self.clone(),
+        };
+        if let Watcher::Redis { commands, .. } = self {
+            let (ack, subscribed) = oneshot::channel();
+            commands.send(Command::Subscribe(key, ack)).ok()?;
+            if !subscribed.await.unwrap_or(false) {
+                return None;
+            }
+        }
+        Some(watch)
+    }
+}
+
+/// A connection that delivers a record channel's messages.
+pub(crate) trait Subscription: Send {
+    fn subscribe(&mut self, channel: String) -> impl Future<Output = RedisResult<()>> + Send;
+    fn unsubscribe(&mut self, channel: String) -> impl Future<Output = RedisResult<()>> + Send;
+    /// The next message's channel; `None` when the connection is lost.
+    fn next(&mut self) -> impl Future<Output = Option<String>> + Send;
+}
+
+/// Runs the process's subscriber: connects with `connect` when a record first has
+/// waiters (never while none wait), subscribes to the channel of every record with
+/// waiters, and wakes a record's waiters on each message on its channel. After a lost
+/// connection it connects again (while some wait), subscribes again and wakes every
+/// waiter, so that each re-reads its record. While it cannot connect, waiters are told
+/// at once, and re-read at their lease's end and their deadline.
+pub(crate) async fn subscriber<S, F, Fut>(hub: Arc<Hub>, mut commands: mpsc::UnboundedReceiver<Command>, connect: F)
+where
+    S: Subscription,
+    F: Fn() -> Fut,
+    Fut: Future<Output = RedisResult<S>>,
+{
+    let mut pause = Duration::from_millis(50);
+    let mut failing = false;
+    // A subscription asked for before there was a connection to make it on.
+    let mut pending: Option<(String, oneshot::Sender<bool>)> = None;
+    loop {
+        if pending.is_none() && hub.keys().is_empty() {
+            match commands.recv().await {
+                None => return,
+                Some(Command::Subscribe(key, ack)) => pending = Some((key, ack)),
+                Some(Command::Unsubscribe(_)) => continue,
+            }
+        }
+        let mut connection = match connect().await {
+            Ok(connection) => connection,
+            Err(error) => {
+                if !failing {
+                    tracing::warn!(%error, "cannot connect the store's subscriber; waiters re-read at their lease's end and deadline");
+                }
+                failing = true;
+                if let Some((_, ack)) = pending.take() {
+                    let _ = ack.send(false);
+                }
+                // Waiters that ask meanwhile are told there is no subscription.
+                let deadline = tokio::time::sleep(pause);
+                tokio::pin!(deadline);
+                loop {
+                    tokio::select! {
+                        () = &mut deadline => break,
+                        command = commands.recv() => match command {
+                            None => return,
+                            Some(Command::Subscribe(_, ack)) => { let _ = ack.send(false); }
+                            Some(Command::Unsubscribe(_)) => {}
+                        },
+                    }
+                }
+                pause = (pause * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        if failing {
+            tracing::info!("the store's subscriber is connected again");
+        }
+        (pause, failing) = (Duration::from_millis(50), false);
+        let mut subscribed = HashSet::new();
+        let mut lost = false;
+        for key in hub.keys() {
+            if connection.subscribe(channel(&key)).await.is_err() {
+                lost = true;
+                break;
+            }
+            subscribed.insert(key);
+        }
+        if let Some((key, ack)) = pending.take() {
+            let done = subscribed.contains(&key) || (!lost && connection.subscribe(channel(&key)).await.is_ok());
+            if done {
+                subscribed.insert(key);
+            }
+            lost |= !done;
+            let _ = ack.send(done);
+        }
+        // A change published while there was no subscription: every waiter re-reads.
+        hub.wake_all();
+        while !lost {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    None => return,
+                    Some(Command::Subscribe(key, ack)) => {
+                        if subscribed.contains(&key) {
+                            let _ = ack.send(true);
+                        } else if connection.subscribe(channel(&key)).await.is_ok() {
+                            subscribed.insert(key);
+                            let _ = ack.send(true);
+                        } else {
+                            let _ = ack.send(false);
+                            lost = true;
+                        }
+                    }
+                    Some(Command::Unsubscribe(key)) => {
+                        if subscribed.remove(&key) && connection.unsubscribe(channel(&key)).await.is_err() {
+                            lost = true;
+                        }
+                    }
+                },
+                message = connection.next() => match message {
+                    Some(channel) => {
+                        if let Some(key) = channel.strip_suffix(":w") {
+                            hub.wake(key);
+                        }
+                    }
+                    None => lost = true,
+                },
+            }
+        }
+        // Every waiter re-reads once the subscriptions are back (or, when none waits
+        // any more, the next waiter connects again).
+        tracing::warn!("the store's subscriber lost its connection");
+    }
+}
