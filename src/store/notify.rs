@@ -133,7 +133,9 @@ impl Drop for Watch {
 
 impl Watcher {
     /// Registers a waiter on `key`. On Redis it returns once the process is subscribed
-    /// to the record's channel; `None` when it cannot be (no subscriber connection).
+    /// to the record's channel, or once the subscriber has said it cannot connect: the
+    /// waiter stays registered, and when the subscriber connects it subscribes and
+    /// wakes it to re-read.
     pub(crate) async fn watch(&self, key: &StoreKey) -> Option<Watch> {
         let key = key.as_str().to_string();
         let hub = match self {
@@ -156,7 +158,7 @@ impl Watcher {
             let (ack, subscribed) = oneshot::channel();
             commands.send(Command::Subscribe(key, ack)).ok()?;
             if !subscribed.await.unwrap_or(false) {
-                return None;
+                tracing::debug!("a waiter has no subscription yet; it re-reads when the subscriber connects");
             }
         }
         Some(watch)
