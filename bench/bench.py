@@ -8,6 +8,12 @@ thread as the load. Cases run in alternating rounds (a b c d e f, a b c d e f, .
 and each figure is the median over the rounds. Ratios are to the nginx proxy (b) at
 the same connection count, from the same run.
 
+Besides requests/s and latency, each case reports the Redis process's CPU time (user +
+system from INFO cpu, network I/O included) divided by the requests of the run: what
+one request costs the store. Cases (i) to (l) answer with 1 KiB and 64 KiB bodies;
+(m) and (n) are HTTP/2 (h2c, prior knowledge) through h2load, against nginx with
+`http2` on and idemproxy, in front of the same upstream.
+
 Run it through bench/run.sh, which builds the release binary and installs what is
 missing. Options: --duration SECONDS per case and round (default 5), --rounds N
 (default 3), --connections LIST (default 32,256), --cluster (also run cases (g) and (h)
@@ -39,7 +45,18 @@ CASES = [
     ("d", "idemproxy POST, fresh key", "idemproxy", "fresh.lua", "/v1/payments"),
     ("e", "idemproxy POST, replay", "idemproxy", "replay.lua", "/v1/payments"),
     ("f", "idemproxy POST, no key, required=false", "idemproxy", "nokey.lua", "/v1/orders"),
+    ("i", "nginx proxy, 1 KiB body", "nginx", "get.lua", "/v1/payments/1k"),
+    ("j", "idemproxy GET pass-through, 1 KiB body", "idemproxy", "get.lua", "/v1/payments/1k"),
+    ("k", "idemproxy POST, replay, 1 KiB body", "idemproxy", "replay1k.lua", "/v1/payments/1k"),
+    ("l", "nginx proxy, 64 KiB body", "nginx", "get.lua", "/v1/payments/64k"),
+    ("o", "idemproxy GET pass-through, 64 KiB body", "idemproxy", "get.lua", "/v1/payments/64k"),
+    ("p", "idemproxy POST, replay, 64 KiB body", "idemproxy", "replay64k.lua", "/v1/payments/64k"),
+    ("m", "nginx proxy, HTTP/2 (h2load -m 10)", "nginx-h2", "h2", "/v1/payments"),
+    ("n", "idemproxy GET pass-through, HTTP/2 (h2load -m 10)", "idemproxy", "h2", "/v1/payments"),
 ]
+
+# The baseline each case is compared with: nginx with the same body, or over HTTP/2.
+BASELINE = {"i": "i", "j": "i", "k": "i", "l": "l", "o": "l", "p": "l", "m": "m", "n": "m"}
 
 # With --cluster: the same guarded cases on an idemproxy whose store is a Redis Cluster.
 CLUSTER_CASES = [
@@ -78,6 +95,18 @@ SCRIPTS = {
         wrk.body = '{"amount":1000}'
         wrk.headers["Content-Type"] = "application/json"
         wrk.headers["Idempotency-Key"] = "bench-replay"
+    """),
+    "replay1k.lua": textwrap.dedent("""
+        wrk.method = "POST"
+        wrk.body = '{"amount":1000}'
+        wrk.headers["Content-Type"] = "application/json"
+        wrk.headers["Idempotency-Key"] = "bench-replay-1k"
+    """),
+    "replay64k.lua": textwrap.dedent("""
+        wrk.method = "POST"
+        wrk.body = '{"amount":1000}'
+        wrk.headers["Content-Type"] = "application/json"
+        wrk.headers["Idempotency-Key"] = "bench-replay-64k"
     """),
     "nokey.lua": textwrap.dedent("""
         wrk.method = "POST"
@@ -159,6 +188,40 @@ def commandstats(*redis_ports):
                 fields = dict(kv.split("=") for kv in line.split(":", 1)[1].split(","))
                 total += int(fields["calls"])
     return total
+
+
+def redis_cpu_seconds(*redis_ports):
+    """User + system CPU seconds the Redis processes have used (INFO cpu)."""
+    total = 0.0
+    for redis_port in redis_ports:
+        out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "cpu"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith(("used_cpu_sys:", "used_cpu_user:")):
+                total += float(line.split(":", 1)[1])
+    return total
+
+
+def run_h2load(port, path, connections, duration):
+    """h2load over h2c with 10 streams per connection; requests/s, no percentiles."""
+    out = subprocess.run(
+        ["h2load", "-t1", f"-c{connections}", "-m10", f"-D{duration}", f"http://127.0.0.1:{port}{path}"],
+        capture_output=True, text=True)
+    requests = succeeded = status_2xx = 0
+    rps = None
+    for line in out.stdout.splitlines():
+        line = line.strip()
+        if line.startswith("finished in"):
+            rps = float(line.split(",")[1].split()[0])
+        if line.startswith("requests:"):
+            fields = line.split()
+            requests, succeeded = int(fields[1]), int(fields[7])
+        if line.startswith("status codes:"):
+            status_2xx = int(line.split()[2])
+    if rps is None:
+        sys.exit(f"bench: h2load printed no result:\n{out.stdout}\n{out.stderr}")
+    return {"requests": requests, "rps": rps, "p50_ms": float("nan"), "p99_ms": float("nan"),
+            "non2xx": requests - status_2xx, "socket_errors": requests - succeeded}
 
 
 def start_cluster(workdir, children):
@@ -248,8 +311,8 @@ def main():
     cases = CASES + (CLUSTER_CASES if args.cluster else [])
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
-    ports = {name: free_port() for name in ("upstream", "nginx", "idemproxy", "admin", "redis",
-                                            "cluster", "cluster-admin")}
+    ports = {name: free_port() for name in ("upstream", "nginx", "nginx-h2", "idemproxy", "admin",
+                                            "redis", "cluster", "cluster-admin")}
     children = []
     try:
         for name, text in SCRIPTS.items():
@@ -260,12 +323,24 @@ def main():
             ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", workdir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        bodies = os.path.join(workdir, "bodies")
+        os.makedirs(os.path.join(bodies, "v1", "payments"))
+        for name, size in (("1k", 1024), ("64k", 64 * 1024)):
+            with open(os.path.join(bodies, "v1", "payments", name), "w") as f:
+                f.write("x" * size)
         children.append(start_nginx(workdir, "upstream", textwrap.dedent(f"""
             server {{
               listen 127.0.0.1:{ports["upstream"]} reuseport;
               location / {{
                 default_type application/json;
                 return 201 '{BODY}';
+              }}
+              # The body cases: a file, for POST too (error_page turns the static
+              # module's 405 into a GET of the same file, answered 201).
+              location ~ ^/v1/payments/(1k|64k)$ {{
+                root {bodies};
+                default_type application/octet-stream;
+                error_page 405 =201 $uri;
               }}
             }}"""), workers=1))
         children.append(start_nginx(workdir, "proxy", textwrap.dedent(f"""
@@ -280,8 +355,16 @@ def main():
                 proxy_http_version 1.1;
                 proxy_set_header Connection "";
               }}
+            }}
+            server {{
+              listen 127.0.0.1:{ports["nginx-h2"]} http2 reuseport;
+              location / {{
+                proxy_pass http://backend;
+                proxy_http_version 1.1;
+                proxy_set_header Connection "";
+              }}
             }}"""), workers=2))
-        for name in ("redis", "upstream", "nginx"):
+        for name in ("redis", "upstream", "nginx", "nginx-h2"):
             wait_port(ports[name], what=name)
 
         def idemproxy_config(name, listen, admin, store):
@@ -312,11 +395,13 @@ def main():
                                      env={**os.environ, "RUST_LOG": "warn"})
             children.append(proxy)
             wait_port(listen, what=f"idemproxy ({name})")
-            # Record the key that the replay cases replay, and warm the script cache.
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{listen}/v1/payments", data=b'{"amount":1000}',
-                headers={"Idempotency-Key": "bench-replay", "Content-Type": "application/json"})
-            urllib.request.urlopen(request).read()
+            # Record the keys that the replay cases replay, and warm the script cache.
+            for key, path in (("bench-replay", "/v1/payments"), ("bench-replay-1k", "/v1/payments/1k"),
+                              ("bench-replay-64k", "/v1/payments/64k")):
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{listen}{path}", data=b'{"amount":1000}',
+                    headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+                urllib.request.urlopen(request).read()
             return proxy
 
         proxies = {"idemproxy": idemproxy_config(
@@ -337,10 +422,14 @@ def main():
                 for case, _, target, script, path in cases:
                     sampler = RssSampler(proxies.get(target, proxies["idemproxy"]).pid)
                     counted = redis_ports.get(target, redis_ports["idemproxy"])
-                    before = commandstats(*counted)
-                    run = run_wrk(ports[target], os.path.join(workdir, script), path, connections,
-                                  args.duration)
+                    before, cpu_before = commandstats(*counted), redis_cpu_seconds(*counted)
+                    if script == "h2":
+                        run = run_h2load(ports[target], path, connections, args.duration)
+                    else:
+                        run = run_wrk(ports[target], os.path.join(workdir, script), path, connections,
+                                      args.duration)
                     run["commands"] = commandstats(*counted) - before
+                    run["redis_cpu"] = redis_cpu_seconds(*counted) - cpu_before
                     run["rss_mib"] = sampler.stop() / 1024
                     results.setdefault((case, connections), []).append(run)
                     print(f"round {round_number + 1} c={connections} ({case}) {run['rps']:.0f} req/s",
@@ -367,24 +456,26 @@ def print_table(results, connection_counts, args, cases):
     print(f"idemproxy vs nginx on loopback: {os.cpu_count()} cores, wrk -t1, {args.duration}s per case, "
           f"median of {args.rounds} alternating rounds")
     print()
-    print("| case | conns | req/s | p50 ms | p99 ms | req/s vs (b) | p99 vs (b) | non-2xx | "
-          "Redis cmds/req | idemproxy peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | conns | req/s | p50 ms | p99 ms | req/s vs nginx | p99 vs nginx | non-2xx | "
+          "Redis cmds/req | Redis CPU µs/req | idemproxy peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for connections in connection_counts:
-        baseline = results[("b", connections)]
-        base_rps, base_p99 = median(baseline, "rps"), median(baseline, "p99_ms")
         for case, label, target, _, _ in cases:
+            baseline = results[(BASELINE.get(case, "b"), connections)]
+            base_rps, base_p99 = median(baseline, "rps"), median(baseline, "p99_ms")
             runs = results[(case, connections)]
             rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
             requests = sum(run["requests"] for run in runs)
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
             if target in ("idemproxy", "cluster"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
+                cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
                 rss = f"{max(run['rss_mib'] for run in runs):.1f}"
             else:
-                commands, rss = "-", "-"
+                commands, cpu, rss = "-", "-", "-"
             print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {median(runs, 'p50_ms'):.2f} | "
-                  f"{p99:.2f} | {rps / base_rps:.2f}x | {p99 / base_p99:.2f}x | {non2xx} | {commands} | {rss} |")
+                  f"{p99:.2f} | {rps / base_rps:.2f}x | {p99 / base_p99:.2f}x | {non2xx} | {commands} | "
+                  f"{cpu} | {rss} |")
     rounds = {connections: [max(run["rss_mib"] for run in results[(case, connections)])
                             for case, _, target, _, _ in CASES if target == "idemproxy"]
               for connections in connection_counts}

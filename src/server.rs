@@ -348,6 +348,10 @@ impl Worker {
                     return;
                 }
             };
+            if let AnyStore::Redis(redis) = &store {
+                let redis = redis.clone();
+                tokio::spawn(async move { redis.preload().await });
+            }
             let listener = match TcpListener::from_std(listener) {
                 Ok(listener) => listener,
                 Err(source) => {

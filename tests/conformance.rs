@@ -26,7 +26,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
-use idemproxy::store::redis::ScriptName;
+use idemproxy::store::redis::{ClaimPlant, ScriptName};
 use idemproxy::store::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
     StoreKey, StoredResponse, UnknownReason, Write,
@@ -193,6 +193,8 @@ impl Driver for Memory {
 struct Redis {
     subject: Subject<RedisStore>,
     control: redis::aio::MultiplexedConnection,
+    /// Whether the record's lease was made to run out (its TTL then is shorter).
+    aged: bool,
 }
 
 impl Driver for Redis {
@@ -200,22 +202,24 @@ impl Driver for Redis {
         self.subject.apply(owner, op, LEASE).await
     }
 
+    /// Redis's clock cannot be moved, and the lease is read off the record's remaining
+    /// TTL: the TTL is set to what is left of the retention once the lease has run out,
+    /// as the passing of the lease would leave it.
     async fn expire_lease(&mut self) {
         let key = self.subject.key.as_str();
-        let state: Option<String> = redis::cmd("HGET")
+        let record: Option<Vec<u8>> = redis::cmd("GET")
             .arg(key)
-            .arg("state")
             .query_async(&mut self.control)
             .await
-            .expect("HGET");
-        if state.as_deref() == Some("in_flight") {
-            let _: () = redis::cmd("HSET")
+            .expect("GET");
+        if record.is_some_and(|record| record.starts_with(b"2F")) {
+            let _: () = redis::cmd("PEXPIRE")
                 .arg(key)
-                .arg("lease")
-                .arg(0)
+                .arg(millis(RETENTION - LEASE))
                 .query_async(&mut self.control)
                 .await
-                .expect("HSET");
+                .expect("PEXPIRE");
+            self.aged = true;
         }
     }
 
@@ -234,12 +238,21 @@ impl Driver for Redis {
             .query_async(&mut self.control)
             .await
             .expect("PTTL");
-        let retention = i64::try_from(RETENTION.as_millis()).expect("ms");
+        // The TTL the record should have: the retention, or what is left of it once
+        // the lease has (been made to) run out.
+        let expected = if self.aged {
+            millis(RETENTION - LEASE)
+        } else {
+            millis(RETENTION)
+        };
         match (model, ttl) {
-            (Record::Free, -2) => Ok(()),
+            (Record::Free, -2) => {
+                self.aged = false;
+                Ok(())
+            }
             (Record::Free, ttl) => Err(format!("the model has no record, Redis has one with PTTL {ttl}")),
-            (_, ttl) if ttl > retention - 60_000 && ttl <= retention => Ok(()),
-            (_, ttl) => Err(format!("PTTL {ttl} ms is not the retention {retention} ms")),
+            (_, ttl) if ttl > expected - 60_000 && ttl <= expected => Ok(()),
+            (_, ttl) => Err(format!("PTTL {ttl} ms is not the {expected} ms the retention leaves")),
         }
     }
 }
@@ -373,6 +386,16 @@ fn memory_driver(runtime: &tokio::runtime::Runtime, plant: Option<Plant>, n: usi
     Memory(Subject::new(store, key(n)))
 }
 
+/// A bug planted in the Redis store: a mutated script, or one in the native claim.
+enum RedisPlant<'a> {
+    Script(ScriptName, &'a str),
+    Claim(ClaimPlant),
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).expect("ms")
+}
+
 /// One `redis-server` for a whole run; every sequence gets a record of its own.
 struct RedisRun {
     _server: RedisServer,
@@ -382,7 +405,7 @@ struct RedisRun {
 }
 
 impl RedisRun {
-    fn start(script: Option<(ScriptName, &str)>) -> RedisRun {
+    fn start(plant: Option<RedisPlant<'_>>) -> RedisRun {
         let server = RedisServer::start();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -390,8 +413,9 @@ impl RedisRun {
             .expect("runtime");
         let (store, control) = runtime.block_on(async {
             let store = RedisStore::standalone(&server.url(), Duration::from_secs(5)).expect("store");
-            let store = match script {
-                Some((name, lua)) => store.with_script(name, lua),
+            let store = match plant {
+                Some(RedisPlant::Script(name, lua)) => store.with_script(name, lua),
+                Some(RedisPlant::Claim(plant)) => store.with_claim_plant(plant),
                 None => store,
             };
             let control = redis::Client::open(server.url())
@@ -413,6 +437,7 @@ impl RedisRun {
         run(&self.runtime, traces, cases, |n| Redis {
             subject: Subject::new(self.store.clone(), key(n)),
             control: self.control.clone(),
+            aged: false,
         })
     }
 }
@@ -451,7 +476,12 @@ fn the_redis_store_conforms_to_the_model() {
 
 // === negative controls ===
 
-const CLAIM_LUA: &str = include_str!("../src/store/scripts/claim.lua");
+/// A plant as listed: a script's name and its mutated text, or a claim plant.
+enum RedisPlantSpec {
+    Script(ScriptName, String),
+    Claim(ClaimPlant),
+}
+
 const COMPLETE_LUA: &str = include_str!("../src/store/scripts/complete.lua");
 const MARK_UNKNOWN_LUA: &str = include_str!("../src/store/scripts/mark_unknown.lua");
 const RELEASE_LUA: &str = include_str!("../src/store/scripts/release.lua");
@@ -469,51 +499,53 @@ fn plant(lua: &str, from: &str, to: &str) -> String {
 
 #[test]
 fn bugs_planted_in_the_lua_scripts_are_caught() {
-    let owner_check = "if record[1] ~= 'in_flight' or record[2] ~= ARGV[1] then";
-    let plants: Vec<(&str, ScriptName, String)> = vec![
+    let owner_check = "string.sub(record, 67, 98) ~= ARGV[1]";
+    let plants: Vec<(&str, RedisPlantSpec)> = vec![
         (
             "complete without the owner check",
-            ScriptName::Complete,
-            plant(COMPLETE_LUA, owner_check, "if record[1] ~= 'in_flight' then"),
+            RedisPlantSpec::Script(ScriptName::Complete, plant(COMPLETE_LUA, owner_check, "false")),
         ),
         (
             "complete without the lease check",
-            ScriptName::Complete,
-            plant(COMPLETE_LUA, "if now >= tonumber(record[3]) then", "if false then"),
+            RedisPlantSpec::Script(
+                ScriptName::Complete,
+                plant(
+                    COMPLETE_LUA,
+                    "if redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)) then",
+                    "if false then",
+                ),
+            ),
         ),
         (
             "mark_unknown without the owner check",
-            ScriptName::MarkUnknown,
-            plant(MARK_UNKNOWN_LUA, owner_check, "if record[1] ~= 'in_flight' then"),
+            RedisPlantSpec::Script(ScriptName::MarkUnknown, plant(MARK_UNKNOWN_LUA, owner_check, "false")),
         ),
         (
             "release without compare-and-set",
-            ScriptName::Release,
-            plant(RELEASE_LUA, owner_check, "if false then"),
+            RedisPlantSpec::Script(
+                ScriptName::Release,
+                plant(
+                    RELEASE_LUA,
+                    "if not record or string.sub(record, 1, 2) ~= '2F' or string.sub(record, 67, 98) ~= ARGV[1] then",
+                    "if not record then",
+                ),
+            ),
         ),
         (
             "claim takes over an expired lease",
-            ScriptName::Claim,
-            plant(
-                CLAIM_LUA,
-                "return {'lease_expired', version, record[3]}",
-                "redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'fp', ARGV[2], \
-                 'lease', string.format('%.0f', now + tonumber(ARGV[4]))) return {'acquired'}",
-            ),
+            RedisPlantSpec::Claim(ClaimPlant::TakesOverExpiredLeases),
         ),
         (
             "claim sets the expiry to the lease",
-            ScriptName::Claim,
-            plant(
-                CLAIM_LUA,
-                "string.format('%.0f', now + tonumber(ARGV[3])))",
-                "string.format('%.0f', now + tonumber(ARGV[4])))",
-            ),
+            RedisPlantSpec::Claim(ClaimPlant::ExpiresWithTheLease),
         ),
     ];
     let (_, traces) = model_traces(2);
-    for (name, script, lua) in plants {
-        let run = RedisRun::start(Some((script, &lua)));
+    for (name, spec) in plants {
+        let run = RedisRun::start(Some(match &spec {
+            RedisPlantSpec::Script(script, lua) => RedisPlant::Script(*script, lua),
+            RedisPlantSpec::Claim(claim) => RedisPlant::Claim(*claim),
+        }));
         let (coverage, result) = run.run(&traces, 256);
         let caught = result.expect_err(&format!("a planted bug went unnoticed: {name}"));
         println!(

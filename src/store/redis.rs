@@ -1,10 +1,12 @@
-//! The Redis store: one hash per record, and one Lua script per lifecycle step, so
+//! The Redis store: one string per record (`layout`), claimed with one native
+//! `SET … NX PX … GET` and `PTTL` in a pipeline, and changed by one Lua script per
+//! compare-and-set step (complete, mark unknown, release, the operator's release), so
 //! each step is a single atomic round trip on the node that holds the record, whatever
-//! the topology (`topology`: one primary, Sentinel, Cluster). Deadlines come from
-//! Redis `TIME`, never from this process's clock. Scripts run by EVALSHA and fall back
-//! to loading them when Redis has lost them (restart, failover, `SCRIPT FLUSH`).
-//! Replies are decoded here, once, into the store's types: a reply or record that does
-//! not decode is a store error.
+//! the topology (`topology`: one primary, Sentinel, Cluster). The lease is read off
+//! the record's remaining TTL, on Redis's clock, never this process's. Scripts are
+//! loaded when a worker starts, run by EVALSHA, and loaded again when Redis has lost
+//! them (restart, failover, `SCRIPT FLUSH`). Replies are decoded here, once, into the
+//! store's types: a reply or record that does not decode is a store error.
 
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -15,13 +17,13 @@ use tokio::time::Instant;
 
 use self::topology::{Connection, Unready, is_transient};
 use super::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, OwnerToken, RecordState, RecordStore, RecordSummary,
-    StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Forget, OwnerToken, RecordStore, RecordSummary, StoreKey, StoredResponse,
+    UnknownReason, Write,
 };
 use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
-use crate::record::FORMAT_VERSION;
 
+mod layout;
 mod subscriber;
 mod topology;
 
@@ -34,25 +36,22 @@ const MAX_PAUSE: Duration = Duration::from_millis(100);
 
 static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
     Arc::new(Scripts {
-        claim: Script::new(include_str!("scripts/claim.lua")),
         complete: Script::new(include_str!("scripts/complete.lua")),
         mark_unknown: Script::new(include_str!("scripts/mark_unknown.lua")),
         release: Script::new(include_str!("scripts/release.lua")),
-        inspect: Script::new(include_str!("scripts/inspect.lua")),
         forget: Script::new(include_str!("scripts/forget.lua")),
     })
 });
 
-/// The four lifecycle scripts and the operator's two. Every store shares the ones in
-/// `scripts/`; tests may load a mutated one on the side to show that the suite catches
-/// it.
+/// The writes that must compare and set: three lifecycle scripts and the operator's
+/// release. (The claim is a native `SET … NX GET`; an operator's show is `GET`.)
+/// Every store shares the ones in `scripts/`; tests may load a mutated one on the side
+/// to show that the suite catches it.
 #[derive(Clone)]
 struct Scripts {
-    claim: Script,
     complete: Script,
     mark_unknown: Script,
     release: Script,
-    inspect: Script,
     forget: Script,
 }
 
@@ -60,10 +59,20 @@ struct Scripts {
 #[cfg(feature = "test-util")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ScriptName {
-    Claim,
     Complete,
     MarkUnknown,
     Release,
+}
+
+/// A bug planted in the native claim, for the negative controls of the conformance
+/// test (the claim has no script to swap).
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimPlant {
+    /// A record whose lease ran out is taken over by the next claim.
+    TakesOverExpiredLeases,
+    /// The record's expiry is set to the lease instead of the retention.
+    ExpiresWithTheLease,
 }
 
 /// How many replicas must hold a claim before it counts, and how long to wait for them.
@@ -94,6 +103,8 @@ pub struct RedisStore {
     topology: Arc<RedisTopology>,
     /// How the scripts tell waiters that a record changed.
     publish: &'static str,
+    #[cfg(feature = "test-util")]
+    claim_plant: Option<ClaimPlant>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -128,6 +139,8 @@ impl RedisStore {
             }),
             topology: Arc::new(config.topology.clone()),
             publish: publish_command(&config.topology),
+            #[cfg(feature = "test-util")]
+            claim_plant: None,
         })
     }
 
@@ -148,7 +161,6 @@ impl RedisStore {
     pub fn with_script(mut self, name: ScriptName, lua: &str) -> RedisStore {
         let mut scripts = Scripts::clone(&self.scripts);
         let slot = match name {
-            ScriptName::Claim => &mut scripts.claim,
             ScriptName::Complete => &mut scripts.complete,
             ScriptName::MarkUnknown => &mut scripts.mark_unknown,
             ScriptName::Release => &mut scripts.release,
@@ -156,6 +168,32 @@ impl RedisStore {
         *slot = Script::new(lua);
         self.scripts = Arc::new(scripts);
         self
+    }
+
+    /// Plants `plant` in the claim, for a negative control.
+    #[cfg(feature = "test-util")]
+    pub fn with_claim_plant(mut self, plant: ClaimPlant) -> RedisStore {
+        self.claim_plant = Some(plant);
+        self
+    }
+
+    /// Loads the scripts into Redis (every primary, on a cluster), so that the first
+    /// write on a connection does not pay `NOSCRIPT`, a load and a second try. Redis
+    /// forgets them on a restart or `SCRIPT FLUSH`; the writes load them again then.
+    pub(crate) async fn preload(&self) {
+        for script in [
+            &self.scripts.complete,
+            &self.scripts.mark_unknown,
+            &self.scripts.release,
+            &self.scripts.forget,
+        ] {
+            let mut connection = self.connection.clone();
+            let loaded = tokio::time::timeout(self.timeout, script.prepare_invoke().load_async(&mut connection)).await;
+            if !matches!(loaded, Ok(Ok(_))) {
+                tracing::debug!("cannot load the scripts yet; the first writes will");
+                return;
+            }
+        }
     }
 
     /// Runs `op` until it answers, trying again after the failures `retry` names while
@@ -196,56 +234,99 @@ impl RedisStore {
         Ok(if applied == 1 { Write::Applied } else { Write::Fenced })
     }
 
-    /// The claim and a `WAIT` for `durability.acks` replicas, in one pipeline on one
-    /// connection: `WAIT` counts the writes of the connection it runs on, so on a
-    /// connection made after the claim's it would count nothing and answer at once.
-    async fn claim_durably(
+    /// The claim: `SET key value NX PX retention GET` and `PTTL key` in one pipeline
+    /// (one round trip), and with `durability` a `WAIT` for its replicas on the same
+    /// connection (`WAIT` counts the writes of the connection it runs on). Tried again
+    /// after a lost connection: a claim that did land is found with its own token.
+    async fn native_claim(
         &self,
         claim: &ClaimRequest,
-        durability: Durability,
-    ) -> Result<(Vec<Bytes>, u32), StoreError> {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha
-            .arg(self.scripts.claim.get_hash())
-            .arg(1)
-            .arg(claim.key.as_str());
-        for arg in claim_args(claim) {
-            evalsha.arg(arg);
-        }
+        durability: Option<Durability>,
+    ) -> Result<(Option<Bytes>, i64, u32), StoreError> {
+        let retention = claim.retention;
+        #[cfg(feature = "test-util")]
+        let retention = match self.claim_plant {
+            Some(ClaimPlant::ExpiresWithTheLease) => claim.lease,
+            _ => retention,
+        };
+        let rest = claim.retention.saturating_sub(claim.lease);
+        let value = layout::in_flight(claim.fingerprint, claim.owner, rest);
         let mut pipeline = redis::pipe();
         pipeline
-            .add_command(evalsha)
-            .cmd("WAIT")
-            .arg(durability.acks)
-            .arg(u64::try_from(durability.timeout.as_millis()).unwrap_or(u64::MAX));
-        let budget = self.timeout + durability.timeout;
-        let (reply, acks): (Vec<Bytes>, i64) = self
+            .cmd("SET")
+            .arg(claim.key.as_str())
+            .arg(value)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(retention))
+            .arg("GET")
+            .cmd("PTTL")
+            .arg(claim.key.as_str());
+        let mut budget = self.timeout;
+        if let Some(durability) = durability {
+            pipeline
+                .cmd("WAIT")
+                .arg(durability.acks)
+                .arg(millis(durability.timeout));
+            budget += durability.timeout;
+        }
+        let reply: Vec<redis::Value> = self
             .attempt(Retry::Transient, budget, |mut connection| {
-                let (pipeline, script) = (&pipeline, &self.scripts.claim);
+                let pipeline = &pipeline;
+                async move { pipeline.query_async(&mut connection).await }
+            })
+            .await?;
+        let bad = || StoreError::Protocol("a claim reply of the wrong shape");
+        let mut reply = reply.into_iter();
+        let found = match reply.next().ok_or_else(bad)? {
+            redis::Value::Nil => None,
+            redis::Value::BulkString(value) => Some(Bytes::from(value)),
+            _ => return Err(bad()),
+        };
+        let pttl = match reply.next().ok_or_else(bad)? {
+            redis::Value::Int(pttl) => pttl,
+            _ => return Err(bad()),
+        };
+        let acks = match reply.next() {
+            None => 0,
+            Some(redis::Value::Int(acks)) => u32::try_from(acks).unwrap_or(0),
+            Some(_) => return Err(bad()),
+        };
+        Ok((found, pttl, acks))
+    }
+
+    /// The planted bug: a record whose lease ran out is overwritten by this claim.
+    #[cfg(feature = "test-util")]
+    async fn take_over(&self, claim: &ClaimRequest, outcome: ClaimOutcome) -> Result<ClaimOutcome, StoreError> {
+        if self.claim_plant != Some(ClaimPlant::TakesOverExpiredLeases)
+            || !matches!(
+                outcome,
+                ClaimOutcome::Existing(super::Existing {
+                    state: super::RecordState::LeaseExpired,
+                    ..
+                })
+            )
+        {
+            return Ok(outcome);
+        }
+        let rest = claim.retention.saturating_sub(claim.lease);
+        let value = layout::in_flight(claim.fingerprint, claim.owner, rest);
+        let _: () = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| {
+                let value = value.clone();
                 async move {
-                    match pipeline.query_async(&mut connection).await {
-                        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                            script.load_async(&mut connection).await?;
-                            pipeline.query_async(&mut connection).await
-                        }
-                        result => result,
-                    }
+                    redis::cmd("SET")
+                        .arg(claim.key.as_str())
+                        .arg(value)
+                        .arg("PX")
+                        .arg(millis(claim.retention))
+                        .query_async(&mut connection)
+                        .await
                 }
             })
             .await?;
-        Ok((reply, u32::try_from(acks).unwrap_or(0)))
+        Ok(ClaimOutcome::Acquired(()))
     }
-}
-
-/// The claim script's arguments after its key.
-fn claim_args(claim: &ClaimRequest) -> [String; 5] {
-    [
-        claim.owner.to_hex(),
-        claim.fingerprint.to_hex(),
-        millis(claim.retention).to_string(),
-        millis(claim.lease).to_string(),
-        FORMAT_VERSION.to_string(),
-    ]
 }
 
 /// Whether the store said it did not run the command, and a moment later may.
@@ -278,24 +359,16 @@ fn is_refused(error: &RedisError) -> bool {
 
 impl RecordStore for RedisStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let Some(durability) = self.durability else {
-            let mut invocation = self.scripts.claim.key(claim.key.as_str());
-            for arg in claim_args(claim) {
-                invocation.arg(arg);
-            }
-            let reply: Vec<Bytes> = self
-                .attempt(Retry::Transient, self.timeout, |mut connection| {
-                    let invocation = &invocation;
-                    async move { invocation.invoke_async(&mut connection).await }
-                })
-                .await?;
-            return parse_claim_reply(reply);
-        };
-        let (reply, acks) = self.claim_durably(claim, durability).await?;
-        let outcome = parse_claim_reply(reply)?;
+        let (found, pttl, acks) = self.native_claim(claim, self.durability).await?;
+        let outcome = layout::claim_outcome(found, pttl, claim.owner)?;
+        #[cfg(feature = "test-util")]
+        let outcome = self.take_over(claim, outcome).await?;
         // Only a claim this request wrote needs its replicas; another's record was
         // acknowledged (or not) when it was written.
-        if outcome == ClaimOutcome::Acquired(()) && acks < durability.acks {
+        if let Some(durability) = self.durability
+            && outcome == ClaimOutcome::Acquired(())
+            && acks < durability.acks
+        {
             return Err(StoreError::NotReplicated {
                 acks,
                 wanted: durability.acks,
@@ -313,9 +386,7 @@ impl RecordStore for RedisStore {
         let mut invocation = self.scripts.complete.key(key.as_str());
         invocation
             .arg(owner.to_hex())
-            .arg(response.status.as_u16())
-            .arg(response.encode_headers())
-            .arg(response.body.as_ref())
+            .arg(layout::completed_tail(response))
             .arg(self.publish);
         self.fenced_write(invocation).await
     }
@@ -357,14 +428,18 @@ impl RecordStore for RedisStore {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        let invocation = self.scripts.inspect.key(key.as_str());
-        let reply: Vec<Bytes> = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut connection).await }
+        let (found, pttl): (Option<Vec<u8>>, i64) = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| async move {
+                redis::pipe()
+                    .cmd("GET")
+                    .arg(key.as_str())
+                    .cmd("PTTL")
+                    .arg(key.as_str())
+                    .query_async(&mut connection)
+                    .await
             })
             .await?;
-        parse_inspect_reply(&reply)
+        layout::summary(found.map(Bytes::from), pttl)
     }
 
     async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
@@ -394,144 +469,6 @@ impl RecordStore for RedisStore {
     }
 }
 
-/// The reply of `inspect.lua`: empty when there is no record, else eight fields.
-fn parse_inspect_reply(reply: &[Bytes]) -> Result<Option<RecordSummary>, StoreError> {
-    let [state, _version, fingerprint, lease, status, reason, ttl, body] = reply else {
-        return if reply.is_empty() {
-            Ok(None)
-        } else {
-            Err(StoreError::Protocol("inspect reply of the wrong length"))
-        };
-    };
-    let number = |field: &Bytes| -> Result<i64, StoreError> {
-        std::str::from_utf8(field)
-            .ok()
-            .and_then(|text| text.parse().ok())
-            .ok_or(StoreError::Protocol("inspect reply with a malformed number"))
-    };
-    let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
-    let fingerprint =
-        Fingerprint::from_hex(fingerprint).ok_or(StoreError::Protocol("record with a malformed fingerprint"))?;
-    let state = match state.as_ref() {
-        b"in_flight" => match number(lease)? {
-            remaining if remaining > 0 => SummaryState::InFlight {
-                lease_remaining: millis(remaining),
-            },
-            _ => SummaryState::LeaseExpired,
-        },
-        b"completed" => SummaryState::Completed {
-            status: u16::try_from(number(status)?)
-                .map_err(|_| StoreError::Protocol("record with a malformed status"))?,
-            response_bytes: u64::try_from(number(body)?).unwrap_or(0),
-        },
-        b"unknown" => SummaryState::Unknown(
-            UnknownReason::parse(reason).ok_or(StoreError::Protocol("record with an unknown reason"))?,
-        ),
-        _ => return Err(StoreError::Protocol("record in an unknown state")),
-    };
-    Ok(Some(RecordSummary {
-        fingerprint,
-        ttl: millis(number(ttl)?),
-        state,
-    }))
-}
-
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// Decodes the reply shapes documented in `scripts/claim.lua`.
-fn parse_claim_reply(reply: Vec<Bytes>) -> Result<ClaimOutcome, StoreError> {
-    let mut fields = reply.into_iter();
-    let kind = fields.next().ok_or(StoreError::Protocol("an empty claim reply"))?;
-    if kind.as_ref() == b"acquired" {
-        return Ok(ClaimOutcome::Acquired(()));
-    }
-    let version = fields
-        .next()
-        .ok_or(StoreError::Protocol("a claim reply without a version"))?;
-    if version.as_ref() != FORMAT_VERSION.as_bytes() {
-        return Err(StoreError::Protocol(
-            "a record in a format this idemproxy does not understand",
-        ));
-    }
-    let fingerprint = fields
-        .next()
-        .and_then(|fingerprint| Fingerprint::from_hex(&fingerprint))
-        .ok_or(StoreError::Protocol("a record with a malformed fingerprint"))?;
-    let rest: Vec<Bytes> = fields.collect();
-    let state = match (kind.as_ref(), rest.as_slice()) {
-        (b"in_flight", [remaining]) => std::str::from_utf8(remaining)
-            .ok()
-            .and_then(|remaining| remaining.parse().ok())
-            .map(|remaining| RecordState::InFlight {
-                lease_remaining: Duration::from_millis(remaining),
-            }),
-        (b"lease_expired", []) => Some(RecordState::LeaseExpired),
-        (b"completed", [status, headers, body]) => {
-            StoredResponse::decode(status, headers, body.clone()).map(RecordState::Completed)
-        }
-        (b"unknown", [reason]) => UnknownReason::parse(reason).map(RecordState::Unknown),
-        _ => None,
-    };
-    let state = state.ok_or(StoreError::Protocol("a record that does not decode"))?;
-    Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn reply(fields: &[&str]) -> Vec<Bytes> {
-        fields
-            .iter()
-            .map(|field| Bytes::copy_from_slice(field.as_bytes()))
-            .collect()
-    }
-
-    #[test]
-    fn claim_replies_decode() {
-        let fp = Fingerprint([7; 32]).to_hex();
-        assert_eq!(
-            parse_claim_reply(reply(&["acquired"])).ok(),
-            Some(ClaimOutcome::Acquired(()))
-        );
-        assert_eq!(
-            parse_claim_reply(reply(&["in_flight", "1", &fp, "1500"])).ok(),
-            Some(ClaimOutcome::Existing(Existing {
-                fingerprint: Fingerprint([7; 32]),
-                state: RecordState::InFlight {
-                    lease_remaining: Duration::from_millis(1500)
-                }
-            }))
-        );
-        assert_eq!(
-            parse_claim_reply(reply(&["unknown", "1", &fp, "upstream-timeout"])).ok(),
-            Some(ClaimOutcome::Existing(Existing {
-                fingerprint: Fingerprint([7; 32]),
-                state: RecordState::Unknown(UnknownReason::UpstreamTimeout),
-            }))
-        );
-    }
-
-    #[test]
-    fn malformed_or_foreign_replies_are_store_errors() {
-        let fp = Fingerprint([7; 32]).to_hex();
-        for bad in [
-            reply(&[]),
-            reply(&["in_flight", "1", &fp]),
-            reply(&["bogus", "1", &fp]),
-            reply(&["in_flight", "2", &fp, "1500"]),
-            reply(&["in_flight", "", &fp, "1500"]),
-            reply(&["completed", "1", &fp, "1000", "", ""]),
-            reply(&["completed", "1", &fp, "abc", "", ""]),
-            reply(&["unknown", "1", &fp, "because"]),
-            reply(&["lease_expired", "1", "not-hex"]),
-        ] {
-            assert!(
-                matches!(parse_claim_reply(bad.clone()), Err(StoreError::Protocol(_))),
-                "{bad:?}"
-            );
-        }
-    }
 }

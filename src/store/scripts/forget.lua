@@ -1,7 +1,7 @@
 -- forget: an operator who checked that a request whose outcome is unknown did not
 -- take effect frees its key, so the next retry runs.
 --
--- KEYS[1]  the record's store key
+-- KEYS[1]  the record's store key (a string: see store/redis/layout.rs)
 -- ARGV[1]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
 --          channel, its key and ':w', is in the record's slot)
 --
@@ -11,15 +11,13 @@
 -- Invariant: compare-and-set from "unknown": a record marked unknown, or in flight
 -- with its lease run out (which reads as unknown). A completed record, or one whose
 -- owner may still be writing, is never removed here.
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-
-local record = redis.call('HMGET', KEYS[1], 'state', 'lease')
-if not record[1] then
+local record = redis.call('GET', KEYS[1])
+if not record then
   return -1
 end
 
-if record[1] == 'unknown' or (record[1] == 'in_flight' and tonumber(record[2]) <= now) then
+local tag = string.sub(record, 1, 2)
+if tag == '2U' or (tag == '2F' and redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99))) then
   redis.call('DEL', KEYS[1])
   redis.call(ARGV[1], KEYS[1] .. ':w', 'released')
   return 1

@@ -1,0 +1,261 @@
+//! How a record is laid out in Redis: one string, so that a claim is one native
+//! `SET key value NX PX retention GET` (with `PTTL` in the same pipeline) instead of a
+//! script. The scripts that must compare and set (complete, mark unknown, release,
+//! forget) read the same layout with `string.sub`.
+//!
+//! ```text
+//! 2F<fingerprint: 64 hex><owner: 32 hex><rest: decimal ms>   in flight
+//! 2C<fingerprint: 64 hex><status: 3 digits><headers length: decimal>:<headers><body>
+//! 2U<fingerprint: 64 hex><reason>                             unknown
+//! ```
+//!
+//! `2` is the format version. The expiry is set once, at the claim, to the retention,
+//! and never moved; the lease is not stored as a time but read off the store's own
+//! clock: `rest` is the retention minus the lease, so the lease has run out once the
+//! record's remaining TTL is at most `rest`.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::error::StoreError;
+use crate::store::{
+    ClaimOutcome, Existing, Fingerprint, OwnerToken, RecordState, RecordSummary, StoredResponse, SummaryState,
+    UnknownReason,
+};
+
+const VERSION: u8 = b'2';
+const FINGERPRINT: std::ops::Range<usize> = 2..66;
+const OWNER: std::ops::Range<usize> = 66..98;
+
+/// The value a claim writes: in flight for `owner`, its lease ending when `rest`
+/// of the retention is left.
+pub(super) fn in_flight(fingerprint: Fingerprint, owner: OwnerToken, rest: Duration) -> Vec<u8> {
+    let mut value = Vec::with_capacity(OWNER.end + 12);
+    value.extend_from_slice(&[VERSION, b'F']);
+    value.extend_from_slice(fingerprint.to_hex().as_bytes());
+    value.extend_from_slice(owner.to_hex().as_bytes());
+    value.extend_from_slice(super::millis(rest).to_string().as_bytes());
+    value
+}
+
+/// What `complete.lua` appends after the tag and the fingerprint it keeps.
+pub(super) fn completed_tail(response: &StoredResponse) -> Vec<u8> {
+    let headers = response.encode_headers();
+    let length = headers.len().to_string();
+    let mut tail = Vec::with_capacity(3 + length.len() + 1 + headers.len() + response.body.len());
+    tail.extend_from_slice(format!("{:03}", response.status.as_u16()).as_bytes());
+    tail.extend_from_slice(length.as_bytes());
+    tail.push(b':');
+    tail.extend_from_slice(&headers);
+    tail.extend_from_slice(&response.body);
+    tail
+}
+
+/// A record as read, with the remaining TTL Redis gave beside it.
+struct Decoded {
+    fingerprint: Fingerprint,
+    state: Read,
+}
+
+enum Read {
+    InFlight { owner: Vec<u8>, lease_remaining_ms: i64 },
+    Completed(StoredResponse),
+    Unknown(UnknownReason),
+}
+
+fn decode(value: Bytes, pttl: i64) -> Result<Decoded, StoreError> {
+    let bad = |what| StoreError::Protocol(what);
+    if value.first() != Some(&VERSION) {
+        return Err(bad("a record in a format this idemproxy does not understand"));
+    }
+    let fingerprint = value
+        .get(FINGERPRINT)
+        .and_then(Fingerprint::from_hex)
+        .ok_or(bad("a record with a malformed fingerprint"))?;
+    let state = match value.get(1) {
+        Some(b'F') => {
+            let owner = value
+                .get(OWNER)
+                .ok_or(bad("an in-flight record without an owner"))?
+                .to_vec();
+            let rest: i64 = value
+                .get(OWNER.end..)
+                .and_then(|rest| std::str::from_utf8(rest).ok())
+                .and_then(|rest| rest.parse().ok())
+                .ok_or(bad("an in-flight record without its lease"))?;
+            Read::InFlight {
+                owner,
+                lease_remaining_ms: pttl.max(0) - rest,
+            }
+        }
+        Some(b'C') => {
+            let tail = value.slice(FINGERPRINT.end..);
+            let status = tail.get(..3).ok_or(bad("a completed record without a status"))?;
+            let colon = tail
+                .iter()
+                .position(|byte| *byte == b':')
+                .ok_or(bad("a completed record without its headers' length"))?;
+            let length: usize = tail
+                .get(3..colon)
+                .and_then(|length| std::str::from_utf8(length).ok())
+                .and_then(|length| length.parse().ok())
+                .ok_or(bad("a completed record with a malformed headers' length"))?;
+            let headers_end = colon + 1 + length;
+            let headers = tail
+                .get(colon + 1..headers_end)
+                .ok_or(bad("a completed record cut short"))?;
+            let response = StoredResponse::decode(status, headers, tail.slice(headers_end..))
+                .ok_or(bad("a completed record that does not decode"))?;
+            Read::Completed(response)
+        }
+        Some(b'U') => Read::Unknown(
+            value
+                .get(FINGERPRINT.end..)
+                .and_then(UnknownReason::parse)
+                .ok_or(bad("an unknown record with an unknown reason"))?,
+        ),
+        _ => return Err(bad("a record in an unknown state")),
+    };
+    Ok(Decoded { fingerprint, state })
+}
+
+/// What a claim by `owner` found: `None` when its `SET … NX` wrote the record.
+pub(super) fn claim_outcome(found: Option<Bytes>, pttl: i64, owner: OwnerToken) -> Result<ClaimOutcome, StoreError> {
+    let Some(value) = found else {
+        return Ok(ClaimOutcome::Acquired(()));
+    };
+    let Decoded { fingerprint, state } = decode(value, pttl)?;
+    let state = match state {
+        Read::InFlight { lease_remaining_ms, .. } if lease_remaining_ms <= 0 => RecordState::LeaseExpired,
+        // Its own claim, retried after a lost reply: the claim is still the caller's.
+        Read::InFlight { owner: held, .. } if held == owner.to_hex().as_bytes() => {
+            return Ok(ClaimOutcome::Acquired(()));
+        }
+        Read::InFlight { lease_remaining_ms, .. } => RecordState::InFlight {
+            lease_remaining: Duration::from_millis(u64::try_from(lease_remaining_ms).unwrap_or(0)),
+        },
+        Read::Completed(response) => RecordState::Completed(response),
+        Read::Unknown(reason) => RecordState::Unknown(reason),
+    };
+    Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
+}
+
+/// What an operator sees of the record `GET` found, with its `PTTL`.
+pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSummary>, StoreError> {
+    let Some(value) = found else {
+        return Ok(None);
+    };
+    let Decoded { fingerprint, state } = decode(value, pttl)?;
+    let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
+    let state = match state {
+        Read::InFlight { lease_remaining_ms, .. } if lease_remaining_ms <= 0 => SummaryState::LeaseExpired,
+        Read::InFlight { lease_remaining_ms, .. } => SummaryState::InFlight {
+            lease_remaining: millis(lease_remaining_ms),
+        },
+        Read::Completed(response) => SummaryState::Completed {
+            status: response.status.as_u16(),
+            response_bytes: response.body.len() as u64,
+        },
+        Read::Unknown(reason) => SummaryState::Unknown(reason),
+    };
+    Ok(Some(RecordSummary {
+        fingerprint,
+        ttl: millis(pttl),
+        state,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderName, HeaderValue, StatusCode};
+
+    use super::*;
+
+    const OWNER_TOKEN: OwnerToken = OwnerToken([9; 16]);
+
+    #[test]
+    fn each_state_round_trips() {
+        let fingerprint = Fingerprint([7; 32]);
+        let value = Bytes::from(in_flight(fingerprint, OWNER_TOKEN, Duration::from_millis(3_000)));
+        assert_eq!(value.len(), 98 + 4);
+        let found = |value: &Bytes, pttl| claim_outcome(Some(value.clone()), pttl, OwnerToken([1; 16]));
+        assert_eq!(
+            found(&value, 4_500).ok(),
+            Some(ClaimOutcome::Existing(Existing {
+                fingerprint,
+                state: RecordState::InFlight {
+                    lease_remaining: Duration::from_millis(1_500)
+                }
+            }))
+        );
+        assert!(matches!(
+            found(&value, 3_000),
+            Ok(ClaimOutcome::Existing(Existing {
+                state: RecordState::LeaseExpired,
+                ..
+            }))
+        ));
+        assert_eq!(
+            claim_outcome(Some(value.clone()), 4_500, OWNER_TOKEN).ok(),
+            Some(ClaimOutcome::Acquired(()))
+        );
+        assert_eq!(
+            claim_outcome(None, -2, OWNER_TOKEN).ok(),
+            Some(ClaimOutcome::Acquired(()))
+        );
+
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![(HeaderName::from_static("x-a"), HeaderValue::from_static("b:c"))],
+            body: Bytes::from_static(b"body with : colons"),
+        };
+        let mut completed = value.get(..66).expect("prefix").to_vec();
+        completed[1] = b'C';
+        completed.extend_from_slice(&completed_tail(&response));
+        assert_eq!(
+            found(&Bytes::from(completed), 10).ok(),
+            Some(ClaimOutcome::Existing(Existing {
+                fingerprint,
+                state: RecordState::Completed(response)
+            }))
+        );
+        let mut unknown = value.get(..66).expect("prefix").to_vec();
+        unknown[1] = b'U';
+        unknown.extend_from_slice(b"upstream-timeout");
+        assert!(matches!(
+            found(&Bytes::from(unknown), 10),
+            Ok(ClaimOutcome::Existing(Existing {
+                state: RecordState::Unknown(UnknownReason::UpstreamTimeout),
+                ..
+            }))
+        ));
+    }
+
+    #[test]
+    fn malformed_or_foreign_records_are_store_errors() {
+        let good = in_flight(Fingerprint([7; 32]), OWNER_TOKEN, Duration::from_millis(5));
+        let with = |at: usize, byte: u8| {
+            let mut value = good.clone();
+            value[at] = byte;
+            Bytes::from(value)
+        };
+        for bad in [
+            Bytes::new(),
+            with(0, b'1'),
+            with(1, b'X'),
+            with(10, b'z'),
+            Bytes::copy_from_slice(good.get(..98).expect("prefix")),
+            Bytes::from_static(b"2C"),
+            Bytes::from([&good[..2], &[b'0'; 64], b"2011"].concat()),
+        ] {
+            assert!(
+                matches!(
+                    claim_outcome(Some(bad.clone()), 10, OWNER_TOKEN),
+                    Err(StoreError::Protocol(_))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+}
