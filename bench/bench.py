@@ -8,11 +8,13 @@ thread as the load. Cases run in alternating rounds (a b c d e f, a b c d e f, .
 and each figure is the median over the rounds. Ratios are to the nginx proxy (b) at
 the same connection count, from the same run.
 
-Besides requests/s and latency, each case reports the Redis process's CPU time (user +
-system from INFO cpu, network I/O included) divided by the requests of the run: what
-one request costs the store. Cases (i) to (l) answer with 1 KiB and 64 KiB bodies;
-(m) and (n) are HTTP/2 (h2c, prior knowledge) through h2load, against nginx with
-`http2` on and idemproxy, in front of the same upstream.
+Besides requests/s and latency, each case reports, per request: Redis round trips
+(read events Redis processed, INFO stats), Redis commands (INFO commandstats, those
+scripts run included), and the Redis process's CPU time (user + system from INFO cpu,
+network I/O included): what one request costs the store. Cases (i) to (p) answer with
+1 KiB and 64 KiB bodies, each compared with nginx serving the same body; (m) and (n)
+are HTTP/2 (h2c, prior knowledge) through h2load with 10 streams per connection,
+against nginx with `http2` on, in front of the same upstream.
 
 Run it through bench/run.sh, which builds the release binary and installs what is
 missing. Options: --duration SECONDS per case and round (default 5), --rounds N
@@ -163,11 +165,6 @@ def start_nginx(workdir, name, server_block, workers):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-# Commands that only idemproxy's Lua scripts run inside Redis: they cost no round trip,
-# and commandstats counts them besides the EVALSHA that ran them.
-INSIDE_SCRIPTS = {"time", "hmget", "hset", "hdel", "pexpireat", "del", "exists"}
-
-
 # Commands the cluster client sends to keep its own slot map, and replicas' replication
 # traffic: not round trips of the request path.
 CLUSTER_HOUSEKEEPING = {"cluster|slots", "cluster|shards", "cluster|nodes", "cluster|info", "ping",
@@ -175,18 +172,32 @@ CLUSTER_HOUSEKEEPING = {"cluster|slots", "cluster|shards", "cluster|nodes", "clu
 
 
 def commandstats(*redis_ports):
-    """Calls of every command a client sent to these Redis servers (INFO, script
-    internals and cluster housekeeping aside)."""
+    """Calls of every command these Redis servers ran, those the scripts run inside
+    included (INFO and cluster housekeeping aside): Redis's own count of its work."""
     total = 0
     for redis_port in redis_ports:
         out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "commandstats"],
                              capture_output=True, text=True, check=True).stdout
         for line in out.splitlines():
             name = line.split(":", 1)[0].removeprefix("cmdstat_")
-            if (line.startswith("cmdstat_") and name != "info" and name not in INSIDE_SCRIPTS
+            if (line.startswith("cmdstat_") and name != "info"
                     and name not in CLUSTER_HOUSEKEEPING):
                 fields = dict(kv.split("=") for kv in line.split(":", 1)[1].split(","))
                 total += int(fields["calls"])
+    return total
+
+
+def redis_reads(*redis_ports):
+    """Read events Redis processed (INFO stats total_reads_processed): one per batch
+    of commands a client sent at once, so about one per round trip, however many
+    commands a pipeline holds and whatever the scripts run inside."""
+    total = 0
+    for redis_port in redis_ports:
+        out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "stats"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("total_reads_processed:"):
+                total += int(line.split(":", 1)[1])
     return total
 
 
@@ -220,8 +231,10 @@ def run_h2load(port, path, connections, duration):
             status_2xx = int(line.split()[2])
     if rps is None:
         sys.exit(f"bench: h2load printed no result:\n{out.stdout}\n{out.stderr}")
-    return {"requests": requests, "rps": rps, "p50_ms": float("nan"), "p99_ms": float("nan"),
-            "non2xx": requests - status_2xx, "socket_errors": requests - succeeded}
+    # h2load counts requests still in flight at the deadline in "total" but not in the
+    # status codes: only the failed ones count.
+    return {"requests": succeeded, "rps": rps, "p50_ms": float("nan"), "p99_ms": float("nan"),
+            "non2xx": max(0, succeeded - status_2xx), "socket_errors": 0}
 
 
 def start_cluster(workdir, children):
@@ -323,6 +336,8 @@ def main():
             ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", workdir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        # nginx's workers run as an unprivileged user: they must be able to read them.
+        os.chmod(workdir, 0o755)
         bodies = os.path.join(workdir, "bodies")
         os.makedirs(os.path.join(bodies, "v1", "payments"))
         for name, size in (("1k", 1024), ("64k", 64 * 1024)):
@@ -423,6 +438,7 @@ def main():
                     sampler = RssSampler(proxies.get(target, proxies["idemproxy"]).pid)
                     counted = redis_ports.get(target, redis_ports["idemproxy"])
                     before, cpu_before = commandstats(*counted), redis_cpu_seconds(*counted)
+                    reads_before = redis_reads(*counted)
                     if script == "h2":
                         run = run_h2load(ports[target], path, connections, args.duration)
                     else:
@@ -430,6 +446,8 @@ def main():
                                       args.duration)
                     run["commands"] = commandstats(*counted) - before
                     run["redis_cpu"] = redis_cpu_seconds(*counted) - cpu_before
+                    # The INFO calls themselves are three reads.
+                    run["reads"] = redis_reads(*counted) - reads_before - 3 * len(counted)
                     run["rss_mib"] = sampler.stop() / 1024
                     results.setdefault((case, connections), []).append(run)
                     print(f"round {round_number + 1} c={connections} ({case}) {run['rps']:.0f} req/s",
@@ -457,8 +475,8 @@ def print_table(results, connection_counts, args, cases):
           f"median of {args.rounds} alternating rounds")
     print()
     print("| case | conns | req/s | p50 ms | p99 ms | req/s vs nginx | p99 vs nginx | non-2xx | "
-          "Redis cmds/req | Redis CPU µs/req | idemproxy peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "Redis round trips/req | Redis cmds/req | Redis CPU µs/req | idemproxy peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for connections in connection_counts:
         for case, label, target, _, _ in cases:
             baseline = results[(BASELINE.get(case, "b"), connections)]
@@ -469,12 +487,13 @@ def print_table(results, connection_counts, args, cases):
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
             if target in ("idemproxy", "cluster"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
+                trips = f"{max(0, sum(run['reads'] for run in runs)) / requests:.3f}"
                 cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
                 rss = f"{max(run['rss_mib'] for run in runs):.1f}"
             else:
-                commands, cpu, rss = "-", "-", "-"
+                trips, commands, cpu, rss = "-", "-", "-", "-"
             print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {median(runs, 'p50_ms'):.2f} | "
-                  f"{p99:.2f} | {rps / base_rps:.2f}x | {p99 / base_p99:.2f}x | {non2xx} | {commands} | "
+                  f"{p99:.2f} | {rps / base_rps:.2f}x | {p99 / base_p99:.2f}x | {non2xx} | {trips} | {commands} | "
                   f"{cpu} | {rss} |")
     rounds = {connections: [max(run["rss_mib"] for run in results[(case, connections)])
                             for case, _, target, _, _ in CASES if target == "idemproxy"]
