@@ -8,8 +8,9 @@ thread as the load. Cases run in alternating rounds (a b c d e f, a b c d e f, .
 and each figure is the median over the rounds. Ratios are to the nginx proxy (b) at
 the same connection count, from the same run.
 
-Besides requests/s and latency, each case reports, per request: Redis round trips
-(read events Redis processed, INFO stats), Redis commands (INFO commandstats, those
+Besides requests/s and latency, each case reports, per request: Redis read events
+(INFO stats total_reads_processed: below one per round trip when the proxy's
+multiplexed connections send several requests' commands in one write), Redis commands (INFO commandstats, those
 scripts run included), and the Redis process's CPU time (user + system from INFO cpu,
 network I/O included): what one request costs the store. Cases (i) to (p) answer with
 1 KiB and 64 KiB bodies, each compared with nginx serving the same body; (m) and (n)
@@ -189,8 +190,8 @@ def commandstats(*redis_ports):
 
 def redis_reads(*redis_ports):
     """Read events Redis processed (INFO stats total_reads_processed): one per batch
-    of commands a client sent at once, so about one per round trip, however many
-    commands a pipeline holds and whatever the scripts run inside."""
+    of commands that arrived at once on a connection, however many requests' commands
+    it holds and whatever the scripts run inside."""
     total = 0
     for redis_port in redis_ports:
         out = subprocess.run(["redis-cli", "-p", str(redis_port), "INFO", "stats"],
@@ -475,7 +476,7 @@ def print_table(results, connection_counts, args, cases):
           f"median of {args.rounds} alternating rounds")
     print()
     print("| case | conns | req/s | p50 ms | p99 ms | req/s vs nginx | p99 vs nginx | non-2xx | "
-          "Redis round trips/req | Redis cmds/req | Redis CPU µs/req | idemproxy peak RSS MiB |")
+          "Redis reads/req | Redis cmds/req | Redis CPU µs/req | idemproxy peak RSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for connections in connection_counts:
         for case, label, target, _, _ in cases:
