@@ -99,7 +99,7 @@ impl StoreError {
 pub(crate) enum UpstreamError {
     /// Nothing was sent: the connection could not be made.
     #[error("cannot connect to the upstream")]
-    Unavailable(#[source] hyper_util::client::legacy::Error),
+    Unavailable(#[source] BoxError),
     /// The request may have been sent, and no full response came within the timeout.
     #[error("the upstream did not answer within {0:?}")]
     Timeout(Duration),

@@ -1,44 +1,44 @@
-//! The upstream side: one pooled keep-alive client (HTTPS through rustls with ring and
-//! webpki roots), where a route sends its requests, the header rules for both
-//! directions, and the bounded exchange. It never decides what to record: it reports
+//! The upstream side: each worker's pool of keep-alive HTTP/1.1 connections (`pool`;
+//! HTTPS through rustls with ring and the webpki roots, or a route's own CAs), where a
+//! route sends its requests, the header rules for both directions, and the bounded
+//! exchange. It never decides what to record: it reports
 //! what happened, and who was at fault.
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
 use http::{Request, Response, Version};
 use hyper::body::Incoming;
-use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 
 use crate::body::{ClientInfo, ProxyBody};
 use crate::error::UpstreamError;
 
-pub(crate) type HttpClient = Client<HttpsConnector<HttpConnector>, ProxyBody>;
+mod pool;
+
+pub(crate) use self::pool::HttpClient;
+use self::pool::SendError;
 
 /// Builds an upstream client: HTTPS verified against the webpki roots, or with `tls`
 /// (a route's extra roots) when given. Each worker has its own.
 pub(crate) fn client(tls: Option<Arc<rustls::ClientConfig>>) -> Result<HttpClient, rustls::Error> {
-    let mut http = HttpConnector::new();
-    http.enforce_http(false);
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(Duration::from_secs(5)));
-    let https = match tls {
-        None => hyper_rustls::HttpsConnectorBuilder::new()
-            .with_provider_and_webpki_roots(rustls::crypto::ring::default_provider())?,
-        Some(tls) => hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(rustls::ClientConfig::clone(&tls)),
+    let mut config = match tls {
+        Some(tls) => rustls::ClientConfig::clone(&tls),
+        None => {
+            let roots = rustls::RootCertStore {
+                roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+            };
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()?
+                .with_root_certificates(roots)
+                .with_no_client_auth()
+        }
     };
-    let https = https.https_or_http().enable_http1().wrap_connector(http);
-    Ok(Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .pool_max_idle_per_host(1024)
-        .build(https))
+    // The pool speaks HTTP/1.1 to upstreams.
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(HttpClient::new(Arc::new(config)))
 }
 
 // === header rules ===
@@ -194,8 +194,8 @@ pub(crate) async fn send(
     let timeout = deadline.saturating_duration_since(Instant::now());
     match tokio::time::timeout_at(deadline, client.request(request)).await {
         Err(_) => Err(UpstreamError::Timeout(timeout)),
-        Ok(Err(error)) if error.is_connect() => Err(UpstreamError::Unavailable(error)),
-        Ok(Err(error)) => Err(UpstreamError::Failed(error.into())),
+        Ok(Err(SendError::Connect(error))) => Err(UpstreamError::Unavailable(error)),
+        Ok(Err(SendError::Failed(error))) => Err(UpstreamError::Failed(error)),
         Ok(Ok(response)) => Ok(response),
     }
 }

@@ -932,3 +932,29 @@ async fn a_json_fingerprint_replays_the_same_value_spelled_differently_and_refus
     assert_eq!(post("amount=1299").await.status, 422);
     assert_eq!(upstream.executions("json-1"), 1);
 }
+
+/// An upstream that closes each connection after its answer: the pool must not send
+/// the next request on a connection that is closing, or must send it again on a new
+/// one when none of it was written. Every request runs exactly once.
+#[tokio::test]
+async fn an_upstream_that_closes_every_connection_still_gets_each_request_once() {
+    let upstream = Upstream::start().await;
+    let proxy = memory_proxy(&upstream).await;
+    let close = ("x-test-response-header", "connection: close");
+    for index in 0..50 {
+        let key = format!("close-{index}");
+        let guarded = send(
+            proxy.addr(),
+            "POST",
+            "/v1/payments",
+            &[("idempotency-key", &key), close],
+            "{}",
+        )
+        .await;
+        assert_eq!(guarded.status, 201, "{guarded:?}");
+        let read = send(proxy.addr(), "GET", "/v1/reads/item", &[close], "").await;
+        assert_eq!(read.status, 201, "{read:?}");
+        assert_eq!(upstream.executions(&key), 1);
+    }
+    assert_eq!(upstream.total(), 100);
+}
