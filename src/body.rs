@@ -13,7 +13,7 @@ use http::Request;
 use http::header::{self, HeaderMap, HeaderValue};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
@@ -62,32 +62,30 @@ pub(crate) async fn read_request_body(
     max: u64,
     timeout: Duration,
 ) -> Result<Bytes, Rejection> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > max) {
-        return Err(Rejection::BodyTooLarge(max));
-    }
-    let limit = usize::try_from(max).unwrap_or(usize::MAX);
-    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
-        Err(_) => Err(Rejection::BodyTimeout(timeout)),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => Err(Rejection::BodyTooLarge(max)),
-        Ok(Err(error)) => Err(Rejection::BodyIncomplete(error)),
+    match peek_request_body(body, headers, max, timeout).await? {
+        Peeked::Whole(body) => Ok(body),
+        Peeked::Partial { cut: Cut::TooLarge, .. } => Err(Rejection::BodyTooLarge(max)),
+        Peeked::Partial { cut: Cut::TooSlow, .. } => Err(Rejection::BodyTimeout(timeout)),
     }
 }
 
-/// A request body read for shadow mode, which must forward every request whatever
-/// its body: the whole of it, or what arrived before it passed `max` bytes or the
-/// read timeout, with the rest still to stream.
+/// A request body read as far as a guarded request may hold it: the whole of it, or
+/// what arrived before it passed `max` bytes or the read timeout, with the rest still
+/// to stream (shadow mode forwards it; enforce mode refuses it).
 pub(crate) enum Peeked {
     Whole(Bytes),
-    Partial { head: Bytes, rest: Incoming },
+    Partial { head: Bytes, rest: Incoming, cut: Cut },
 }
 
-/// Reads `body` like `read_request_body`, but a body too large or too slow is handed
-/// back to be forwarded instead of refused. A body the client broke is still refused.
+/// Why a body was not read whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cut {
+    TooLarge,
+    TooSlow,
+}
+
+/// Reads `body` up to `max` bytes (a declared larger length is not read at all),
+/// within `timeout`. A body the client broke is refused.
 pub(crate) async fn peek_request_body(
     mut body: Incoming,
     headers: &HeaderMap,
@@ -102,9 +100,14 @@ pub(crate) async fn peek_request_body(
         return Ok(Peeked::Partial {
             head: Bytes::new(),
             rest: body,
+            cut: Cut::TooLarge,
         });
     }
-    let mut collected = BytesMut::new();
+    // A body that comes in one frame (the common case) is kept as it came, uncopied.
+    let mut first: Option<Bytes> = None;
+    let mut joined = BytesMut::new();
+    let mut read: u64 = 0;
+    let head = |first: Option<Bytes>, joined: BytesMut| first.unwrap_or_else(|| joined.freeze());
     let deadline = tokio::time::sleep(timeout);
     tokio::pin!(deadline);
     loop {
@@ -112,21 +115,32 @@ pub(crate) async fn peek_request_body(
         let frame = tokio::select! {
             frame = body.frame() => frame,
             () = &mut deadline => {
-                return Ok(Peeked::Partial { head: collected.freeze(), rest: body });
+                return Ok(Peeked::Partial { head: head(first, joined), rest: body, cut: Cut::TooSlow });
             }
         };
         let Some(frame) = frame else {
-            return Ok(Peeked::Whole(collected.freeze()));
+            return Ok(Peeked::Whole(head(first, joined)));
         };
         let frame = frame.map_err(|error| Rejection::BodyIncomplete(error.into()))?;
-        if let Ok(data) = frame.into_data() {
-            collected.extend_from_slice(&data);
-            if collected.len() as u64 > max {
-                return Ok(Peeked::Partial {
-                    head: collected.freeze(),
-                    rest: body,
-                });
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        read += data.len() as u64;
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            earlier => {
+                if let Some(earlier) = earlier {
+                    joined.extend_from_slice(&earlier);
+                }
+                joined.extend_from_slice(&data);
             }
+        }
+        if read > max {
+            return Ok(Peeked::Partial {
+                head: head(first, joined),
+                rest: body,
+                cut: Cut::TooLarge,
+            });
         }
     }
 }

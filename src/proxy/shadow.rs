@@ -55,7 +55,7 @@ impl Proxy {
             let (max, timeout) = (route.body.max_bytes, route.body.timeout);
             let body = match body::peek_request_body(body, &parts.headers, max, timeout).await {
                 Ok(Peeked::Whole(body)) => body,
-                Ok(Peeked::Partial { head, rest }) => {
+                Ok(Peeked::Partial { head, rest, .. }) => {
                     drop(permit);
                     let timeout = route.route.upstream_timeout;
                     let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
