@@ -12,8 +12,8 @@ use bytes::{Bytes, BytesMut};
 use http::Request;
 use http::header::{self, HeaderMap, HeaderValue};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 

@@ -284,6 +284,20 @@ impl Proxy {
         response
     }
 
+    /// What the access log says of the record a guarded request names, when it is on.
+    fn record_note(&self, record: &StoreKey) -> Option<access::RecordHash> {
+        self.access_log()
+            .then(|| access::RecordHash(record.short_hash().to_string()))
+    }
+
+    /// Notes `hash` (from `record_note`) on `response`.
+    fn noted_record(&self, response: Response<ProxyBody>, hash: Option<access::RecordHash>) -> Response<ProxyBody> {
+        match hash {
+            Some(hash) => self.noted(response, hash),
+            None => response,
+        }
+    }
+
     /// A guarded request: prepare, claim, decide, then forward or answer. Everything
     /// after the key is parsed is logged in a span naming the route and the record.
     async fn guarded(
@@ -298,9 +312,7 @@ impl Proxy {
             Err(rejection) => return self.reject(Some(&route), rejection),
         };
         let span = tracing::info_span!("guarded", route = %route.route.name, record = %record.short_hash());
-        let hash = self
-            .access_log()
-            .then(|| access::RecordHash(record.short_hash().to_string()));
+        let hash = self.record_note(&record);
         // Refused at once rather than queued: nothing is read, claimed or forwarded, and
         // the client may retry with the same key.
         let Some(permit) = self.shared.guarded.try_enter() else {
@@ -331,10 +343,7 @@ impl Proxy {
         }
         .instrument(span)
         .await;
-        match hash {
-            Some(hash) => self.noted(response, hash),
-            None => response,
-        }
+        self.noted_record(response, hash)
     }
 
     /// The record a guarded request names: its key, within its scope (the

@@ -14,7 +14,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
-use super::{Prepared, Proxy, access};
+use super::{Prepared, Proxy};
 use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, full, streamed};
 use crate::config::IdempotencyPolicy;
 use crate::error::{KeyError, Rejection};
@@ -42,9 +42,7 @@ impl Proxy {
             }
         };
         let span = tracing::info_span!("shadow", route = %route.route.name, record = %record.short_hash());
-        let hash = self
-            .access_log()
-            .then(|| access::RecordHash(record.short_hash().to_string()));
+        let hash = self.record_note(&record);
         let Some(permit) = self.shared.guarded.try_enter() else {
             return self
                 .unguarded(&route, Would::Overloaded, streamed(request), &client)
@@ -91,10 +89,7 @@ impl Proxy {
         }
         .instrument(span)
         .await;
-        match hash {
-            Some(hash) => self.noted(response, hash),
-            None => response,
-        }
+        self.noted_record(response, hash)
     }
 
     /// Counts what enforce mode `would` have done, and forwards the request unguarded.
