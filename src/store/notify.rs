@@ -231,17 +231,13 @@ where
         let mut subscribed = HashSet::new();
         let mut lost = false;
         for key in hub.keys() {
-            if connection.subscribe(channel(&key)).await.is_err() {
+            if !subscribe(&mut connection, &mut subscribed, key).await {
                 lost = true;
                 break;
             }
-            subscribed.insert(key);
         }
         if let Some((key, ack)) = pending.take() {
-            let done = subscribed.contains(&key) || (!lost && connection.subscribe(channel(&key)).await.is_ok());
-            if done {
-                subscribed.insert(key);
-            }
+            let done = !lost && subscribe(&mut connection, &mut subscribed, key).await;
             lost |= !done;
             let _ = ack.send(done);
         }
@@ -252,15 +248,9 @@ where
                 command = commands.recv() => match command {
                     None => return,
                     Some(Command::Subscribe(key, ack)) => {
-                        if subscribed.contains(&key) {
-                            let _ = ack.send(true);
-                        } else if connection.subscribe(channel(&key)).await.is_ok() {
-                            subscribed.insert(key);
-                            let _ = ack.send(true);
-                        } else {
-                            let _ = ack.send(false);
-                            lost = true;
-                        }
+                        let done = subscribe(&mut connection, &mut subscribed, key).await;
+                        lost |= !done;
+                        let _ = ack.send(done);
                     }
                     Some(Command::Unsubscribe(key)) => {
                         if subscribed.remove(&key) && connection.unsubscribe(channel(&key)).await.is_err() {
@@ -282,4 +272,16 @@ where
         // any more, the next waiter connects again).
         tracing::warn!("the store's subscriber lost its connection");
     }
+}
+
+/// Subscribes `connection` to `key`'s channel unless it already is; whether it is now.
+async fn subscribe<S: Subscription>(connection: &mut S, subscribed: &mut HashSet<String>, key: String) -> bool {
+    if subscribed.contains(&key) {
+        return true;
+    }
+    let done = connection.subscribe(channel(&key)).await.is_ok();
+    if done {
+        subscribed.insert(key);
+    }
+    done
 }
