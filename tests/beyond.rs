@@ -10,7 +10,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use support::client::metric;
+use support::client::{metric, until_metric};
 use support::history::{Contract, History, OpResult, check};
 use support::storm::Storm;
 use support::topology::{MASTER_NAME, RedisCluster, SentinelGroup};
@@ -111,20 +111,6 @@ async fn shadow_mode_forwards_every_request_and_counts_what_enforce_would_have_d
 }
 
 // === wait, then replay ===
-
-/// Waits until `/metrics` shows `line` at `value`: the proxy's own account of how many
-/// requests wait, so the test releases the first request only once they all do.
-async fn until_metric(admin: SocketAddr, line: &str, value: f64) {
-    let started = tokio::time::Instant::now();
-    while metric(admin, line).await != Some(value) {
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(10),
-            "{line} never reached {value}: {:?}",
-            metric(admin, line).await
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-}
 
 const WAITERS: &str = "idemproxy_waiters";
 

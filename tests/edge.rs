@@ -9,6 +9,7 @@ mod support;
 
 use std::time::Duration;
 
+use support::client::join_all;
 use support::{ChildProxy, StoreKind, TestConfig, Upstream, post_key, send};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -42,7 +43,7 @@ async fn connections_that_send_nothing_are_closed_within_the_header_read_timeout
     }
     // header_read_timeout + 1 s, from the last connect.
     let limit = Instant::now() + Duration::from_secs(2);
-    let closes = futures_join(silent.into_iter().map(|stream| closed_by(stream, limit))).await;
+    let closes = join_all(silent.into_iter().map(|stream| closed_by(stream, limit))).await;
     let open = closes.iter().filter(|closed| closed.is_none()).count();
     assert_eq!(
         open, 0,
@@ -108,18 +109,6 @@ async fn an_idle_http1_keep_alive_connection_is_closed_after_the_header_read_tim
     assert_eq!(&head, b"HTTP/1.1 201");
     let closed = closed_by(stream, Instant::now() + Duration::from_secs(2)).await;
     assert!(closed.is_some(), "an idle keep-alive connection stayed open");
-}
-
-/// `join_all` without a futures dependency: spawn each, await in order.
-async fn futures_join<T: Send + 'static>(
-    futures: impl IntoIterator<Item = impl std::future::Future<Output = T> + Send + 'static>,
-) -> Vec<T> {
-    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
-    let mut out = Vec::with_capacity(handles.len());
-    for handle in handles {
-        out.push(handle.await.expect("task"));
-    }
-    out
 }
 
 // === 2. the connection limit ===

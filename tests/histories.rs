@@ -20,7 +20,7 @@ use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::ScriptName;
 use idemproxy::store::{AnyStore, MemoryStore, RecordStore, RedisStore};
-use support::client::{metric, until_not};
+use support::client::{metric, until_metric, until_not};
 use support::history::{Contract, History, check};
 use support::storm::{Storm, until_progress};
 use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream, post_key, send};
@@ -478,15 +478,7 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
     drop(stream);
     // Resume only once the proxy has seen its client go: the dropped claim then waits
     // in the background to be released (the gauge), behind the claim inside Redis.
-    let admin = proxy.admin();
-    let started = Instant::now();
-    while metric(admin, "idemproxy_pending_releases").await != Some(1.0) {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the proxy never noticed its client leave"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_metric(proxy.admin(), "idemproxy_pending_releases", 1.0).await;
     let _: () = redis::cmd("CLIENT")
         .arg("UNPAUSE")
         .query(&mut control)

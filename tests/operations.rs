@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde_json::Value;
-use support::client::metric;
+use support::client::until_metric;
 use support::{ChildProxy, RedisServer, StoreKind, TestConfig, TestResponse, Upstream, send};
 use tokio::sync::watch;
 
@@ -335,14 +335,7 @@ impl Storm {
 /// is counted once every worker serves the new config.
 async fn reloaded(admin: SocketAddr, result: &str, count: f64) {
     let line = format!("idemproxy_config_reloads_total{{result=\"{result}\"}}");
-    let started = tokio::time::Instant::now();
-    while metric(admin, &line).await != Some(count) {
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(10),
-            "{line} never reached {count}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    until_metric(admin, &line, count).await;
 }
 
 /// The config hash `/metrics` reports: the one series of `idemproxy_config_info`.

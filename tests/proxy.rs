@@ -9,23 +9,8 @@ mod support;
 
 use std::time::Duration;
 
-use futures_free::join_all;
-use support::client::{metric, until_not};
+use support::client::{join_all, metric, until_not};
 use support::{RedisServer, StoreKind, TestConfig, Upstream, post_key, send, send_raw};
-
-/// `join_all` without a futures dependency: spawn each, await in order.
-mod futures_free {
-    pub(crate) async fn join_all<T: Send + 'static>(
-        futures: impl IntoIterator<Item = impl std::future::Future<Output = T> + Send + 'static>,
-    ) -> Vec<T> {
-        let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
-        let mut out = Vec::with_capacity(handles.len());
-        for handle in handles {
-            out.push(handle.await.expect("task"));
-        }
-        out
-    }
-}
 
 const JSON: (&str, &str) = ("content-type", "application/json");
 

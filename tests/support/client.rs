@@ -50,6 +50,33 @@ impl TestResponse {
     }
 }
 
+/// Waits until `admin`'s `/metrics` shows `line` at `value` (a condition the proxy
+/// reports, polled for at most 10 s): the synchronisation point for a test that must
+/// act only once the proxy is in a given state.
+pub async fn until_metric(admin: SocketAddr, line: &str, value: f64) {
+    let started = tokio::time::Instant::now();
+    while metric(admin, line).await != Some(value) {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{line} never reached {value}: {:?}",
+            metric(admin, line).await
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// `join_all` without a futures dependency: spawn each, await in order.
+pub async fn join_all<T: Send + 'static>(
+    futures: impl IntoIterator<Item = impl std::future::Future<Output = T> + Send + 'static>,
+) -> Vec<T> {
+    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for handle in handles {
+        out.push(handle.await.expect("task"));
+    }
+    out
+}
+
 /// Sends one request on a fresh connection and reads the whole response.
 /// The value of one metric line on `admin`'s `/metrics`, e.g.
 /// `idemproxy_fenced_writes_total{op="complete"}`.
