@@ -37,8 +37,7 @@ import threading
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IDEMPROXY = os.path.join(ROOT, "target", "release", "idemproxy")
+from common import IDEMPROXY, free_port, rss_kib
 BODY = '{"id":"pay_123","status":"succeeded","amount":1000,"currency":"eur"}'
 
 CASES = [
@@ -117,12 +116,6 @@ SCRIPTS = {
         wrk.headers["Content-Type"] = "application/json"
     """),
 }
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port, timeout=15, what="a server"):
@@ -219,15 +212,14 @@ def run_h2load(port, path, connections, duration):
     out = subprocess.run(
         ["h2load", "-t1", f"-c{connections}", "-m10", f"-D{duration}", f"http://127.0.0.1:{port}{path}"],
         capture_output=True, text=True)
-    requests = succeeded = status_2xx = 0
+    succeeded = status_2xx = 0
     rps = None
     for line in out.stdout.splitlines():
         line = line.strip()
         if line.startswith("finished in"):
             rps = float(line.split(",")[1].split()[0])
         if line.startswith("requests:"):
-            fields = line.split()
-            requests, succeeded = int(fields[1]), int(fields[7])
+            succeeded = int(line.split()[7])
         if line.startswith("status codes:"):
             status_2xx = int(line.split()[2])
     if rps is None:
@@ -280,13 +272,7 @@ class RssSampler:
 
     def run(self):
         while self.running:
-            try:
-                with open(f"/proc/{self.pid}/status") as f:
-                    for line in f:
-                        if line.startswith("VmRSS:"):
-                            self.peak = max(self.peak, int(line.split()[1]))
-            except OSError:
-                return
+            self.peak = max(self.peak, rss_kib(self.pid))
             time.sleep(0.05)
 
     def stop(self):

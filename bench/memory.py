@@ -26,21 +26,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+from common import IDEMPROXY, free_port, rss_kib
 
 
 def upstream(port, body_bytes, chunked):
@@ -134,7 +120,7 @@ def main():
     parser.add_argument("--binary", action="append")
     parser.add_argument("--store", default="", help="extra [store] lines, e.g. 'max_bytes = 1073741824'")
     args = parser.parse_args()
-    binaries = args.binary or [os.path.join(ROOT, "target", "release", "idemproxy")]
+    binaries = args.binary or [IDEMPROXY]
     body_bytes = args.body_kib * 1024
     upstream_port = free_port()
     server = upstream(upstream_port, body_bytes, args.chunked)
