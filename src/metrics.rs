@@ -312,6 +312,19 @@ impl RouteMetrics {
     }
 }
 
+/// A counter family `name` labelled by `result`, registered, with one handle per value
+/// in `results` (each shown from the start, at zero).
+fn result_counters<const N: usize>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    results: [&'static str; N],
+) -> [Counter; N] {
+    let family = Family::<ResultLabels, Counter>::default();
+    registry.register(name, help, family.clone());
+    results.map(|result| family.get_or_create(&ResultLabels { result }).clone())
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
@@ -402,36 +415,24 @@ impl Metrics {
             "Guarded requests between reading their body and recording their response (bound: server.max_guarded_requests)",
             guarded_in_flight.clone(),
         );
-        let reloads = Family::<ResultLabels, Counter>::default();
-        registry.register(
+        let config_reloads = result_counters(
+            &mut registry,
             "config_reloads",
             "Config reloads (SIGHUP) by result: ok, invalid, refused (needs a restart), failed",
-            reloads.clone(),
+            ReloadResult::ALL.map(ReloadResult::as_str),
         );
-        let config_reloads = ReloadResult::ALL.map(|result| {
-            reloads
-                .get_or_create(&ResultLabels {
-                    result: result.as_str(),
-                })
-                .clone()
-        });
         let waiters = Gauge::default();
         registry.register(
             "waiters",
             "Duplicates waiting now for their first request (wait_for_in_flight; bound: server.max_waiters)",
             waiters.clone(),
         );
-        let waits_family = Family::<ResultLabels, Counter>::default();
-        registry.register(
+        let waits = result_counters(
+            &mut registry,
             "waits",
             "Waits for a first request by how they ended: replayed, claimed, unknown, timeout, gone, full, other",
-            waits_family.clone(),
+            WaitEnd::ALL.map(WaitEnd::as_str),
         );
-        let waits = WaitEnd::ALL.map(|end| {
-            waits_family
-                .get_or_create(&ResultLabels { result: end.as_str() })
-                .clone()
-        });
         let wait_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         registry.register(
             "wait_seconds",
