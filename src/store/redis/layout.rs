@@ -59,7 +59,11 @@ struct Decoded {
 }
 
 enum Read {
-    InFlight { owner: Vec<u8>, lease_remaining_ms: i64 },
+    /// In flight for `owner`; `lease` is what is left of it, `None` once it has run out.
+    InFlight {
+        owner: Vec<u8>,
+        lease: Option<Duration>,
+    },
     Completed(StoredResponse),
     Unknown(UnknownReason),
 }
@@ -84,9 +88,10 @@ fn decode(value: Bytes, pttl: i64) -> Result<Decoded, StoreError> {
                 .and_then(|rest| std::str::from_utf8(rest).ok())
                 .and_then(|rest| rest.parse().ok())
                 .ok_or(bad("an in-flight record without its lease"))?;
+            let remaining = pttl.max(0) - rest;
             Read::InFlight {
                 owner,
-                lease_remaining_ms: pttl.max(0) - rest,
+                lease: (remaining > 0).then(|| Duration::from_millis(u64::try_from(remaining).unwrap_or(0))),
             }
         }
         Some(b'C') => {
@@ -127,14 +132,15 @@ pub(super) fn claim_outcome(found: Option<Bytes>, pttl: i64, owner: OwnerToken) 
     };
     let Decoded { fingerprint, state } = decode(value, pttl)?;
     let state = match state {
-        Read::InFlight { lease_remaining_ms, .. } if lease_remaining_ms <= 0 => RecordState::LeaseExpired,
+        Read::InFlight { lease: None, .. } => RecordState::LeaseExpired,
         // Its own claim, retried after a lost reply: the claim is still the caller's.
         Read::InFlight { owner: held, .. } if held == owner.to_hex().as_bytes() => {
             return Ok(ClaimOutcome::Acquired(()));
         }
-        Read::InFlight { lease_remaining_ms, .. } => RecordState::InFlight {
-            lease_remaining: Duration::from_millis(u64::try_from(lease_remaining_ms).unwrap_or(0)),
-        },
+        Read::InFlight {
+            lease: Some(lease_remaining),
+            ..
+        } => RecordState::InFlight { lease_remaining },
         Read::Completed(response) => RecordState::Completed(response),
         Read::Unknown(reason) => RecordState::Unknown(reason),
     };
@@ -149,10 +155,11 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
     let Decoded { fingerprint, state } = decode(value, pttl)?;
     let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
     let state = match state {
-        Read::InFlight { lease_remaining_ms, .. } if lease_remaining_ms <= 0 => SummaryState::LeaseExpired,
-        Read::InFlight { lease_remaining_ms, .. } => SummaryState::InFlight {
-            lease_remaining: millis(lease_remaining_ms),
-        },
+        Read::InFlight { lease: None, .. } => SummaryState::LeaseExpired,
+        Read::InFlight {
+            lease: Some(lease_remaining),
+            ..
+        } => SummaryState::InFlight { lease_remaining },
         Read::Completed(response) => SummaryState::Completed {
             status: response.status.as_u16(),
             response_bytes: response.body.len() as u64,
