@@ -5,11 +5,18 @@
 //! the pass-through instructions on.
 //!
 //! A connection goes back to its list with the response head; it is taken again once
-//! hyper says it is ready (its previous response read to the end). A request sent on
-//! an idle connection that turns out closed is sent again on another, as long as none
-//! of it was written (hyper hands it back): the only kind of retry a proxy may make
-//! without knowing what the upstream did.
+//! hyper says it is ready (its previous response read to the end). Before it is taken,
+//! one non-blocking peek at its socket asks the kernel whether the upstream has closed
+//! it while it sat idle (a keep-alive timeout, a graceful restart): hyper's connection
+//! task only learns that when the runtime next polls the socket, and a request written
+//! into that window dies with no response, which on a guarded route makes its outcome
+//! unknown. Connections idle for longer than `IDLE_TIMEOUT` are not reused either (a
+//! NAT or load balancer may have forgotten them without a word). A request handed to
+//! a connection that closed all the same is sent again on another, as long as none of
+//! it was written (hyper hands it back): the only kind of retry a proxy may make without
+//! knowing what the upstream did.
 
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -18,8 +25,11 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use rustix::io::Errno;
+use rustix::net::RecvFlags;
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 use tokio_util::either::Either;
 
@@ -30,6 +40,9 @@ use crate::error::BoxError;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Idle connections kept per upstream; more are closed when they come back.
 const MAX_IDLE: usize = 1024;
+/// A connection idle for longer is closed rather than reused (nginx's upstream
+/// `keepalive_timeout` default), below the idle timeouts of common NATs and load balancers.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// What went wrong with an exchange: whether anything of the request was sent.
 #[derive(Debug)]
@@ -49,7 +62,33 @@ pub(crate) struct HttpClient {
 struct Shared {
     tls: TlsConnector,
     /// Connections by upstream; a worker talks to a handful of upstreams at most.
-    idle: Mutex<Vec<(Key, Vec<SendRequest<ProxyBody>>)>>,
+    idle: Mutex<Vec<(Key, Vec<Pooled>)>>,
+}
+
+/// A connection of the pool: hyper's sender, and a second handle on its socket (a
+/// `dup`, made once per connection) for the peek before reuse.
+struct Pooled {
+    sender: SendRequest<ProxyBody>,
+    socket: OwnedFd,
+    https: bool,
+    /// When it last came back to the pool.
+    since: Instant,
+}
+
+impl Pooled {
+    /// Whether the upstream has left the idle connection open, as far as the kernel
+    /// knows now: no end of stream and no error waiting on the socket.
+    fn still_open(&self) -> bool {
+        let mut byte = [0u8; 1];
+        match rustix::net::recv(&self.socket, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Err(Errno::AGAIN | Errno::INTR) => true,
+            Ok((_, 0)) => false,
+            // Over TLS these may be records rustls has not read yet (TLS 1.3 session
+            // tickets); in plain HTTP, bytes before a request mean a broken exchange.
+            Ok(_) => self.https,
+            Err(_) => false,
+        }
+    }
 }
 
 #[derive(Clone, PartialEq, Eq)]
@@ -69,7 +108,7 @@ impl HttpClient {
         }
     }
 
-    fn idle(&self) -> MutexGuard<'_, Vec<(Key, Vec<SendRequest<ProxyBody>>)>> {
+    fn idle(&self) -> MutexGuard<'_, Vec<(Key, Vec<Pooled>)>> {
         // A panic while the list was held leaves a valid list.
         self.shared.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -84,10 +123,10 @@ impl HttpClient {
             .cloned()
             .unwrap_or(PathAndQuery::from_static("/"));
         *request.uri_mut() = Uri::from(origin);
-        while let Some(mut sender) = self.checkout(&key) {
-            match sender.try_send_request(request).await {
+        while let Some(mut pooled) = self.checkout(&key) {
+            match pooled.sender.try_send_request(request).await {
                 Ok(response) => {
-                    self.checkin(key, sender);
+                    self.checkin(key, pooled);
                     return Ok(response);
                 }
                 Err(mut error) => match error.take_message() {
@@ -97,10 +136,10 @@ impl HttpClient {
                 },
             }
         }
-        let mut sender = self.connect(&key).await.map_err(SendError::Connect)?;
-        match sender.try_send_request(request).await {
+        let mut pooled = self.connect(&key).await.map_err(SendError::Connect)?;
+        match pooled.sender.try_send_request(request).await {
             Ok(response) => {
-                self.checkin(key, sender);
+                self.checkin(key, pooled);
                 Ok(response)
             }
             Err(error) if error.message().is_some() => Err(SendError::Connect(error.into_error().into())),
@@ -108,31 +147,39 @@ impl HttpClient {
         }
     }
 
-    /// An idle connection to `key` that can take a request now; closed ones are
-    /// dropped on the way.
-    fn checkout(&self, key: &Key) -> Option<SendRequest<ProxyBody>> {
+    /// An idle connection to `key` that can take a request now; closed ones, and
+    /// ones idle for too long, are dropped on the way.
+    fn checkout(&self, key: &Key) -> Option<Pooled> {
+        let now = Instant::now();
         let mut idle = self.idle();
-        let (_, senders) = idle.iter_mut().find(|(held, _)| held == key)?;
-        senders.retain(|sender| !sender.is_closed());
-        let ready = senders.iter().rposition(SendRequest::is_ready)?;
-        Some(senders.swap_remove(ready))
+        let (_, pooled) = idle.iter_mut().find(|(held, _)| held == key)?;
+        pooled.retain(|held| !held.sender.is_closed() && now.duration_since(held.since) < IDLE_TIMEOUT);
+        loop {
+            let ready = pooled.iter().rposition(|held| held.sender.is_ready())?;
+            let candidate = pooled.swap_remove(ready);
+            if candidate.still_open() {
+                return Some(candidate);
+            }
+        }
     }
 
-    fn checkin(&self, key: Key, sender: SendRequest<ProxyBody>) {
+    fn checkin(&self, key: Key, mut pooled: Pooled) {
+        pooled.since = Instant::now();
         let mut idle = self.idle();
         match idle.iter_mut().find(|(held, _)| *held == key) {
-            Some((_, senders)) if senders.len() < MAX_IDLE => senders.push(sender),
+            Some((_, held)) if held.len() < MAX_IDLE => held.push(pooled),
             Some(_) => {}
-            None => idle.push((key, vec![sender])),
+            None => idle.push((key, vec![pooled])),
         }
     }
 
     /// A new connection to `key`, its HTTP/1.1 handshake done and its task spawned.
-    async fn connect(&self, key: &Key) -> Result<SendRequest<ProxyBody>, BoxError> {
+    async fn connect(&self, key: &Key) -> Result<Pooled, BoxError> {
         let connecting = async {
             let address = (key.authority.host(), port(key));
             let stream = TcpStream::connect(address).await?;
             stream.set_nodelay(true)?;
+            let socket = stream.as_fd().try_clone_to_owned()?;
             let stream = if key.https {
                 let host = key.authority.host().trim_start_matches('[').trim_end_matches(']');
                 let name = ServerName::try_from(host.to_string())?;
@@ -146,7 +193,12 @@ impl HttpClient {
                     tracing::debug!(%error, "upstream connection ended");
                 }
             });
-            Ok::<_, BoxError>(sender)
+            Ok::<_, BoxError>(Pooled {
+                sender,
+                socket,
+                https: key.https,
+                since: Instant::now(),
+            })
         };
         match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
             Ok(result) => result,
@@ -164,4 +216,124 @@ fn key(uri: &Uri) -> Option<Key> {
 
 fn port(key: &Key) -> u16 {
     key.authority.port_u16().unwrap_or(if key.https { 443 } else { 80 })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::{TcpListener, TcpStream as StdStream};
+    use std::sync::mpsc;
+
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    /// Reads one request head (these requests have no body) and returns its request line.
+    fn read_head(reader: &mut BufReader<StdStream>) -> String {
+        let mut first = String::new();
+        reader.read_line(&mut first).unwrap();
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line).unwrap();
+            if line == "\r\n" {
+                return first.trim_end().to_string();
+            }
+        }
+    }
+
+    /// Whether the local IPv4 socket on `port` is in CLOSE_WAIT (its peer has closed).
+    fn close_wait(port: u16) -> bool {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let local = format!("0100007F:{port:04X}");
+        table
+            .lines()
+            .skip(1)
+            .any(|line| line.split_whitespace().nth(1) == Some(&local) && line.split_whitespace().nth(3) == Some("08"))
+    }
+
+    fn answer(stream: &mut StdStream, body: &str) {
+        write!(
+            stream,
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+    }
+
+    /// An idle connection the upstream has closed (its FIN already on the socket) is
+    /// not reused: the request goes once, on a new connection. The upstream closes the
+    /// first connection while the test holds the (single) runtime thread, so hyper's
+    /// connection task has not seen the FIN when the next request is checked out, as
+    /// in production when the I/O driver has not turned yet: the order is fixed, not
+    /// timed. Without the peek the request is written into the dead connection and
+    /// fails with `IncompleteMessage`, which on a guarded route is an unknown outcome.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_idle_connection_the_upstream_closed_is_not_reused() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let (close, close_requested) = mpsc::channel::<()>();
+        let (closed, closed_seen) = mpsc::channel::<std::net::SocketAddr>();
+        let upstream = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            let (first, peer) = listener.accept().unwrap();
+            let mut reader = BufReader::new(first.try_clone().unwrap());
+            seen.push((1, read_head(&mut reader)));
+            answer(&mut reader.get_mut().try_clone().unwrap(), "one");
+            close_requested.recv().unwrap();
+            first.shutdown(std::net::Shutdown::Both).unwrap();
+            drop((first, reader));
+            closed.send(peer).unwrap();
+            let (second, _) = listener.accept().unwrap();
+            let mut reader = BufReader::new(second.try_clone().unwrap());
+            seen.push((2, read_head(&mut reader)));
+            answer(&mut reader.get_mut().try_clone().unwrap(), "two");
+            seen
+        });
+
+        let client = crate::upstream::client(None).unwrap();
+        let get = |path: &str| {
+            Request::get(format!("http://{address}{path}"))
+                .body(crate::body::full(bytes::Bytes::new()))
+                .unwrap()
+        };
+        let first = client.request(get("/first")).await.unwrap();
+        assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "one");
+        let key = key(&format!("http://{address}/").parse().unwrap()).unwrap();
+        // The connection task marks the connection ready once it has seen the end of
+        // the response; let it run until it has.
+        let mut turns = 0;
+        while !client
+            .idle()
+            .iter()
+            .any(|(held, pooled)| *held == key && pooled.iter().any(|p| p.sender.is_ready()))
+        {
+            assert!(turns < 10_000, "the first connection never became ready");
+            turns += 1;
+            tokio::task::yield_now().await;
+        }
+
+        // From here to the request, nothing yields to the connection task.
+        close.send(()).unwrap();
+        let port = closed_seen.recv().unwrap().port();
+        // Until the kernel has the upstream's FIN on the pool's socket (CLOSE_WAIT).
+        let mut reads = 0;
+        while !close_wait(port) {
+            assert!(reads < 100_000, "the upstream's FIN never arrived");
+            reads += 1;
+            std::thread::yield_now();
+        }
+        let second = client.request(get("/second")).await.unwrap();
+        assert_eq!(second.into_body().collect().await.unwrap().to_bytes(), "two");
+
+        let seen = upstream.join().unwrap();
+        assert_eq!(
+            seen,
+            [
+                (1, "GET /first HTTP/1.1".to_string()),
+                (2, "GET /second HTTP/1.1".to_string())
+            ],
+            "each request reached the upstream once, the second on a new connection"
+        );
+    }
 }
