@@ -407,7 +407,9 @@ impl Proxy {
             // The client may have gone: the record is already updated.
             let _ = sender.send(response);
         };
-        self.shared.tasks.spawn(exchange.in_current_span());
+        // Boxed once here: the exchange's state is kilobytes, which spawning would
+        // otherwise copy through each wrapper into the task.
+        self.shared.tasks.spawn(Box::pin(exchange).in_current_span());
         match receiver.await {
             Ok(response) => response,
             Err(_) => self.reject(Some(&route), ProxyError::ExchangeLost.into()),

@@ -43,8 +43,9 @@ pub(crate) fn client(tls: Option<Arc<rustls::ClientConfig>>) -> Result<HttpClien
 
 // === header rules ===
 
-/// RFC 9110 §7.6.1 connection-specific fields, plus `Proxy-Connection`.
-const HOP_BY_HOP: [HeaderName; 7] = [
+/// RFC 9110 §7.6.1 connection-specific fields, plus `Proxy-Connection`. A `static`:
+/// a `const` array would be built (and dropped) at every use.
+static HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -63,8 +64,15 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// transfer coding overrode (RFC 9112 §6.3): passing it on would give the next hop a
 /// framing the body does not have.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Most messages carry none: one pass over the names finds out without hashing.
-    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+    // One pass over the names finds which of them are present, without hashing: most
+    // messages carry none, and most of the rest only `Connection`.
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(index) = HOP_BY_HOP.iter().position(|hop| hop == name) {
+            present |= 1 << index;
+        }
+    }
+    if present == 0 {
         return;
     }
     if headers.contains_key(header::TRANSFER_ENCODING) {
@@ -81,8 +89,13 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .filter(|token| !token.eq_ignore_ascii_case("keep-alive") && !token.eq_ignore_ascii_case("close"))
         .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
         .collect();
-    for name in listed.iter().chain(HOP_BY_HOP.iter()) {
+    for name in &listed {
         headers.remove(name);
+    }
+    for (index, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << index) != 0 {
+            headers.remove(name);
+        }
     }
 }
 

@@ -136,7 +136,7 @@ impl HttpClient {
                 },
             }
         }
-        let mut pooled = self.connect(&key).await.map_err(SendError::Connect)?;
+        let mut pooled = Box::pin(self.connect(&key)).await.map_err(SendError::Connect)?;
         match pooled.sender.try_send_request(request).await {
             Ok(response) => {
                 self.checkin(key, pooled);
