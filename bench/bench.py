@@ -230,10 +230,25 @@ def run_h2load(port, path, connections, duration):
             "non2xx": max(0, succeeded - status_2xx), "socket_errors": 0}
 
 
+def free_cluster_port():
+    """A free port whose cluster bus port (10,000 above it) is free and exists: a node
+    on a port above 55535 does not start."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 def start_cluster(workdir, children):
     """Six redis-server processes made into a cluster of three primaries, each with a
     replica, by redis-cli --cluster create. Returns the primaries' ports."""
-    ports = [free_port() for _ in range(6)]
+    ports = [free_cluster_port() for _ in range(6)]
     for port in ports:
         node_dir = os.path.join(workdir, f"cluster-{port}")
         os.makedirs(node_dir)

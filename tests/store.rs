@@ -14,6 +14,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, StoreTls};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
+use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, MemoryStore, MemoryUsage, OwnerToken, RecordState,
     RecordStore, RedisStore, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
@@ -695,6 +696,54 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     ];
     expected.sort();
     assert_eq!(keys, expected);
+}
+
+/// A claim that finds a record in flight reads its lease in a second round trip. If
+/// the record is released in between, the claim must write its own record and own
+/// the key, never report it owned without having written it (then a third claim
+/// would own it too). The pause is a test seam in the store, on a real Redis.
+#[tokio::test]
+async fn a_record_released_between_a_claim_and_its_lease_read_is_claimed_again() {
+    let server = RedisServer::start();
+    let first = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
+    let pause = ClaimPause::default();
+    let second = RedisStore::standalone(&server.url(), Duration::from_secs(2))
+        .expect("store")
+        .with_claim_pause(pause.clone());
+    let key = key("vanishing");
+    let (a, b) = (new_owner(), new_owner());
+    assert_eq!(
+        first.claim(&claim(&key, a, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+
+    let racing = tokio::spawn({
+        let (second, key) = (second.clone(), key.clone());
+        async move { second.claim(&claim(&key, b, LONG)).await }
+    });
+    pause.reached.notified().await;
+    assert_eq!(first.release(&key, a).await.expect("release"), Write::Applied);
+    pause.resume.notify_one();
+    assert_eq!(racing.await.expect("join").expect("claim"), ClaimOutcome::Acquired(()));
+
+    // The record is b's: a third claim finds it in flight, and only b can complete it.
+    let third = new_owner();
+    assert!(matches!(
+        first.claim(&claim(&key, third, LONG)).await.expect("claim"),
+        ClaimOutcome::Existing(Existing {
+            state: RecordState::InFlight { .. },
+            ..
+        })
+    ));
+    assert_eq!(
+        first.complete(&key, a, &response("a")).await.expect("complete"),
+        Write::Fenced
+    );
+    assert_eq!(
+        first.complete(&key, b, &response("b")).await.expect("complete"),
+        Write::Applied
+    );
+    assert_eq!(state_of(&first, &key).await, RecordState::Completed(response("b")));
 }
 
 #[tokio::test]

@@ -1,5 +1,6 @@
 //! The Redis store: one string per record (`layout`), claimed with one native
-//! `SET … NX PX … GET` and `PTTL` in a pipeline, and changed by one Lua script per
+//! `SET … NX PX … GET` (and, for a record found in flight, a `GET` + `PTTL` that reads
+//! its lease), and changed by one Lua script per
 //! compare-and-set step (complete, mark unknown, release, the operator's release), so
 //! each step is a single atomic round trip on the node that holds the record, whatever
 //! the topology (`topology`: one primary, Sentinel, Cluster). The lease is read off
@@ -33,6 +34,9 @@ pub(crate) use self::subscriber::{publish_command, start as start_subscriber};
 /// and the longest.
 const FIRST_PAUSE: Duration = Duration::from_millis(5);
 const MAX_PAUSE: Duration = Duration::from_millis(100);
+/// How many times a claim writes again after the in-flight record it found was gone
+/// by the time its TTL was read (released or expired in between), before it gives up.
+const MAX_VANISHED: u32 = 3;
 
 static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
     Arc::new(Scripts {
@@ -93,6 +97,17 @@ enum Retry {
     Transient,
 }
 
+/// Where a claim that found a record in flight stops before it reads that record's
+/// TTL, for a test that changes the record in between.
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone, Default)]
+pub struct ClaimPause {
+    /// Told when a claim has found a record in flight.
+    pub reached: Arc<tokio::sync::Notify>,
+    /// Waited for before the claim reads the record's TTL.
+    pub resume: Arc<tokio::sync::Notify>,
+}
+
 /// A cheap-to-clone handle on the Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -105,6 +120,8 @@ pub struct RedisStore {
     publish: &'static str,
     #[cfg(feature = "test-util")]
     claim_plant: Option<ClaimPlant>,
+    #[cfg(feature = "test-util")]
+    claim_pause: Option<ClaimPause>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -141,6 +158,8 @@ impl RedisStore {
             publish: publish_command(&config.topology),
             #[cfg(feature = "test-util")]
             claim_plant: None,
+            #[cfg(feature = "test-util")]
+            claim_pause: None,
         })
     }
 
@@ -174,6 +193,13 @@ impl RedisStore {
     #[cfg(feature = "test-util")]
     pub fn with_claim_plant(mut self, plant: ClaimPlant) -> RedisStore {
         self.claim_plant = Some(plant);
+        self
+    }
+
+    /// Stops each claim that finds a record in flight at `pause`.
+    #[cfg(feature = "test-util")]
+    pub fn with_claim_pause(mut self, pause: ClaimPause) -> RedisStore {
+        self.claim_pause = Some(pause);
         self
     }
 
@@ -234,15 +260,16 @@ impl RedisStore {
         Ok(if applied == 1 { Write::Applied } else { Write::Fenced })
     }
 
-    /// The claim: `SET key value NX PX retention GET` and `PTTL key` in one pipeline
-    /// (one round trip), and with `durability` a `WAIT` for its replicas on the same
-    /// connection (`WAIT` counts the writes of the connection it runs on). Tried again
-    /// after a lost connection: a claim that did land is found with its own token.
+    /// The claim's write: `SET key value NX PX retention GET` (one command, one round
+    /// trip), and with `durability` a `WAIT` for its replicas in the same pipeline
+    /// (`WAIT` counts the writes of the connection it runs on). Tried again after a
+    /// lost connection: a claim that did land is found with its own token.
     async fn native_claim(
         &self,
         claim: &ClaimRequest,
         durability: Option<Durability>,
-    ) -> Result<(Option<Bytes>, i64, u32), StoreError> {
+        budget: Duration,
+    ) -> Result<(Option<Bytes>, u32), StoreError> {
         let retention = claim.retention;
         #[cfg(feature = "test-util")]
         let retention = match self.claim_plant {
@@ -259,10 +286,8 @@ impl RedisStore {
             .arg("NX")
             .arg("PX")
             .arg(millis(retention))
-            .arg("GET")
-            .cmd("PTTL")
-            .arg(claim.key.as_str());
-        let mut budget = self.timeout;
+            .arg("GET");
+        let mut budget = budget;
         if let Some(durability) = durability {
             pipeline
                 .cmd("WAIT")
@@ -283,16 +308,30 @@ impl RedisStore {
             redis::Value::BulkString(value) => Some(Bytes::from(value)),
             _ => return Err(bad()),
         };
-        let pttl = match reply.next().ok_or_else(bad)? {
-            redis::Value::Int(pttl) => pttl,
-            _ => return Err(bad()),
-        };
         let acks = match reply.next() {
             None => 0,
             Some(redis::Value::Int(acks)) => u32::try_from(acks).unwrap_or(0),
             Some(_) => return Err(bad()),
         };
-        Ok((found, pttl, acks))
+        Ok((found, acks))
+    }
+
+    /// A record and its remaining TTL, read together (`GET` and `PTTL` in one
+    /// pipeline, which Redis runs back to back). Read-only, so tried again after a
+    /// lost connection too.
+    async fn read_with_ttl(&self, key: &StoreKey, budget: Duration) -> Result<(Option<Bytes>, i64), StoreError> {
+        let (found, pttl): (Option<Vec<u8>>, i64) = self
+            .attempt(Retry::Transient, budget, |mut connection| async move {
+                redis::pipe()
+                    .cmd("GET")
+                    .arg(key.as_str())
+                    .cmd("PTTL")
+                    .arg(key.as_str())
+                    .query_async(&mut connection)
+                    .await
+            })
+            .await?;
+        Ok((found.map(Bytes::from), pttl))
     }
 
     /// The planted bug: a record whose lease ran out is overwritten by this claim.
@@ -359,7 +398,31 @@ fn is_refused(error: &RedisError) -> bool {
 
 impl RecordStore for RedisStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let (found, pttl, acks) = self.native_claim(claim, self.durability).await?;
+        let deadline = Instant::now() + self.timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let mut vanished = 0;
+        let (found, pttl, acks) = loop {
+            let (found, acks) = self.native_claim(claim, self.durability, left()).await?;
+            match found {
+                // Only an in-flight record's reading needs the store's clock (its lease
+                // is read off the TTL): a second round trip for it alone, so that a
+                // fresh key and a replay take one command.
+                Some(value) if layout::lease_depends_on_ttl(&value) => {
+                    #[cfg(feature = "test-util")]
+                    if let Some(pause) = &self.claim_pause {
+                        pause.reached.notify_one();
+                        pause.resume.notified().await;
+                    }
+                    match self.read_with_ttl(&claim.key, left()).await? {
+                        (Some(value), pttl) => break (Some(value), Some(pttl), acks),
+                        // Released or expired in between: the key is free to claim again.
+                        (None, _) if vanished < MAX_VANISHED => vanished += 1,
+                        (None, _) => return Err(StoreError::Protocol("the record kept vanishing under the claim")),
+                    }
+                }
+                found => break (found, None, acks),
+            }
+        };
         let outcome = layout::claim_outcome(found, pttl, claim.owner)?;
         #[cfg(feature = "test-util")]
         let outcome = self.take_over(claim, outcome).await?;
@@ -428,18 +491,8 @@ impl RecordStore for RedisStore {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        let (found, pttl): (Option<Vec<u8>>, i64) = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| async move {
-                redis::pipe()
-                    .cmd("GET")
-                    .arg(key.as_str())
-                    .cmd("PTTL")
-                    .arg(key.as_str())
-                    .query_async(&mut connection)
-                    .await
-            })
-            .await?;
-        layout::summary(found.map(Bytes::from), pttl)
+        let (found, pttl) = self.read_with_ttl(key, self.timeout).await?;
+        layout::summary(found, pttl)
     }
 
     async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {

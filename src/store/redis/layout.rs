@@ -1,6 +1,6 @@
 //! How a record is laid out in Redis: one string, so that a claim is one native
-//! `SET key value NX PX retention GET` (with `PTTL` in the same pipeline) instead of a
-//! script. The scripts that must compare and set (complete, mark unknown, release,
+//! `SET key value NX PX retention GET` instead of a script (and, only when it finds a
+//! record in flight, a `GET` + `PTTL` to read that record's lease). The scripts that must compare and set (complete, mark unknown, release,
 //! forget) read the same layout with `string.sub`.
 //!
 //! ```text
@@ -52,6 +52,12 @@ pub(super) fn completed_tail(response: &StoredResponse) -> Vec<u8> {
     tail
 }
 
+/// Whether reading `value` needs its remaining TTL: only an in-flight record's does
+/// (its lease is read off it); completed and unknown records read the same at any TTL.
+pub(super) fn lease_depends_on_ttl(value: &[u8]) -> bool {
+    value.get(1) == Some(&b'F')
+}
+
 /// A record as read, with the remaining TTL Redis gave beside it.
 struct Decoded {
     fingerprint: Fingerprint,
@@ -68,7 +74,7 @@ enum Read {
     Unknown(UnknownReason),
 }
 
-fn decode(value: Bytes, pttl: i64) -> Result<Decoded, StoreError> {
+fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
     let bad = |what| StoreError::Protocol(what);
     if value.first() != Some(&VERSION) {
         return Err(bad("a record in a format this idemproxy does not understand"));
@@ -88,6 +94,7 @@ fn decode(value: Bytes, pttl: i64) -> Result<Decoded, StoreError> {
                 .and_then(|rest| std::str::from_utf8(rest).ok())
                 .and_then(|rest| rest.parse().ok())
                 .ok_or(bad("an in-flight record without its lease"))?;
+            let pttl = pttl.ok_or(bad("an in-flight record read without its TTL"))?;
             let remaining = pttl.max(0) - rest;
             Read::InFlight {
                 owner,
@@ -125,8 +132,13 @@ fn decode(value: Bytes, pttl: i64) -> Result<Decoded, StoreError> {
     Ok(Decoded { fingerprint, state })
 }
 
-/// What a claim by `owner` found: `None` when its `SET … NX` wrote the record.
-pub(super) fn claim_outcome(found: Option<Bytes>, pttl: i64, owner: OwnerToken) -> Result<ClaimOutcome, StoreError> {
+/// What a claim by `owner` found: `None` when its `SET … NX` wrote the record; `pttl`
+/// is the record's remaining TTL, read with it, which an in-flight record needs.
+pub(super) fn claim_outcome(
+    found: Option<Bytes>,
+    pttl: Option<i64>,
+    owner: OwnerToken,
+) -> Result<ClaimOutcome, StoreError> {
     let Some(value) = found else {
         return Ok(ClaimOutcome::Acquired(()));
     };
@@ -152,7 +164,7 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
     let Some(value) = found else {
         return Ok(None);
     };
-    let Decoded { fingerprint, state } = decode(value, pttl)?;
+    let Decoded { fingerprint, state } = decode(value, Some(pttl))?;
     let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
     let state = match state {
         Read::InFlight { lease: None, .. } => SummaryState::LeaseExpired,
@@ -186,7 +198,7 @@ mod tests {
         let fingerprint = Fingerprint([7; 32]);
         let value = Bytes::from(in_flight(fingerprint, OWNER_TOKEN, Duration::from_millis(3_000)));
         assert_eq!(value.len(), 98 + 4);
-        let found = |value: &Bytes, pttl| claim_outcome(Some(value.clone()), pttl, OwnerToken([1; 16]));
+        let found = |value: &Bytes, pttl| claim_outcome(Some(value.clone()), Some(pttl), OwnerToken([1; 16]));
         assert_eq!(
             found(&value, 4_500).ok(),
             Some(ClaimOutcome::Existing(Existing {
@@ -204,13 +216,18 @@ mod tests {
             }))
         ));
         assert_eq!(
-            claim_outcome(Some(value.clone()), 4_500, OWNER_TOKEN).ok(),
+            claim_outcome(Some(value.clone()), Some(4_500), OWNER_TOKEN).ok(),
             Some(ClaimOutcome::Acquired(()))
         );
         assert_eq!(
-            claim_outcome(None, -2, OWNER_TOKEN).ok(),
+            claim_outcome(None, None, OWNER_TOKEN).ok(),
             Some(ClaimOutcome::Acquired(()))
         );
+        // An in-flight record cannot be read without its TTL.
+        assert!(matches!(
+            claim_outcome(Some(value.clone()), None, OWNER_TOKEN),
+            Err(StoreError::Protocol(_))
+        ));
 
         let response = StoredResponse {
             status: StatusCode::CREATED,
@@ -220,8 +237,10 @@ mod tests {
         let mut completed = value.get(..66).expect("prefix").to_vec();
         completed[1] = b'C';
         completed.extend_from_slice(&completed_tail(&response));
+        // Completed and unknown records read the same without their TTL.
+        assert!(!lease_depends_on_ttl(&completed) && lease_depends_on_ttl(&value));
         assert_eq!(
-            found(&Bytes::from(completed), 10).ok(),
+            claim_outcome(Some(Bytes::from(completed)), None, OWNER_TOKEN).ok(),
             Some(ClaimOutcome::Existing(Existing {
                 fingerprint,
                 state: RecordState::Completed(response)
@@ -230,8 +249,9 @@ mod tests {
         let mut unknown = value.get(..66).expect("prefix").to_vec();
         unknown[1] = b'U';
         unknown.extend_from_slice(b"upstream-timeout");
+        assert!(!lease_depends_on_ttl(&unknown));
         assert!(matches!(
-            found(&Bytes::from(unknown), 10),
+            claim_outcome(Some(Bytes::from(unknown)), None, OWNER_TOKEN),
             Ok(ClaimOutcome::Existing(Existing {
                 state: RecordState::Unknown(UnknownReason::UpstreamTimeout),
                 ..
@@ -258,7 +278,7 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    claim_outcome(Some(bad.clone()), 10, OWNER_TOKEN),
+                    claim_outcome(Some(bad.clone()), Some(10), OWNER_TOKEN),
                     Err(StoreError::Protocol(_))
                 ),
                 "{bad:?}"
