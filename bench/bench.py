@@ -24,6 +24,7 @@ against a second idemproxy on a Redis Cluster of three primaries and three repli
 """
 
 import argparse
+import math
 import os
 import shutil
 import signal
@@ -471,6 +472,10 @@ def median(runs, field):
     return statistics.median(run[field] for run in runs)
 
 
+def number(value, spec, suffix=""):
+    return "-" if math.isnan(value) else format(value, spec) + suffix
+
+
 def print_table(results, connection_counts, args, cases):
     print()
     print(f"idemproxy vs nginx on loopback: {os.cpu_count()} cores, wrk -t1, {args.duration}s per case, "
@@ -494,9 +499,11 @@ def print_table(results, connection_counts, args, cases):
                 rss = f"{max(run['rss_mib'] for run in runs):.1f}"
             else:
                 trips, commands, cpu, rss = "-", "-", "-", "-"
-            print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {median(runs, 'p50_ms'):.2f} | "
-                  f"{p99:.2f} | {rps / base_rps:.2f}x | {p99 / base_p99:.2f}x | {non2xx} | {trips} | {commands} | "
-                  f"{cpu} | {rss} |")
+            # h2load gives no percentiles: those cells are "-".
+            p50, p99_ratio = median(runs, "p50_ms"), p99 / base_p99
+            print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {number(p50, '.2f')} | "
+                  f"{number(p99, '.2f')} | {rps / base_rps:.2f}x | {number(p99_ratio, '.2f', 'x')} | {non2xx} | "
+                  f"{trips} | {commands} | {cpu} | {rss} |")
     rounds = {connections: [max(run["rss_mib"] for run in results[(case, connections)])
                             for case, _, target, _, _ in CASES if target == "idemproxy"]
               for connections in connection_counts}

@@ -47,6 +47,7 @@ GROUPS = [
     ("hyper + httparse (HTTP/1 codec, dispatch)", re.compile(r"^<?(hyper|httparse)::")),
     ("http (HeaderMap, names, URIs)", re.compile(r"^<?http::")),
     ("redis (client, RESP codec)", re.compile(r"^<?(redis|combine)::")),
+    ("SHA-256 (ring: the fingerprint, the record key)", re.compile(r"^<?ring(_core_\w+)?(::|_)")),
     ("tokio (I/O readiness, timers, tasks)", re.compile(r"^<?tokio(_util)?::")),
     ("idemproxy's own code", re.compile(r"^<?idemproxy::")),
     ("std/core/alloc (Instant math, iterators, drops)", re.compile(r"^<?(std|core|alloc)::|Timespec")),
