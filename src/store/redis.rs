@@ -398,11 +398,21 @@ fn is_refused(error: &RedisError) -> bool {
 
 impl RecordStore for RedisStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        // One deadline over all the claim's round trips (the wait for replicas comes on
+        // top); a timeout names the whole budget, not what was left of it.
         let deadline = Instant::now() + self.timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
+        let budget = self.timeout + self.durability.map_or(Duration::ZERO, |durability| durability.timeout);
+        let timed_out = |error| match error {
+            StoreError::Timeout(_) => StoreError::Timeout(budget),
+            error => error,
+        };
         let mut vanished = 0;
         let (found, pttl, acks) = loop {
-            let (found, acks) = self.native_claim(claim, self.durability, left()).await?;
+            let (found, acks) = self
+                .native_claim(claim, self.durability, left())
+                .await
+                .map_err(timed_out)?;
             match found {
                 // Only an in-flight record's reading needs the store's clock (its lease
                 // is read off the TTL): a second round trip for it alone, so that a
@@ -413,7 +423,7 @@ impl RecordStore for RedisStore {
                         pause.reached.notify_one();
                         pause.resume.notified().await;
                     }
-                    match self.read_with_ttl(&claim.key, left()).await? {
+                    match self.read_with_ttl(&claim.key, left()).await.map_err(timed_out)? {
                         (Some(value), pttl) => break (Some(value), Some(pttl), acks),
                         // Released or expired in between: the key is free to claim again.
                         (None, _) if vanished < MAX_VANISHED => vanished += 1,
