@@ -16,8 +16,10 @@
 //! it was written (hyper hands it back): the only kind of retry a proxy may make without
 //! knowing what the upstream did.
 
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::uri::{Authority, PathAndQuery, Scheme, Uri};
@@ -28,6 +30,7 @@ use hyper_util::rt::TokioIo;
 use rustix::io::Errno;
 use rustix::net::RecvFlags;
 use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
@@ -65,11 +68,12 @@ struct Shared {
     idle: Mutex<Vec<(Key, Vec<Pooled>)>>,
 }
 
-/// A connection of the pool: hyper's sender, and a second handle on its socket (a
-/// `dup`, made once per connection) for the peek before reuse.
+/// A connection of the pool: hyper's sender, and a weak handle on its socket for the
+/// peek before reuse (the socket closes when hyper drops the connection, not when the
+/// pool gets round to it, and costs one file descriptor, not two).
 struct Pooled {
     sender: SendRequest<ProxyBody>,
-    socket: OwnedFd,
+    socket: Weak<Mutex<TcpStream>>,
     https: bool,
     /// When it last came back to the pool.
     since: Instant,
@@ -79,8 +83,12 @@ impl Pooled {
     /// Whether the upstream has left the idle connection open, as far as the kernel
     /// knows now: no end of stream and no error waiting on the socket.
     fn still_open(&self) -> bool {
+        let Some(socket) = self.socket.upgrade() else {
+            return false;
+        };
+        let socket = socket.lock().unwrap_or_else(PoisonError::into_inner);
         let mut byte = [0u8; 1];
-        match rustix::net::recv(&self.socket, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        match rustix::net::recv(&*socket, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
             Err(Errno::AGAIN | Errno::INTR) => true,
             Ok((_, 0)) => false,
             // Over TLS these may be records rustls has not read yet (TLS 1.3 session
@@ -88,6 +96,49 @@ impl Pooled {
             Ok(_) => self.https,
             Err(_) => false,
         }
+    }
+}
+
+/// One upstream connection's TCP stream as hyper (or rustls under it) reads and
+/// writes it, shared with the pool's weak handle for the peek. The lock is never
+/// contended: the connection and the pool belong to one worker's single thread.
+struct Stream(Arc<Mutex<TcpStream>>);
+
+impl Stream {
+    fn lock(&self) -> MutexGuard<'_, TcpStream> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.lock()).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut *self.lock()).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut *self.lock()).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.lock().is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.lock()).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.lock()).poll_shutdown(cx)
     }
 }
 
@@ -179,7 +230,8 @@ impl HttpClient {
             let address = (key.authority.host(), port(key));
             let stream = TcpStream::connect(address).await?;
             stream.set_nodelay(true)?;
-            let socket = stream.as_fd().try_clone_to_owned()?;
+            let stream = Stream(Arc::new(Mutex::new(stream)));
+            let socket = Arc::downgrade(&stream.0);
             let stream = if key.https {
                 let host = key.authority.host().trim_start_matches('[').trim_end_matches(']');
                 let name = ServerName::try_from(host.to_string())?;
@@ -335,5 +387,51 @@ mod tests {
             ],
             "each request reached the upstream once, the second on a new connection"
         );
+    }
+
+    /// One file descriptor per upstream connection: the server's connection capacity
+    /// is computed on one for the client and one upstream, so the pool's handle for the
+    /// peek must not be a second (a `dup` would be).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_pooled_connection_holds_one_file_descriptor() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let (peer, peer_seen) = mpsc::channel();
+        let (done, finished) = mpsc::channel::<()>();
+        let upstream = std::thread::spawn(move || {
+            let (stream, from) = listener.accept().unwrap();
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            read_head(&mut reader);
+            answer(&mut reader.get_mut().try_clone().unwrap(), "ok");
+            peer.send(from).unwrap();
+            finished.recv().unwrap();
+        });
+
+        let client = crate::upstream::client(None).unwrap();
+        let request = Request::get(format!("http://{address}/"))
+            .body(crate::body::full(bytes::Bytes::new()))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.into_body().collect().await.unwrap().to_bytes(), "ok");
+        let port = peer_seen.recv().unwrap().port();
+
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
+        let local = format!("0100007F:{port:04X}");
+        let inode = table
+            .lines()
+            .skip(1)
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+            .find(|fields| fields.get(1) == Some(&local.as_str()))
+            .and_then(|fields| fields.get(9).map(|inode| inode.to_string()))
+            .expect("the pool's connection in /proc/net/tcp");
+        let socket = format!("socket:[{inode}]");
+        let descriptors = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+            .filter(|target| target.to_str() == Some(socket.as_str()))
+            .count();
+        done.send(()).unwrap();
+        upstream.join().unwrap();
+        assert_eq!(descriptors, 1, "file descriptors on the pooled connection's socket");
     }
 }
