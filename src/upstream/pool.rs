@@ -74,7 +74,6 @@ struct Shared {
 struct Pooled {
     sender: SendRequest<ProxyBody>,
     socket: Weak<Mutex<TcpStream>>,
-    https: bool,
     /// When it last came back to the pool.
     since: Instant,
 }
@@ -82,18 +81,18 @@ struct Pooled {
 impl Pooled {
     /// Whether the upstream has left the idle connection open, as far as the kernel
     /// knows now: no end of stream and no error waiting on the socket.
-    fn still_open(&self) -> bool {
+    fn still_open(&self, https: bool) -> bool {
         let Some(socket) = self.socket.upgrade() else {
             return false;
         };
-        let socket = socket.lock().unwrap_or_else(PoisonError::into_inner);
+        let socket = lock(&socket);
         let mut byte = [0u8; 1];
         match rustix::net::recv(&*socket, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
             Err(Errno::AGAIN | Errno::INTR) => true,
             Ok((_, 0)) => false,
             // Over TLS these may be records rustls has not read yet (TLS 1.3 session
             // tickets); in plain HTTP, bytes before a request mean a broken exchange.
-            Ok(_) => self.https,
+            Ok(_) => https,
             Err(_) => false,
         }
     }
@@ -106,8 +105,14 @@ struct Stream(Arc<Mutex<TcpStream>>);
 
 impl Stream {
     fn lock(&self) -> MutexGuard<'_, TcpStream> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.0)
     }
+}
+
+/// Locks `mutex`; a panic while it was held leaves its value valid (a list of
+/// connections, a socket), so a poisoned lock is taken all the same.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl AsyncRead for Stream {
@@ -160,8 +165,7 @@ impl HttpClient {
     }
 
     fn idle(&self) -> MutexGuard<'_, Vec<(Key, Vec<Pooled>)>> {
-        // A panic while the list was held leaves a valid list.
-        self.shared.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.shared.idle)
     }
 
     /// Sends `request` (with an absolute URI) and returns the response head.
@@ -208,7 +212,7 @@ impl HttpClient {
         loop {
             let ready = pooled.iter().rposition(|held| held.sender.is_ready())?;
             let candidate = pooled.swap_remove(ready);
-            if candidate.still_open() {
+            if candidate.still_open(key.https) {
                 return Some(candidate);
             }
         }
@@ -248,7 +252,6 @@ impl HttpClient {
             Ok::<_, BoxError>(Pooled {
                 sender,
                 socket,
-                https: key.https,
                 since: Instant::now(),
             })
         };
