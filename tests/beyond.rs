@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use support::client::{metric, until_metric};
-use support::history::{Contract, History, OpResult, check};
+use support::history::{History, OpResult};
 use support::storm::Storm;
 use support::topology::{MASTER_NAME, RedisCluster, SentinelGroup};
 use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, TestResponse, Upstream, send};
@@ -385,16 +385,12 @@ async fn waiting_storm(name: &'static str, targets: Vec<SocketAddr>, upstream: &
     storm.run(&run).await;
     let elapsed = run.started.elapsed();
     let store = redis.map(RedisServer::dump_ttls).unwrap_or_default();
-    let report = check(
-        &run.history,
+    let report = storm.check(
+        &run,
         &upstream.log(),
         &store,
-        &Contract {
-            retention: std::time::Duration::from_secs(3600),
-            run_started: run.started,
-            raw_keys: storm.raw_keys(),
-            outage_windows: vec![],
-        },
+        std::time::Duration::from_secs(3600),
+        vec![],
     );
     report.assert_clean(name);
     assert!(

@@ -105,17 +105,7 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
     let run = storm.start();
     storm.run(&run).await;
     let liveness = storm.settle(&run).await;
-    let report = check(
-        &run.history,
-        &upstream.log(),
-        &redis.dump_ttls(),
-        &Contract {
-            retention: RETENTION,
-            run_started: run.started,
-            raw_keys: storm.raw_keys(),
-            outage_windows: vec![],
-        },
-    );
+    let report = storm.check(&run, &upstream.log(), &redis.dump_ttls(), RETENTION, vec![]);
     println!("storm: {} ops in {:.1?}", storm.total(), run.started.elapsed());
     report.assert_clean("storm 3 processes, 1000 keys x 20");
     // Nothing fails here, so every key must end in a success.
@@ -205,17 +195,7 @@ async fn storm_with_redis_fault(fault: RedisFault) {
     };
     tokio::join!(storm.run(&run), inject);
     let liveness = storm.settle(&run).await;
-    let report = check(
-        &run.history,
-        &upstream.log(),
-        &redis.dump_ttls(),
-        &Contract {
-            retention: RETENTION,
-            run_started: run.started,
-            raw_keys: storm.raw_keys(),
-            outage_windows: outages,
-        },
-    );
+    let report = storm.check(&run, &upstream.log(), &redis.dump_ttls(), RETENTION, outages);
     report.assert_clean(&format!("redis {fault:?}"));
     liveness.assert_live(&format!("redis {fault:?}"), fault.min_success());
     if matches!(fault, RedisFault::ScriptFlush) {

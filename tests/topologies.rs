@@ -17,7 +17,6 @@ use std::collections::BTreeSet;
 
 use idemproxy::idempotency::{parse_key_value, store_key};
 use support::client::until_not;
-use support::history::{Contract, check};
 use support::storm::{Storm, until_progress};
 use support::topology::{MASTER_NAME, RedisCluster, SentinelGroup, role, when};
 use support::{ChildProxy, Mode, StoreKind, TestConfig, Upstream, post_key, send};
@@ -75,17 +74,7 @@ fn assert_clean(
     liveness: &support::storm::Liveness,
     min_success: f64,
 ) -> support::history::Report {
-    let report = check(
-        &run.history,
-        &upstream.log(),
-        ttls,
-        &Contract {
-            retention: RETENTION,
-            run_started: run.started,
-            raw_keys: storm.raw_keys(),
-            outage_windows: outages,
-        },
-    );
+    let report = storm.check(run, &upstream.log(), ttls, RETENTION, outages);
     report.assert_clean(scenario);
     liveness.assert_live(scenario, min_success);
     report

@@ -12,7 +12,8 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use super::client::{PooledClient, pooled_client, pooled_send};
-use super::history::History;
+use super::history::{Contract, History, Report, check};
+use super::upstream::Execution;
 
 /// Many logical operations, each sent `duplicates` times across the targets.
 pub struct Storm {
@@ -42,6 +43,30 @@ impl Storm {
 
     pub fn raw_keys(&self) -> Vec<String> {
         (0..self.logical).map(|l| self.scope_and_key(l).1).collect()
+    }
+
+    /// Checks what `run` recorded against the upstream's executions and the store's
+    /// keys with their TTLs, under the contract of this storm: its raw keys, the
+    /// retention its proxies use, and the windows in which the store was really out.
+    pub fn check(
+        &self,
+        run: &StormRun,
+        executions: &[Execution],
+        store: &[(String, i64)],
+        retention: Duration,
+        outage_windows: Vec<(Instant, Instant)>,
+    ) -> Report {
+        check(
+            &run.history,
+            executions,
+            store,
+            &Contract {
+                retention,
+                run_started: run.started,
+                raw_keys: self.raw_keys(),
+                outage_windows,
+            },
+        )
     }
 
     pub fn start(&self) -> StormRun {
