@@ -134,13 +134,16 @@ def nginx_binary():
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def start_nginx(workdir, name, server_block, workers):
+def nginx_command(workdir, name, server_block, workers, master=True):
+    """Writes an nginx config under workdir/name and returns the command that runs it
+    in the foreground. master=False: one process and no master, for a profiler."""
     prefix = os.path.join(workdir, name)
     os.makedirs(os.path.join(prefix, "logs"), exist_ok=True)
     conf = os.path.join(prefix, "nginx.conf")
     with open(conf, "w") as f:
         f.write(textwrap.dedent(f"""
             daemon off;
+            master_process {"on" if master else "off"};
             worker_processes {workers};
             pid {prefix}/nginx.pid;
             error_log {prefix}/logs/error.log warn;
@@ -156,7 +159,11 @@ def start_nginx(workdir, name, server_block, workers):
               {server_block}
             }}
         """))
-    return subprocess.Popen([nginx_binary(), "-p", prefix, "-c", conf],
+    return [nginx_binary(), "-p", prefix, "-c", conf]
+
+
+def start_nginx(workdir, name, server_block, workers):
+    return subprocess.Popen(nginx_command(workdir, name, server_block, workers),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -34,7 +34,7 @@ import textwrap
 import threading
 import time
 
-from bench import BODY, start_nginx, wait_port
+from bench import BODY, nginx_command, start_nginx, wait_port
 from common import ROOT, free_port
 
 PROFILING = os.path.join(ROOT, "target", "profiling", "idemproxy")
@@ -179,27 +179,13 @@ def main():
             wait_port(ports[name], what=name)
 
         # nginx as in bench.py, but one process (no master) so callgrind sees it all.
-        prefix = os.path.join(workdir, "proxy")
-        os.makedirs(os.path.join(prefix, "logs"))
-        conf = os.path.join(prefix, "nginx.conf")
-        with open(conf, "w") as f:
-            f.write(textwrap.dedent(f"""
-                daemon off; master_process off; worker_processes 1;
-                pid {prefix}/nginx.pid; error_log {prefix}/logs/error.log warn;
-                events {{ worker_connections 4096; }}
-                http {{
-                  access_log off; keepalive_requests 1000000;
-                  client_body_temp_path {prefix}/body; proxy_temp_path {prefix}/proxy;
-                  fastcgi_temp_path {prefix}/f; uwsgi_temp_path {prefix}/u; scgi_temp_path {prefix}/s;
-                  upstream backend {{ server 127.0.0.1:{ports["upstream"]}; keepalive 256; }}
-                  server {{
-                    listen 127.0.0.1:{ports["nginx"]};
-                    location / {{ proxy_pass http://backend; proxy_http_version 1.1;
-                                 proxy_set_header Connection ""; }}
-                  }}
-                }}"""))
-        nginx_binary = shutil.which("nginx") or "/usr/sbin/nginx"
-        nginx = measure([nginx_binary, "-p", prefix, "-c", conf], ports["nginx"],
+        command = nginx_command(workdir, "proxy", textwrap.dedent(f"""
+            upstream backend {{ server 127.0.0.1:{ports["upstream"]}; keepalive 256; }}
+            server {{
+              listen 127.0.0.1:{ports["nginx"]};
+              location / {{ proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection ""; }}
+            }}"""), workers=1, master=False)
+        nginx = measure(command, ports["nginx"],
                         [("GET pass-through", "GET", "/v1/payments", None)], args, workdir, "nginx")
 
         config = os.path.join(workdir, "idemproxy.toml")
