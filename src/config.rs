@@ -13,13 +13,15 @@ use http::Method;
 use http::header::HeaderName;
 use serde::Deserialize;
 
+pub use crate::canonical_json::JsonPointer;
 use crate::error::ConfigError;
-pub use crate::idempotency::json::JsonPointer;
-use crate::scope::JwtVerifier;
-pub use crate::upstream::Target;
+use crate::jwt::JwtVerifier;
 
 mod raw;
+mod target;
 mod validate;
+
+pub use self::target::Target;
 
 /// One second beyond the upstream timeout: how long an owner may hold a claim.
 pub const LEASE_GRACE: Duration = Duration::from_secs(1);

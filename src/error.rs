@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderValue, Response, StatusCode};
 
-use crate::metrics::Outcome;
+use crate::jwt::JwtError;
 
 /// Any error, boxed, where the cause only goes to the log.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -135,7 +135,7 @@ pub(crate) enum Rejection {
     #[error("the idempotency key was used with a different request")]
     KeyReused,
     #[error("the request's token does not verify: {0}")]
-    UnverifiedScope(#[from] crate::scope::JwtError),
+    UnverifiedScope(#[from] JwtError),
     #[error("the first request with this key is still in flight")]
     InProgress {
         retry_after: Duration,
@@ -179,6 +179,28 @@ impl Fault {
             Fault::Upstream | Fault::Store | Fault::Capacity => tracing::Level::WARN,
             Fault::Proxy => tracing::Level::ERROR,
         }
+    }
+}
+
+label_values! {
+    /// How a request ended, as counted in `idemproxy_requests_total`.
+    pub(crate) enum Outcome {
+        /// Sent to the upstream, guarded or not.
+        Forwarded => "forwarded",
+        /// Answered from a recorded response.
+        Replayed => "replayed",
+        /// 409: in progress or outcome unknown.
+        Conflict => "conflict",
+        /// 422: the key was reused with a different request.
+        Mismatch => "mismatch",
+        /// Refused before the store: no route, a bad key, a body too large or too slow.
+        Rejected => "rejected",
+        /// 503: the store failed or is full.
+        StoreError => "store_error",
+        /// 502 or 504: the upstream failed.
+        UpstreamError => "upstream_error",
+        /// 500: the proxy broke its own invariant.
+        InternalError => "internal_error",
     }
 }
 
@@ -334,7 +356,7 @@ impl Rejection {
         };
         // RFC 9110 §15.5.2: a 401 names the scheme that would be accepted.
         let authenticate = match self {
-            Rejection::UnverifiedScope(crate::scope::JwtError::Missing) => Some("Bearer"),
+            Rejection::UnverifiedScope(JwtError::Missing) => Some("Bearer"),
             Rejection::UnverifiedScope(_) => Some("Bearer error=\"invalid_token\""),
             _ => None,
         };

@@ -8,11 +8,10 @@ use http::header::GetAll;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use ring::digest;
 
+use crate::canonical_json;
 use crate::config::{FingerprintBody, OnServerError};
 use crate::error::{KeyError, Rejection};
 use crate::store::{ClaimOutcome, Existing, Fingerprint, RecordState, StoreKey, StoredResponse};
-
-pub mod json;
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -131,7 +130,7 @@ fn put_header(context: &mut digest::Context, headers: &HeaderMap, name: &HeaderN
 
 /// The fingerprint of a request: its method, path, query, the route's
 /// `fingerprint_headers`, and its body: its bytes, or with `FingerprintBody::Json` its
-/// canonical JSON (see `json`) when it has one.
+/// canonical JSON (see `canonical_json`) when it has one.
 pub fn fingerprint(
     method: &Method,
     uri: &Uri,
@@ -158,7 +157,7 @@ pub fn fingerprint(
     match body_rule {
         // Unchanged since the first round, so records made before stay comparable.
         FingerprintBody::Bytes => put(&mut context, body),
-        FingerprintBody::Json { ignore } => match json::canonical(body, ignore) {
+        FingerprintBody::Json { ignore } => match canonical_json::canonical(body, ignore) {
             Some(canonical) => {
                 context.update(b"J");
                 put(&mut context, &canonical);

@@ -8,57 +8,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
+use crate::error::Outcome;
 use crate::store::MemoryUsage;
-
-/// How a request ended, as counted in `idemproxy_requests_total`.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
-#[repr(usize)]
-pub(crate) enum Outcome {
-    /// Sent to the upstream, guarded or not.
-    Forwarded,
-    /// Answered from a recorded response.
-    Replayed,
-    /// 409: in progress or outcome unknown.
-    Conflict,
-    /// 422: the key was reused with a different request.
-    Mismatch,
-    /// Refused before the store: no route, a bad key, a body too large or too slow.
-    Rejected,
-    /// 503: the store failed or is full.
-    StoreError,
-    /// 502 or 504: the upstream failed.
-    UpstreamError,
-    /// 500: the proxy broke its own invariant.
-    InternalError,
-}
-
-impl Outcome {
-    pub(crate) const ALL: [Outcome; 8] = [
-        Outcome::Forwarded,
-        Outcome::Replayed,
-        Outcome::Conflict,
-        Outcome::Mismatch,
-        Outcome::Rejected,
-        Outcome::StoreError,
-        Outcome::UpstreamError,
-        Outcome::InternalError,
-    ];
-
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Forwarded => "forwarded",
-            Outcome::Replayed => "replayed",
-            Outcome::Conflict => "conflict",
-            Outcome::Mismatch => "mismatch",
-            Outcome::Rejected => "rejected",
-            Outcome::StoreError => "store_error",
-            Outcome::UpstreamError => "upstream_error",
-            Outcome::InternalError => "internal_error",
-        }
-    }
-}
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -66,87 +19,47 @@ struct RequestLabels {
     outcome: &'static str,
 }
 
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
-#[repr(usize)]
-pub(crate) enum StoreOp {
-    Claim,
-    Complete,
-    MarkUnknown,
-    Release,
-    Ping,
-}
-
-impl StoreOp {
-    pub(crate) const ALL: [StoreOp; 5] = [
-        StoreOp::Claim,
-        StoreOp::Complete,
-        StoreOp::MarkUnknown,
-        StoreOp::Release,
-        StoreOp::Ping,
-    ];
-
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            StoreOp::Claim => "claim",
-            StoreOp::Complete => "complete",
-            StoreOp::MarkUnknown => "mark_unknown",
-            StoreOp::Release => "release",
-            StoreOp::Ping => "ping",
-        }
+label_values! {
+    /// A store operation, as `idemproxy_store_operation_seconds{op}` names it.
+    pub(crate) enum StoreOp {
+        Claim => "claim",
+        Complete => "complete",
+        MarkUnknown => "mark_unknown",
+        Release => "release",
+        Ping => "ping",
     }
 }
 
-/// What enforce mode would have done with a request a shadow-mode route forwarded
-/// (`idemproxy_shadow_decisions_total{route, would}`).
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
-#[repr(usize)]
-pub(crate) enum Would {
-    /// Claimed it and forwarded it.
-    Forward,
-    /// Replayed the recorded response.
-    Replay,
-    /// 409: in progress, or outcome unknown.
-    Conflict,
-    /// 422: the key was used with another request.
-    Mismatch,
-    /// 400: no key on a route that requires one.
-    MissingKey,
-    /// 400: a key that is not valid.
-    InvalidKey,
-    /// Refused the request for the guard's other reasons: a body too large or too slow
-    /// to read, a scope token that does not verify.
-    Rejected,
-    /// 503: at `max_guarded_requests`.
-    Overloaded,
-    /// 503: the store failed.
-    StoreError,
+impl StoreOp {
+    /// Whether the operation is a compare-and-set, which the store may fence off.
+    fn fenceable(self) -> bool {
+        matches!(self, StoreOp::Complete | StoreOp::MarkUnknown | StoreOp::Release)
+    }
 }
 
-impl Would {
-    pub(crate) const ALL: [Would; 9] = [
-        Would::Forward,
-        Would::Replay,
-        Would::Conflict,
-        Would::Mismatch,
-        Would::MissingKey,
-        Would::InvalidKey,
-        Would::Rejected,
-        Would::Overloaded,
-        Would::StoreError,
-    ];
-
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Would::Forward => "forward",
-            Would::Replay => "replay",
-            Would::Conflict => "conflict",
-            Would::Mismatch => "mismatch",
-            Would::MissingKey => "missing_key",
-            Would::InvalidKey => "invalid_key",
-            Would::Rejected => "rejected",
-            Would::Overloaded => "overloaded",
-            Would::StoreError => "store_error",
-        }
+label_values! {
+    /// What enforce mode would have done with a request a shadow-mode route forwarded
+    /// (`idemproxy_shadow_decisions_total{route, would}`).
+    pub(crate) enum Would {
+        /// Claimed it and forwarded it.
+        Forward => "forward",
+        /// Replayed the recorded response.
+        Replay => "replay",
+        /// 409: in progress, or outcome unknown.
+        Conflict => "conflict",
+        /// 422: the key was used with another request.
+        Mismatch => "mismatch",
+        /// 400: no key on a route that requires one.
+        MissingKey => "missing_key",
+        /// 400: a key that is not valid.
+        InvalidKey => "invalid_key",
+        /// Refused the request for the guard's other reasons: a body too large or too
+        /// slow to read, a scope token that does not verify.
+        Rejected => "rejected",
+        /// 503: at `max_guarded_requests`.
+        Overloaded => "overloaded",
+        /// 503: the store failed.
+        StoreError => "store_error",
     }
 }
 
@@ -156,80 +69,38 @@ struct ShadowLabels {
     would: &'static str,
 }
 
-/// How a duplicate's wait for its first request ended
-/// (`idemproxy_waits_total{result}`).
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
-#[repr(usize)]
-pub(crate) enum WaitEnd {
-    /// The first request completed: the waiter got its replay.
-    Replayed,
-    /// The key was released: this waiter claimed it and forwarded its own request.
-    Claimed,
-    /// The first request's outcome became unknown: 409 `outcome-unknown`.
-    Unknown,
-    /// The deadline came first: 409 `request-in-progress`.
-    Timeout,
-    /// The client went away while waiting.
-    Gone,
-    /// At `server.max_waiters`: 409 at once, without waiting.
-    Full,
-    /// Anything else: a mismatch, the store failing.
-    Other,
-}
-
-impl WaitEnd {
-    const ALL: [WaitEnd; 7] = [
-        WaitEnd::Replayed,
-        WaitEnd::Claimed,
-        WaitEnd::Unknown,
-        WaitEnd::Timeout,
-        WaitEnd::Gone,
-        WaitEnd::Full,
-        WaitEnd::Other,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            WaitEnd::Replayed => "replayed",
-            WaitEnd::Claimed => "claimed",
-            WaitEnd::Unknown => "unknown",
-            WaitEnd::Timeout => "timeout",
-            WaitEnd::Gone => "gone",
-            WaitEnd::Full => "full",
-            WaitEnd::Other => "other",
-        }
+label_values! {
+    /// How a duplicate's wait for its first request ended
+    /// (`idemproxy_waits_total{result}`).
+    pub(crate) enum WaitEnd {
+        /// The first request completed: the waiter got its replay.
+        Replayed => "replayed",
+        /// The key was released: this waiter claimed it and forwarded its own request.
+        Claimed => "claimed",
+        /// The first request's outcome became unknown: 409 `outcome-unknown`.
+        Unknown => "unknown",
+        /// The deadline came first: 409 `request-in-progress`.
+        Timeout => "timeout",
+        /// The client went away while waiting.
+        Gone => "gone",
+        /// At `server.max_waiters`: 409 at once, without waiting.
+        Full => "full",
+        /// Anything else: a mismatch, the store failing.
+        Other => "other",
     }
 }
 
-/// How a reload ended (`idemproxy_config_reloads_total{result}`).
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
-#[repr(usize)]
-pub(crate) enum ReloadResult {
-    /// Swapped in.
-    Ok,
-    /// The file did not validate.
-    Invalid,
-    /// It changed what only a restart can.
-    Refused,
-    /// A worker could not build or take the new routes.
-    Failed,
-}
-
-impl ReloadResult {
-    const ALL: [ReloadResult; 4] = [
-        ReloadResult::Ok,
-        ReloadResult::Invalid,
-        ReloadResult::Refused,
-        ReloadResult::Failed,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            ReloadResult::Ok => "ok",
-            ReloadResult::Invalid => "invalid",
-            ReloadResult::Refused => "refused",
-            ReloadResult::Failed => "failed",
-        }
+label_values! {
+    /// How a reload ended (`idemproxy_config_reloads_total{result}`).
+    pub(crate) enum ReloadResult {
+        /// Swapped in.
+        Ok => "ok",
+        /// The file did not validate.
+        Invalid => "invalid",
+        /// It changed what only a restart can.
+        Refused => "refused",
+        /// A worker could not build or take the new routes.
+        Failed => "failed",
     }
 }
 
@@ -271,8 +142,8 @@ pub(crate) struct Metrics {
     upstream_latency: Family<RouteLabels, Histogram>,
     /// Handles by [op][ok], made once: the request path never looks labels up.
     store_latency: [[Histogram; 2]; StoreOp::ALL.len()],
-    /// Writes refused by compare-and-set, by op.
-    fenced_writes: [Counter; StoreOp::ALL.len()],
+    /// Writes refused by compare-and-set, by op: only for the ops that compare and set.
+    fenced_writes: [Option<Counter>; StoreOp::ALL.len()],
     pending_releases: Gauge,
     replica_acks_missed: Counter,
     tls_handshakes_failed: Counter,
@@ -312,6 +183,12 @@ impl RouteMetrics {
     }
 }
 
+/// Registers `metric` as `name`, and hands back its handle.
+fn register<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
 /// A counter family `name` labelled by `result`, registered, with one handle per value
 /// in `results` (each shown from the start, at zero).
 fn result_counters<const N: usize>(
@@ -320,8 +197,7 @@ fn result_counters<const N: usize>(
     help: &str,
     results: [&'static str; N],
 ) -> [Counter; N] {
-    let family = Family::<ResultLabels, Counter>::default();
-    registry.register(name, help, family.clone());
+    let family = register(registry, name, help, Family::<ResultLabels, Counter>::default());
     results.map(|result| family.get_or_create(&ResultLabels { result }).clone())
 }
 
@@ -334,64 +210,36 @@ impl Default for Metrics {
 impl Metrics {
     pub(crate) fn new() -> Metrics {
         let mut registry = Registry::with_prefix("idemproxy");
-        let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("requests", "Requests by route and outcome", requests.clone());
-        let shadow_decisions = Family::<ShadowLabels, Counter>::default();
-        registry.register(
-            "shadow_decisions",
-            "Requests a shadow-mode route forwarded, by what enforce mode would have done",
-            shadow_decisions.clone(),
-        );
-        let store_family = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0001, 2.0, 16))
-        });
-        registry.register(
+        let r = &mut registry;
+        let store_family = register(
+            r,
             "store_operation_seconds",
             "Latency of store operations",
-            store_family.clone(),
+            Family::<StoreLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+            }),
         );
         let store_latency = StoreOp::ALL.map(|op| {
             [false, true].map(|ok| {
-                let labels = StoreLabels {
-                    op: op.as_str(),
-                    result: if ok { "ok" } else { "error" },
-                };
-                store_family.get_or_create(&labels).clone()
+                let result = if ok { "ok" } else { "error" };
+                store_family
+                    .get_or_create(&StoreLabels {
+                        op: op.as_str(),
+                        result,
+                    })
+                    .clone()
             })
         });
-        let upstream_latency = Family::<RouteLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0005, 2.0, 18))
-        });
-        registry.register(
-            "upstream_seconds",
-            "Latency of upstream exchanges, to the response head",
-            upstream_latency.clone(),
-        );
-        let fenced_family = Family::<OpLabels, Counter>::default();
-        registry.register(
+        let fenced_family = register(
+            r,
             "fenced_writes",
             "Store writes refused because the record no longer belonged to the writer or was no longer in flight",
-            fenced_family.clone(),
+            Family::<OpLabels, Counter>::default(),
         );
-        let fenced_writes = StoreOp::ALL.map(|op| fenced_family.get_or_create(&OpLabels { op: op.as_str() }).clone());
-        let pending_releases = Gauge::default();
-        registry.register(
-            "pending_releases",
-            "Claims waiting for the store to come back so they can be released",
-            pending_releases.clone(),
-        );
-        let replica_acks_missed = Counter::default();
-        registry.register(
-            "replica_acks_missed",
-            "Claims released because fewer replicas than min_replica_acks acknowledged them in time",
-            replica_acks_missed.clone(),
-        );
-        let tls_handshakes_failed = Counter::default();
-        registry.register(
-            "tls_handshakes_failed",
-            "TLS handshakes on the listener that failed or did not finish within header_read_timeout",
-            tls_handshakes_failed.clone(),
-        );
+        let fenced_writes = StoreOp::ALL.map(|op| {
+            op.fenceable()
+                .then(|| fenced_family.get_or_create(&OpLabels { op: op.as_str() }).clone())
+        });
         let store_held = [
             (
                 "store_records",
@@ -404,64 +252,81 @@ impl Metrics {
             ("store_max_records", "The store's bound on records (store.max_records)"),
             ("store_max_bytes", "The store's bound on bytes held (store.max_bytes)"),
         ]
-        .map(|(name, help)| {
-            let family = Family::<BackendLabels, Gauge>::default();
-            registry.register(name, help, family.clone());
-            family
-        });
-        let guarded_in_flight = Gauge::default();
-        registry.register(
-            "guarded_requests_in_flight",
-            "Guarded requests between reading their body and recording their response (bound: server.max_guarded_requests)",
-            guarded_in_flight.clone(),
-        );
-        let config_reloads = result_counters(
-            &mut registry,
-            "config_reloads",
-            "Config reloads (SIGHUP) by result: ok, invalid, refused (needs a restart), failed",
-            ReloadResult::ALL.map(ReloadResult::as_str),
-        );
-        let waiters = Gauge::default();
-        registry.register(
-            "waiters",
-            "Duplicates waiting now for their first request (wait_for_in_flight; bound: server.max_waiters)",
-            waiters.clone(),
-        );
-        let waits = result_counters(
-            &mut registry,
-            "waits",
-            "Waits for a first request by how they ended: replayed, claimed, unknown, timeout, gone, full, other",
-            WaitEnd::ALL.map(WaitEnd::as_str),
-        );
-        let wait_seconds = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
-        registry.register(
-            "wait_seconds",
-            "How long duplicates waited for their first request, from the wait's start to its end",
-            wait_seconds.clone(),
-        );
-        let config_info = Family::<ConfigLabels, Gauge>::default();
-        registry.register(
-            "config_info",
-            "1 for the SHA-256 of the config file serving now",
-            config_info.clone(),
-        );
+        .map(|(name, help)| register(r, name, help, Family::<BackendLabels, Gauge>::default()));
         Metrics {
-            waiters,
-            waits,
-            wait_seconds,
-            config_reloads,
-            config_info,
-            guarded_in_flight,
-            store_held,
-            tls_handshakes_failed,
-            replica_acks_missed,
-            registry,
-            requests,
-            shadow_decisions,
-            upstream_latency,
+            requests: register(r, "requests", "Requests by route and outcome", Family::default()),
+            shadow_decisions: register(
+                r,
+                "shadow_decisions",
+                "Requests a shadow-mode route forwarded, by what enforce mode would have done",
+                Family::default(),
+            ),
             store_latency,
+            upstream_latency: register(
+                r,
+                "upstream_seconds",
+                "Latency of upstream exchanges, to the response head",
+                Family::<RouteLabels, Histogram>::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+                }),
+            ),
             fenced_writes,
-            pending_releases,
+            pending_releases: register(
+                r,
+                "pending_releases",
+                "Claims waiting for the store to come back so they can be released",
+                Gauge::default(),
+            ),
+            replica_acks_missed: register(
+                r,
+                "replica_acks_missed",
+                "Claims released because fewer replicas than min_replica_acks acknowledged them in time",
+                Counter::default(),
+            ),
+            tls_handshakes_failed: register(
+                r,
+                "tls_handshakes_failed",
+                "TLS handshakes on the listener that failed or did not finish within header_read_timeout",
+                Counter::default(),
+            ),
+            store_held,
+            guarded_in_flight: register(
+                r,
+                "guarded_requests_in_flight",
+                "Guarded requests between reading their body and recording their response (bound: server.max_guarded_requests)",
+                Gauge::default(),
+            ),
+            config_reloads: result_counters(
+                r,
+                "config_reloads",
+                "Config reloads (SIGHUP) by result: ok, invalid, refused (needs a restart), failed",
+                ReloadResult::ALL.map(ReloadResult::as_str),
+            ),
+            waiters: register(
+                r,
+                "waiters",
+                "Duplicates waiting now for their first request (wait_for_in_flight; bound: server.max_waiters)",
+                Gauge::default(),
+            ),
+            waits: result_counters(
+                r,
+                "waits",
+                "Waits for a first request by how they ended: replayed, claimed, unknown, timeout, gone, full, other",
+                WaitEnd::ALL.map(WaitEnd::as_str),
+            ),
+            wait_seconds: register(
+                r,
+                "wait_seconds",
+                "How long duplicates waited for their first request, from the wait's start to its end",
+                Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            ),
+            config_info: register(
+                r,
+                "config_info",
+                "1 for the SHA-256 of the config file serving now",
+                Family::default(),
+            ),
+            registry,
         }
     }
 
@@ -501,7 +366,9 @@ impl Metrics {
     }
 
     pub(crate) fn fenced_write(&self, op: StoreOp) {
-        self.fenced_writes[op as usize].inc();
+        if let Some(counter) = &self.fenced_writes[op as usize] {
+            counter.inc();
+        }
     }
 
     pub(crate) fn tls_handshake_failed(&self) {

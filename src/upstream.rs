@@ -4,16 +4,16 @@
 //! exchange. It never decides what to record: it reports
 //! what happened, and who was at fault.
 
-use std::fmt;
 use std::sync::Arc;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{Authority, PathAndQuery, Scheme, Uri};
+use http::uri::{PathAndQuery, Uri};
 use http::{Request, Response, Version};
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use crate::body::{ClientInfo, ProxyBody};
+use crate::config::Target;
 use crate::error::UpstreamError;
 
 mod pool;
@@ -99,53 +99,6 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Where a route sends its requests: made from the route's URL when the config is
-/// validated, so the request path parses nothing.
-#[derive(Debug, Clone)]
-pub struct Target {
-    uri: Uri,
-    scheme: Scheme,
-    authority: Authority,
-    /// The URL's path without its trailing `/`, when it has one to prefix.
-    base_path: Option<String>,
-    host: HeaderValue,
-}
-
-impl TryFrom<Uri> for Target {
-    /// Why the URL cannot be an upstream, for the config error.
-    type Error = &'static str;
-
-    fn try_from(uri: Uri) -> Result<Target, &'static str> {
-        let scheme = match uri.scheme_str() {
-            Some("http") => Scheme::HTTP,
-            Some("https") => Scheme::HTTPS,
-            _ => return Err("the scheme must be http or https"),
-        };
-        let Some(authority) = uri.authority().cloned() else {
-            return Err("the URL needs a host");
-        };
-        if uri.query().is_some() {
-            return Err("the URL must not have a query");
-        }
-        let host =
-            HeaderValue::from_str(authority.as_str()).map_err(|_| "the URL's host is not a valid Host header")?;
-        let base = uri.path().trim_end_matches('/');
-        Ok(Target {
-            scheme,
-            base_path: (!base.is_empty()).then(|| base.to_string()),
-            authority,
-            host,
-            uri,
-        })
-    }
-}
-
-impl fmt::Display for Target {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.uri.fmt(f)
-    }
-}
-
 /// Rewrites a client request for the upstream: the URI, `Host`, the hop-by-hop
 /// fields, and the `X-Forwarded-*` fields.
 pub(crate) fn prepare_request<B>(
@@ -160,7 +113,7 @@ pub(crate) fn prepare_request<B>(
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok()),
     };
-    let path_and_query = match (&target.base_path, request.uri().path_and_query()) {
+    let path_and_query = match (target.base_path(), request.uri().path_and_query()) {
         (None, Some(path_and_query)) => path_and_query.clone(),
         (None, None) => PathAndQuery::from_static("/"),
         (Some(base), path_and_query) => {
@@ -168,15 +121,15 @@ pub(crate) fn prepare_request<B>(
         }
     };
     let mut parts = http::uri::Parts::default();
-    parts.scheme = Some(target.scheme.clone());
-    parts.authority = Some(target.authority.clone());
+    parts.scheme = Some(target.scheme().clone());
+    parts.authority = Some(target.authority().clone());
     parts.path_and_query = Some(path_and_query);
     *request.uri_mut() = Uri::from_parts(parts)?;
     *request.version_mut() = Version::HTTP_11;
 
     let headers = request.headers_mut();
     strip_hop_by_hop(headers);
-    headers.insert(header::HOST, target.host.clone());
+    headers.insert(header::HOST, target.host().clone());
     let forwarded_for = match headers.get(&X_FORWARDED_FOR).map(HeaderValue::as_bytes) {
         Some(previous) => {
             let mut joined = Vec::with_capacity(previous.len() + 2 + client.forwarded_for.len());

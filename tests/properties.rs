@@ -326,7 +326,7 @@ fn canonical(text: &str, ignore: &[&str]) -> Option<Vec<u8>> {
         .iter()
         .map(|p| JsonPointer::parse(p).expect("a pointer"))
         .collect();
-    idemproxy::idempotency::json::canonical(text.as_bytes(), &ignore)
+    idemproxy::canonical_json::canonical(text.as_bytes(), &ignore)
 }
 
 proptest! {

@@ -19,18 +19,11 @@ use super::raw::{
 use super::{
     AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
     DEFAULT_REPLICA_ACK_TIMEOUT, FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, RedisConfig,
-    RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls,
+    RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls, Target,
 };
 use crate::error::ConfigError;
-use crate::scope::{JwtVerifier, KeySource};
+use crate::jwt::{JwtVerifier, KeySource};
 use crate::tls::{self, TlsError};
-
-/// A verifier's keys as read: a JWKS document or an HS256 secret.
-enum Keys {
-    Jwks(String),
-    Secret(String),
-}
-use crate::upstream::Target;
 
 /// Parses and validates `source`; `path` only names the file in errors.
 pub(super) fn parse(source: &str, path: &Path) -> Result<Config, ConfigError> {
@@ -693,7 +686,7 @@ impl Validator<'_> {
                         format!("cannot read {}: {error}", path.display()),
                     )
                 })?;
-                (Keys::Jwks(text), file.span(), "jwks_file")
+                (KeySource::Jwks(text), file.span(), "jwks_file")
             }
             (None, Some(variable)) => {
                 let secret = std::env::var(variable.get_ref()).map_err(|_| {
@@ -703,7 +696,11 @@ impl Validator<'_> {
                         format!("the environment variable {} is not set", variable.get_ref()),
                     )
                 })?;
-                (Keys::Secret(secret), variable.span(), "hs256_secret_env")
+                (
+                    KeySource::Secret(secret.into_bytes()),
+                    variable.span(),
+                    "hs256_secret_env",
+                )
             }
             (Some(file), Some(_)) => {
                 return Err(invalid(
@@ -720,14 +717,10 @@ impl Validator<'_> {
                 ));
             }
         };
-        let source = match &keys {
-            Keys::Jwks(text) => KeySource::Jwks(text),
-            Keys::Secret(secret) => KeySource::Secret(secret.as_bytes()),
-        };
         JwtVerifier::new(
             header,
             raw.claim.get_ref().clone(),
-            source,
+            keys,
             raw.issuer.clone(),
             raw.audience.clone(),
             raw.leeway.0,

@@ -223,7 +223,7 @@ fn decisions_follow_the_record() {
 fn a_json_fingerprint_ignores_spelling_and_ignored_fields_but_not_values() {
     let uri: Uri = "/v1/pay".parse().expect("uri");
     let json = FingerprintBody::Json {
-        ignore: vec![json::JsonPointer::parse("/request_id").expect("pointer")],
+        ignore: vec![crate::canonical_json::JsonPointer::parse("/request_id").expect("pointer")],
     };
     let of = |rule: &FingerprintBody, body: &[u8]| fingerprint(&Method::POST, &uri, &HeaderMap::new(), &[], rule, body);
     let base = of(&json, br#"{"amount":10,"currency":"EUR","request_id":"a"}"#);

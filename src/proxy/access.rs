@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::body::ProxyBody;
 use crate::error::BoxError;
-use crate::metrics::Outcome;
+use crate::error::Outcome;
 
 /// How a request ended, and on which route.
 #[derive(Clone)]

@@ -18,9 +18,10 @@ use tracing::Span;
 use super::{Prepared, Proxy};
 use crate::body::{ClientInfo, ProxyBody};
 use crate::config::IdempotencyPolicy;
+use crate::error::Outcome;
 use crate::error::Rejection;
 use crate::idempotency::{self, Decision};
-use crate::metrics::{Metrics, Outcome, WaitEnd};
+use crate::metrics::{Metrics, WaitEnd};
 use crate::router::RouteState;
 use crate::store::notify::{Watch, Watcher};
 

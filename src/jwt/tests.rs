@@ -50,7 +50,7 @@ fn secret_verifier() -> JwtVerifier {
     JwtVerifier::new(
         HeaderName::from_static("authorization"),
         "sub".into(),
-        KeySource::Secret(SECRET),
+        KeySource::Secret(SECRET.to_vec()),
         Some("https://auth.example.com/".into()),
         Some("payments".into()),
         Duration::from_secs(30),
@@ -97,7 +97,7 @@ impl Signers {
         JwtVerifier::new(
             HeaderName::from_static("authorization"),
             "sub".into(),
-            KeySource::Jwks(&self.jwks()),
+            KeySource::Jwks(self.jwks()),
             None,
             None,
             Duration::ZERO,
@@ -287,7 +287,7 @@ fn malformed_or_missing_tokens_are_refused() {
 
 #[test]
 fn verifiers_refuse_weak_secrets_and_useless_jwks() {
-    let make = |keys: KeySource<'_>| {
+    let make = |keys: KeySource| {
         JwtVerifier::new(
             HeaderName::from_static("authorization"),
             "sub".into(),
@@ -297,8 +297,8 @@ fn verifiers_refuse_weak_secrets_and_useless_jwks() {
             Duration::ZERO,
         )
     };
-    assert!(make(KeySource::Secret(b"short")).is_err());
-    assert!(make(KeySource::Jwks("not json")).is_err());
-    assert!(make(KeySource::Jwks(r#"{"keys": []}"#)).is_err());
-    assert!(make(KeySource::Jwks(r#"{"keys": [{"kty": "oct", "k": "AAAA"}]}"#)).is_err());
+    assert!(make(KeySource::Secret(b"short".to_vec())).is_err());
+    assert!(make(KeySource::Jwks("not json".into())).is_err());
+    assert!(make(KeySource::Jwks(r#"{"keys": []}"#.into())).is_err());
+    assert!(make(KeySource::Jwks(r#"{"keys": [{"kty": "oct", "k": "AAAA"}]}"#.into())).is_err());
 }
