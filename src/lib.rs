@@ -2,10 +2,15 @@
 //! built for them. For each guarded request that carries an idempotency key it claims
 //! the key in a store, forwards once, records the response and replays it to retries.
 //!
-//! Data flows one way: `server` -> `proxy` -> `router` -> `idempotency` -> `store`
-//! -> `upstream`. The binary in `main.rs` only parses the command line. The public
-//! modules are what the binary and the tests need: the config, the errors, the record
-//! rules and store, and `start`. Test seams sit behind the `test-util` feature.
+//! `server` accepts connections and hands each request to `proxy`, the one module that
+//! ties the others together: it asks `router` for the route, `idempotency` (with
+//! `scope` and `jwt`) for the record and the decision, `store` to claim and resolve the
+//! record, and `upstream` to forward. Below them sit the leaves that import nothing
+//! upward: `config` and the values it owns, `error`, `record`, `body`,
+//! `canonical_json`, `tls`. `admin` serves health, metrics and the records API, which
+//! the CLI calls through `ops`. A unit test below keeps the modules free of
+//! import cycles. The binary in `main.rs` only parses the command line. Test seams sit
+//! behind the `test-util` feature.
 
 #![forbid(unsafe_code)]
 

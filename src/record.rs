@@ -12,11 +12,6 @@ use crate::body::{ProxyBody, full};
 /// Set on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// The layout of a stored record. The Redis scripts write it into every record they
-/// create, and a record of any other format is refused when read, so that a future
-/// layout can never be misread as this one.
-pub const FORMAT_VERSION: &str = "1";
-
 /// An upstream response as recorded for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {

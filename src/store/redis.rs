@@ -368,7 +368,6 @@ impl RedisStore {
     }
 }
 
-/// Whether the store said it did not run the command, and a moment later may.
 /// The store error for a Redis error that ends an operation: a TLS failure is told
 /// apart, because nothing reached Redis and only the configuration can fix it.
 fn unavailable(error: RedisError) -> StoreError {
@@ -379,6 +378,7 @@ fn unavailable(error: RedisError) -> StoreError {
     }
 }
 
+/// Whether the store said it did not run the command, and a moment later may.
 fn is_refused(error: &RedisError) -> bool {
     if topology::tls_failure(error).is_some() {
         return false;

@@ -24,7 +24,13 @@ use crate::store::{
     UnknownReason,
 };
 
+/// The format version, the first byte of every record: the one place it is named (the
+/// scripts spell it in their tags, and a unit test holds them to it).
 const VERSION: u8 = b'2';
+/// The second byte: the record's state.
+const IN_FLIGHT: u8 = b'F';
+const COMPLETED: u8 = b'C';
+const UNKNOWN: u8 = b'U';
 const FINGERPRINT: std::ops::Range<usize> = 2..66;
 const OWNER: std::ops::Range<usize> = 66..98;
 
@@ -32,7 +38,7 @@ const OWNER: std::ops::Range<usize> = 66..98;
 /// of the retention is left.
 pub(super) fn in_flight(fingerprint: Fingerprint, owner: OwnerToken, rest: Duration) -> Vec<u8> {
     let mut value = Vec::with_capacity(OWNER.end + 12);
-    value.extend_from_slice(&[VERSION, b'F']);
+    value.extend_from_slice(&[VERSION, IN_FLIGHT]);
     value.extend_from_slice(fingerprint.to_hex().as_bytes());
     value.extend_from_slice(owner.to_hex().as_bytes());
     value.extend_from_slice(super::millis(rest).to_string().as_bytes());
@@ -55,7 +61,7 @@ pub(super) fn completed_tail(response: &StoredResponse) -> Vec<u8> {
 /// Whether reading `value` needs its remaining TTL: only an in-flight record's does
 /// (its lease is read off it); completed and unknown records read the same at any TTL.
 pub(super) fn lease_depends_on_ttl(value: &[u8]) -> bool {
-    value.get(1) == Some(&b'F')
+    value.get(1) == Some(&IN_FLIGHT)
 }
 
 /// A record as read, with the remaining TTL Redis gave beside it.
@@ -84,7 +90,7 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
         .and_then(Fingerprint::from_hex)
         .ok_or(bad("a record with a malformed fingerprint"))?;
     let state = match value.get(1) {
-        Some(b'F') => {
+        Some(&IN_FLIGHT) => {
             let owner = value
                 .get(OWNER)
                 .ok_or(bad("an in-flight record without an owner"))?
@@ -101,7 +107,7 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 lease: (remaining > 0).then(|| Duration::from_millis(u64::try_from(remaining).unwrap_or(0))),
             }
         }
-        Some(b'C') => {
+        Some(&COMPLETED) => {
             let tail = value.slice(FINGERPRINT.end..);
             let status = tail.get(..3).ok_or(bad("a completed record without a status"))?;
             let colon = tail
@@ -121,7 +127,7 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 .ok_or(bad("a completed record that does not decode"))?;
             Read::Completed(response)
         }
-        Some(b'U') => Read::Unknown(
+        Some(&UNKNOWN) => Read::Unknown(
             value
                 .get(FINGERPRINT.end..)
                 .and_then(UnknownReason::parse)
@@ -257,6 +263,59 @@ mod tests {
                 ..
             }))
         ));
+    }
+
+    /// The scripts read and write this layout with `string.sub`: every tag they
+    /// compare or write is this version and a state of it, and every slice they take is
+    /// one of the fields above (Lua counts from 1, both ends included).
+    #[test]
+    fn the_scripts_spell_this_layout() {
+        let scripts = [
+            ("complete", include_str!("../scripts/complete.lua")),
+            ("mark_unknown", include_str!("../scripts/mark_unknown.lua")),
+            ("release", include_str!("../scripts/release.lua")),
+            ("forget", include_str!("../scripts/forget.lua")),
+        ];
+        let tags: Vec<String> = [IN_FLIGHT, COMPLETED, UNKNOWN]
+            .iter()
+            .map(|state| format!("'{}{}'", char::from(VERSION), char::from(*state)))
+            .collect();
+        let slices = [
+            "string.sub(record, 1, 2)".to_string(),
+            format!("string.sub(record, {}, {})", FINGERPRINT.start + 1, FINGERPRINT.end),
+            format!("string.sub(record, {}, {})", OWNER.start + 1, OWNER.end),
+            format!("string.sub(record, {})", OWNER.end + 1),
+        ];
+        for (name, lua) in scripts {
+            let code: String = lua
+                .lines()
+                .filter(|line| !line.starts_with("--"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let mut quoted = code.split('\'').skip(1).step_by(2);
+            let used: Vec<&str> = quoted
+                .by_ref()
+                .filter(|text| text.len() == 2 && text.as_bytes()[0].is_ascii_digit())
+                .collect();
+            assert!(!used.is_empty(), "{name} compares no tag");
+            for tag in used {
+                assert!(
+                    tags.contains(&format!("'{tag}'")),
+                    "{name} uses the tag {tag:?}, not one of {tags:?}"
+                );
+            }
+            let mut rest = code.as_str();
+            while let Some(at) = rest.find("string.sub(") {
+                let call = &rest[at..];
+                let end = call.find(')').expect("a closed call") + 1;
+                assert!(
+                    slices.contains(&call[..end].to_string()),
+                    "{name}: {} is not a field",
+                    &call[..end]
+                );
+                rest = &call[end..];
+            }
+        }
     }
 
     #[test]
