@@ -97,8 +97,8 @@ impl Admin {
             }
             "/metrics" => {
                 self.metrics.guarded_in_flight(self.guarded.in_flight());
-                if let AnyStore::Memory(store) = &self.store {
-                    self.metrics.memory_store(store.usage());
+                if let Some(usage) = self.store.usage() {
+                    self.metrics.memory_store(usage);
                 }
                 let mut response = text(StatusCode::OK, "");
                 *response.body_mut() = full(self.metrics.encode());

@@ -167,6 +167,67 @@ pub enum RedisTopology {
     Cluster { urls: Vec<String> },
 }
 
+impl Backend {
+    /// The backend as `store.backend` names it: what `check`, the start-up line and
+    /// the logs call it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Memory { .. } => "memory",
+            Backend::Redis(redis) => redis.topology.name(),
+        }
+    }
+}
+
+impl RedisConfig {
+    /// One primary at `url`, claims not waiting for replicas.
+    pub fn standalone(url: &str) -> RedisConfig {
+        RedisConfig {
+            topology: RedisTopology::Standalone { url: url.to_string() },
+            min_replica_acks: 0,
+            replica_ack_timeout: DEFAULT_REPLICA_ACK_TIMEOUT,
+            tls: None,
+        }
+    }
+}
+
+impl RedisTopology {
+    /// The topology as `store.backend` names it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RedisTopology::Standalone { .. } => "redis",
+            RedisTopology::Sentinel { .. } => "redis-sentinel",
+            RedisTopology::Cluster { .. } => "redis-cluster",
+        }
+    }
+
+    /// Every URL the topology is reached by: the primary, the sentinels or the seeds.
+    pub fn urls(&self) -> &[String] {
+        match self {
+            RedisTopology::Standalone { url } => std::slice::from_ref(url),
+            RedisTopology::Sentinel { urls, .. } | RedisTopology::Cluster { urls } => urls,
+        }
+    }
+}
+
+impl std::fmt::Display for RedisTopology {
+    /// The topology by its name and URLs, passwords redacted: for `check` and logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let urls = self
+            .urls()
+            .iter()
+            .map(|url| redact_url(url))
+            .collect::<Vec<_>>()
+            .join(", ");
+        match self {
+            RedisTopology::Standalone { .. } => write!(f, "redis (one primary) {urls}"),
+            RedisTopology::Sentinel { master_name, .. } => {
+                write!(f, "redis-sentinel (master {master_name:?} via sentinels {urls})")
+            }
+            RedisTopology::Cluster { .. } => write!(f, "redis-cluster (seed nodes {urls})"),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Route {
     pub name: String,
@@ -393,7 +454,8 @@ impl std::fmt::Display for Config {
         match &self.store.backend {
             Backend::Memory { max_records, max_bytes } => writeln!(
                 f,
-                "store  memory (max_records {max_records}, max_bytes {max_bytes} = {:.1} MiB)",
+                "store  {} (max_records {max_records}, max_bytes {max_bytes} = {:.1} MiB)",
+                self.store.backend.name(),
                 *max_bytes as f64 / (1024.0 * 1024.0)
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
@@ -444,18 +506,7 @@ impl std::fmt::Display for Config {
 impl std::fmt::Display for RedisConfig {
     /// The topology as `idemproxy check` prints it, passwords redacted.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let list = |urls: &[String]| urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>().join(", ");
-        match &self.topology {
-            RedisTopology::Standalone { url } => write!(f, "redis (one primary) {}", redact_url(url))?,
-            RedisTopology::Sentinel { urls, master_name } => {
-                write!(
-                    f,
-                    "redis-sentinel (master {master_name:?} via sentinels {})",
-                    list(urls)
-                )?;
-            }
-            RedisTopology::Cluster { urls } => write!(f, "redis-cluster (seed nodes {})", list(urls))?,
-        }
+        write!(f, "{}", self.topology)?;
         if let Some(tls) = &self.tls {
             write!(
                 f,

@@ -65,9 +65,11 @@ pub mod tls;
 mod upstream;
 
 pub use config::Config;
+#[cfg(feature = "test-util")]
+pub use server::start_with_store;
 pub use server::{Running, StartError, start};
 #[cfg(feature = "test-util")]
-pub use server::{StoreFactory, start_with_store};
+pub use store::StoreFactory;
 
 #[cfg(test)]
 mod tests {

@@ -25,12 +25,14 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
 use crate::body::{ClientInfo, ProxyBody};
-use crate::config::{Backend, Config, RedisTopology};
+use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::{GuardedRequests, Proxy, Waiting};
+#[cfg(feature = "test-util")]
+use crate::store::AnyStore;
 use crate::store::notify::Watcher;
-use crate::store::{AnyStore, MemoryStore, RedisStore};
+use crate::store::{self, StoreFactory};
 
 use self::limits::{Activity, Backoff};
 use self::reload::WorkerReload;
@@ -116,34 +118,6 @@ impl Running {
     }
 }
 
-/// Makes a store handle. Each worker thread calls it once, inside its own runtime, so
-/// every worker has its own Redis connection; the memory store is one shared map.
-#[cfg(feature = "test-util")]
-pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
-#[cfg(not(feature = "test-util"))]
-type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
-
-/// The factory for the configured store, and where its waiters learn that records
-/// changed (on Redis, the process's subscriber, started here).
-fn store_factory(config: &Config) -> Result<(StoreFactory, Watcher), StoreError> {
-    match &config.store.backend {
-        Backend::Memory { max_records, max_bytes } => {
-            let store = MemoryStore::new(*max_records, *max_bytes);
-            let watcher = store.watcher();
-            let shared = AnyStore::Memory(store);
-            Ok((Arc::new(move || Ok(shared.clone())), watcher))
-        }
-        Backend::Redis(redis) => {
-            let (redis, timeout) = (redis.clone(), config.store.timeout);
-            let watcher = crate::store::redis::start_subscriber(&redis, timeout)?;
-            Ok((
-                Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?))),
-                watcher,
-            ))
-        }
-    }
-}
-
 /// Binds the listeners and starts serving: one worker thread per core (or
 /// `server.workers`), each with its own single-threaded runtime, its own listening
 /// socket (see `bind_workers`), its own upstream connection pool and its own store
@@ -151,7 +125,7 @@ fn store_factory(config: &Config) -> Result<(StoreFactory, Watcher), StoreError>
 /// threads. Must be called inside a Tokio runtime, which runs the admin
 /// listener and the memory store's sweeper.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let (factory, watcher) = store_factory(&config).map_err(StartError::Store)?;
+    let (factory, watcher) = store::open(&config.store).map_err(StartError::Store)?;
     launch(config, factory, watcher).await
 }
 
@@ -186,7 +160,7 @@ async fn launch(config: Config, factory: StoreFactory, watcher: Watcher) -> Resu
     let waiting = Waiting::new(watcher, config.server.max_waiters);
     let store = factory().map_err(StartError::Store)?;
     // A memory store is one process's: a second instance must not share its port.
-    let share_port = matches!(config.store.backend, Backend::Redis(_));
+    let share_port = store.shared_by_instances();
     let (addr, listeners) = bind_workers(config.server.listen, config.server.workers, share_port)?;
 
     let config = Arc::new(config);
@@ -238,7 +212,7 @@ async fn launch(config: Config, factory: StoreFactory, watcher: Watcher) -> Resu
         open_files_limit = open_files.map(|files| files.after),
         open_files_limit_was = open_files.map(|files| files.before),
         admin = %admin_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
-        store = store_name(&config),
+        store = config.store.backend.name(),
         workers = config.server.workers,
         routes = config.routes.len(),
         "idemproxy listening"
@@ -348,10 +322,8 @@ impl Worker {
                     return;
                 }
             };
-            if let AnyStore::Redis(redis) = &store {
-                let redis = redis.clone();
-                tokio::spawn(async move { redis.preload().await });
-            }
+            let warming = store.clone();
+            tokio::spawn(async move { warming.warm_up().await });
             let listener = match TcpListener::from_std(listener) {
                 Ok(listener) => listener,
                 Err(source) => {
@@ -443,17 +415,6 @@ fn bind_workers(
     }
     listeners.insert(0, first);
     Ok((bound, listeners))
-}
-
-fn store_name(config: &Config) -> &'static str {
-    match &config.store.backend {
-        Backend::Memory { .. } => "memory",
-        Backend::Redis(redis) => match redis.topology {
-            RedisTopology::Standalone { .. } => "redis",
-            RedisTopology::Sentinel { .. } => "redis-sentinel",
-            RedisTopology::Cluster { .. } => "redis-cluster",
-        },
-    }
 }
 
 /// What a listener serves with: its limits, the connection permits it draws from, TLS

@@ -1,12 +1,15 @@
 //! The record store: claim, complete, mark unknown and release, each one atomic
 //! operation on one record under one store key. `redis` and `memory` implement the
-//! same trait with the same semantics, and one test suite runs against both.
+//! same trait with the same semantics, and one test suite runs against both. `open`
+//! picks the backend the config names, so that nothing outside this module names one.
 //! The store knows nothing of HTTP routing or of how store keys are derived.
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::{Backend, StoreConfig};
 use crate::error::StoreError;
 pub use crate::record::StoredResponse;
 
@@ -15,7 +18,33 @@ pub(crate) mod notify;
 pub mod redis;
 
 pub use self::memory::{MemoryStore, MemoryUsage};
+use self::notify::Watcher;
 pub use self::redis::RedisStore;
+
+/// Makes a store handle. Each worker thread calls it once, inside its own runtime, so
+/// every worker has its own Redis connection; the memory store is one shared map.
+pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
+
+/// Opens the store `config` names: the factory the workers make their handles with,
+/// and where waiters learn that records changed (on Redis, the process's subscriber,
+/// started here). Must be called inside a Tokio runtime, which runs the memory store's
+/// sweeper or the Redis subscriber.
+pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
+    match &config.backend {
+        Backend::Memory { max_records, max_bytes } => {
+            let store = MemoryStore::new(*max_records, *max_bytes);
+            let watcher = store.watcher();
+            let shared = AnyStore::Memory(store);
+            Ok((Arc::new(move || Ok(shared.clone())), watcher))
+        }
+        Backend::Redis(redis) => {
+            let (redis, timeout) = (redis.clone(), config.timeout);
+            let watcher = self::redis::start_subscriber(&redis, timeout)?;
+            let factory: StoreFactory = Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?)));
+            Ok((factory, watcher))
+        }
+    }
+}
 
 /// The name of one record in the store. Only `idempotency::store_key` makes these,
 /// so writer and reader always agree on it.
@@ -247,6 +276,31 @@ pub trait RecordStore: Send + Sync + 'static {
 pub enum AnyStore {
     Memory(MemoryStore),
     Redis(RedisStore),
+}
+
+impl AnyStore {
+    /// Gets a new handle ready for its first request: on Redis, loads the scripts, so
+    /// that the first write does not pay `NOSCRIPT`, a load and a second try.
+    pub(crate) async fn warm_up(&self) {
+        match self {
+            AnyStore::Memory(_) => {}
+            AnyStore::Redis(store) => store.preload().await,
+        }
+    }
+
+    /// Whether several proxy instances may share this store (Redis), or it is one
+    /// process's own (memory).
+    pub(crate) fn shared_by_instances(&self) -> bool {
+        matches!(self, AnyStore::Redis(_))
+    }
+
+    /// What the embedded store holds and its bounds; Redis reports its own memory.
+    pub fn usage(&self) -> Option<MemoryUsage> {
+        match self {
+            AnyStore::Memory(store) => Some(store.usage()),
+            AnyStore::Redis(_) => None,
+        }
+    }
 }
 
 macro_rules! delegate {

@@ -455,11 +455,7 @@ impl Validator<'_> {
         else {
             return Ok(None);
         };
-        let urls = match topology {
-            RedisTopology::Standalone { url } => std::slice::from_ref(url),
-            RedisTopology::Sentinel { urls, .. } | RedisTopology::Cluster { urls } => urls.as_slice(),
-        };
-        if !urls.iter().any(|url| url.starts_with("rediss://")) {
+        if !topology.urls().iter().any(|url| url.starts_with("rediss://")) {
             return Err(self.error(
                 span,
                 first,

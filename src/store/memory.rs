@@ -95,8 +95,9 @@ impl Records {
     }
 }
 
-/// A bug planted on purpose, so that a test can show it catches it. Only with the
-/// `test-util` feature; without it, every `planted!` is `false` and compiles away.
+/// A bug planted on purpose, so that a test can show it catches it: one field of the
+/// store, and one `planted!` at each site. Without the `test-util` feature there is
+/// nothing to plant, and every `planted!` is `false` and compiles away.
 #[cfg(feature = "test-util")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Plant {
@@ -114,6 +115,11 @@ macro_rules! planted {
         $store.shared.plant == Some(Plant::$plant)
     };
 }
+
+/// Nothing can be planted without the feature.
+#[cfg(not(feature = "test-util"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plant {}
 
 #[cfg(not(feature = "test-util"))]
 macro_rules! planted {
@@ -153,13 +159,26 @@ impl MemoryStore {
     /// they hold `max_bytes`. Must be called inside a
     /// Tokio runtime: it starts the sweeper, which stops when the last handle drops.
     pub fn new(max_records: usize, max_bytes: usize) -> MemoryStore {
+        MemoryStore::open(max_records, max_bytes, None)
+    }
+
+    /// A store with `plant` in it, for the negative controls of the conformance test.
+    #[cfg(feature = "test-util")]
+    pub fn with_plant(max_records: usize, plant: Plant) -> MemoryStore {
+        MemoryStore::open(max_records, usize::MAX, Some(plant))
+    }
+
+    fn open(max_records: usize, max_bytes: usize, plant: Option<Plant>) -> MemoryStore {
+        // Without the feature `Plant` has no value: `plant` is `None`, and unused.
+        #[cfg(not(feature = "test-util"))]
+        let _ = plant;
         let shared = Arc::new(Shared {
             records: Mutex::new(Records::default()),
             max_records,
             max_bytes,
             hub: Arc::default(),
             #[cfg(feature = "test-util")]
-            plant: None,
+            plant,
         });
         tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
         MemoryStore { shared }
@@ -168,20 +187,6 @@ impl MemoryStore {
     /// Where this store's waiters are woken.
     pub(crate) fn watcher(&self) -> Watcher {
         Watcher::Local(self.shared.hub.clone())
-    }
-
-    /// A store with `plant` in it, for the negative controls of the conformance test.
-    #[cfg(feature = "test-util")]
-    pub fn with_plant(max_records: usize, plant: Plant) -> MemoryStore {
-        let shared = Arc::new(Shared {
-            records: Mutex::new(Records::default()),
-            max_records,
-            max_bytes: usize::MAX,
-            hub: Arc::default(),
-            plant: Some(plant),
-        });
-        tokio::spawn(sweep_forever(Arc::downgrade(&shared)));
-        MemoryStore { shared }
     }
 
     /// The number of records held, expired or not.

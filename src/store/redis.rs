@@ -13,10 +13,10 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind};
+use redis::{RedisError, RedisResult, Script};
 use tokio::time::Instant;
 
-use self::topology::{Connection, Unready, is_transient};
+use self::topology::{Connection, Unready, is_refused, is_transient};
 use super::{
     ClaimOutcome, ClaimRequest, Forget, OwnerToken, RecordStore, RecordSummary, StoreKey, StoredResponse,
     UnknownReason, Write,
@@ -25,8 +25,13 @@ use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
 
 mod layout;
+mod seams;
 mod subscriber;
 mod topology;
+
+use self::seams::Seams;
+#[cfg(feature = "test-util")]
+pub use self::seams::{ClaimPause, ClaimPlant};
 
 pub(crate) use self::subscriber::{publish_command, start as start_subscriber};
 
@@ -68,17 +73,6 @@ pub enum ScriptName {
     Release,
 }
 
-/// A bug planted in the native claim, for the negative controls of the conformance
-/// test (the claim has no script to swap).
-#[cfg(feature = "test-util")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClaimPlant {
-    /// A record whose lease ran out is taken over by the next claim.
-    TakesOverExpiredLeases,
-    /// The record's expiry is set to the lease instead of the retention.
-    ExpiresWithTheLease,
-}
-
 /// How many replicas must hold a claim before it counts, and how long to wait for them.
 #[derive(Debug, Clone, Copy)]
 struct Durability {
@@ -97,17 +91,6 @@ enum Retry {
     Transient,
 }
 
-/// Where a claim that found a record in flight stops before it reads that record's
-/// TTL, for a test that changes the record in between.
-#[cfg(feature = "test-util")]
-#[derive(Debug, Clone, Default)]
-pub struct ClaimPause {
-    /// Told when a claim has found a record in flight.
-    pub reached: Arc<tokio::sync::Notify>,
-    /// Waited for before the claim reads the record's TTL.
-    pub resume: Arc<tokio::sync::Notify>,
-}
-
 /// A cheap-to-clone handle on the Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -118,21 +101,14 @@ pub struct RedisStore {
     topology: Arc<RedisTopology>,
     /// How the scripts tell waiters that a record changed.
     publish: &'static str,
-    #[cfg(feature = "test-util")]
-    claim_plant: Option<ClaimPlant>,
-    #[cfg(feature = "test-util")]
-    claim_pause: Option<ClaimPause>,
+    /// What a test planted in the claim (`test-util`); nothing otherwise.
+    seams: Seams,
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let topology = match &*self.topology {
-            RedisTopology::Standalone { url } => crate::config::redact_url(url),
-            RedisTopology::Sentinel { master_name, .. } => format!("sentinel master {master_name:?}"),
-            RedisTopology::Cluster { .. } => "cluster".into(),
-        };
         f.debug_struct("RedisStore")
-            .field("topology", &topology)
+            .field("topology", &format_args!("{}", self.topology))
             .field("timeout", &self.timeout)
             .field("durability", &self.durability)
             .finish()
@@ -156,22 +132,13 @@ impl RedisStore {
             }),
             topology: Arc::new(config.topology.clone()),
             publish: publish_command(&config.topology),
-            #[cfg(feature = "test-util")]
-            claim_plant: None,
-            #[cfg(feature = "test-util")]
-            claim_pause: None,
+            seams: Seams::default(),
         })
     }
 
     /// One primary at `url`, claims not waiting for replicas.
     pub fn standalone(url: &str, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let config = RedisConfig {
-            topology: RedisTopology::Standalone { url: url.to_string() },
-            min_replica_acks: 0,
-            replica_ack_timeout: crate::config::DEFAULT_REPLICA_ACK_TIMEOUT,
-            tls: None,
-        };
-        RedisStore::new(&config, timeout)
+        RedisStore::new(&RedisConfig::standalone(url), timeout)
     }
 
     /// Replaces one lifecycle script with `lua`, for tests that must show a broken
@@ -192,14 +159,14 @@ impl RedisStore {
     /// Plants `plant` in the claim, for a negative control.
     #[cfg(feature = "test-util")]
     pub fn with_claim_plant(mut self, plant: ClaimPlant) -> RedisStore {
-        self.claim_plant = Some(plant);
+        self.seams.plant = Some(plant);
         self
     }
 
     /// Stops each claim that finds a record in flight at `pause`.
     #[cfg(feature = "test-util")]
     pub fn with_claim_pause(mut self, pause: ClaimPause) -> RedisStore {
-        self.claim_pause = Some(pause);
+        self.seams.pause = Some(pause);
         self
     }
 
@@ -270,12 +237,7 @@ impl RedisStore {
         durability: Option<Durability>,
         budget: Duration,
     ) -> Result<(Option<Bytes>, u32), StoreError> {
-        let retention = claim.retention;
-        #[cfg(feature = "test-util")]
-        let retention = match self.claim_plant {
-            Some(ClaimPlant::ExpiresWithTheLease) => claim.lease,
-            _ => retention,
-        };
+        let retention = self.seams.retention(claim);
         let rest = claim.retention.saturating_sub(claim.lease);
         let value = layout::in_flight(claim.fingerprint, claim.owner, rest);
         let mut pipeline = redis::pipe();
@@ -333,39 +295,6 @@ impl RedisStore {
             .await?;
         Ok((found.map(Bytes::from), pttl))
     }
-
-    /// The planted bug: a record whose lease ran out is overwritten by this claim.
-    #[cfg(feature = "test-util")]
-    async fn take_over(&self, claim: &ClaimRequest, outcome: ClaimOutcome) -> Result<ClaimOutcome, StoreError> {
-        if self.claim_plant != Some(ClaimPlant::TakesOverExpiredLeases)
-            || !matches!(
-                outcome,
-                ClaimOutcome::Existing(super::Existing {
-                    state: super::RecordState::LeaseExpired,
-                    ..
-                })
-            )
-        {
-            return Ok(outcome);
-        }
-        let rest = claim.retention.saturating_sub(claim.lease);
-        let value = layout::in_flight(claim.fingerprint, claim.owner, rest);
-        let _: () = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| {
-                let value = value.clone();
-                async move {
-                    redis::cmd("SET")
-                        .arg(claim.key.as_str())
-                        .arg(value)
-                        .arg("PX")
-                        .arg(millis(claim.retention))
-                        .query_async(&mut connection)
-                        .await
-                }
-            })
-            .await?;
-        Ok(ClaimOutcome::Acquired(()))
-    }
 }
 
 /// The store error for a Redis error that ends an operation: a TLS failure is told
@@ -376,24 +305,6 @@ fn unavailable(error: RedisError) -> StoreError {
     } else {
         StoreError::Unavailable(error)
     }
-}
-
-/// Whether the store said it did not run the command, and a moment later may.
-fn is_refused(error: &RedisError) -> bool {
-    if topology::tls_failure(error).is_some() {
-        return false;
-    }
-    matches!(
-        error.kind(),
-        ErrorKind::Server(
-            ServerErrorKind::TryAgain
-                | ServerErrorKind::ClusterDown
-                | ServerErrorKind::BusyLoading
-                | ServerErrorKind::ReadOnly
-                | ServerErrorKind::MasterDown
-        ) | ErrorKind::MasterNameNotFoundBySentinel
-    ) || error.code() == Some("NOREPLICAS")
-        || error.is_connection_refusal()
 }
 
 impl RecordStore for RedisStore {
@@ -418,11 +329,7 @@ impl RecordStore for RedisStore {
                 // is read off the TTL): a second round trip for it alone, so that a
                 // fresh key and a replay take one command.
                 Some(value) if layout::lease_depends_on_ttl(&value) => {
-                    #[cfg(feature = "test-util")]
-                    if let Some(pause) = &self.claim_pause {
-                        pause.reached.notify_one();
-                        pause.resume.notified().await;
-                    }
+                    self.seams.before_lease_read().await;
                     match self.read_with_ttl(&claim.key, left()).await.map_err(timed_out)? {
                         (Some(value), pttl) => break (Some(value), Some(pttl), acks),
                         // Released or expired in between: the key is free to claim again.
@@ -434,8 +341,7 @@ impl RecordStore for RedisStore {
             }
         };
         let outcome = layout::claim_outcome(found, pttl, claim.owner)?;
-        #[cfg(feature = "test-util")]
-        let outcome = self.take_over(claim, outcome).await?;
+        let outcome = self.seams.after_claim(self, claim, outcome).await?;
         // Only a claim this request wrote needs its replicas; another's record was
         // acknowledged (or not) when it was written.
         if let Some(durability) = self.durability

@@ -147,10 +147,10 @@ impl From<RedisError> for Unready {
     }
 }
 
-/// Whether `error` is one that a moment later may not be: the store is failing over,
-/// loading, migrating a slot, or the connection was lost. An operation that failed so
-/// is tried again within the store's timeout.
-pub(super) fn is_transient(error: &RedisError) -> bool {
+/// Whether the store said it did not run the command, and a moment later may: it is
+/// failing over or loading, or refused the connection. Any write may be tried again
+/// after one.
+pub(super) fn is_refused(error: &RedisError) -> bool {
     if tls_failure(error).is_some() {
         return false;
     }
@@ -162,14 +162,25 @@ pub(super) fn is_transient(error: &RedisError) -> bool {
                 | ServerErrorKind::BusyLoading
                 | ServerErrorKind::ReadOnly
                 | ServerErrorKind::MasterDown
-                | ServerErrorKind::Moved
-                | ServerErrorKind::Ask
         ) | ErrorKind::MasterNameNotFoundBySentinel
-            | ErrorKind::ClusterConnectionNotFound
     ) || error.code() == Some("NOREPLICAS")
+        || error.is_connection_refusal()
+}
+
+/// Whether `error` is one that a moment later may not be: a refusal (`is_refused`),
+/// a slot moving, or a lost connection, after which the command may or may not have
+/// run. Only an operation that may run twice is tried again after one.
+pub(super) fn is_transient(error: &RedisError) -> bool {
+    if tls_failure(error).is_some() {
+        return false;
+    }
+    is_refused(error)
+        || matches!(
+            error.kind(),
+            ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask) | ErrorKind::ClusterConnectionNotFound
+        )
         || error.is_io_error()
         || error.is_connection_dropped()
-        || error.is_connection_refusal()
 }
 
 /// The TLS error under `error`, if the connection failed in its handshake or was
