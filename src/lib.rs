@@ -7,8 +7,8 @@
 //! `scope` and `jwt`) for the record and the decision, `store` to claim and resolve the
 //! record, and `upstream` to forward. Below them sit the leaves that import nothing
 //! upward: `config` and the values it owns, `error`, `record`, `body`,
-//! `canonical_json`, `tls`. `admin` serves health, metrics and the records API, which
-//! the CLI calls through `ops`. A unit test below keeps the modules free of
+//! `canonical_json`, `tls`. `admin` serves health, metrics and the records API, whose
+//! contract (`records`) the CLI shares. A unit test below keeps the modules free of
 //! import cycles. The binary in `main.rs` only parses the command line. Test seams sit
 //! behind the `test-util` feature.
 
@@ -54,9 +54,9 @@ pub mod error;
 pub mod idempotency;
 pub mod jwt;
 mod metrics;
-pub mod ops;
 mod proxy;
 pub mod record;
+pub mod records;
 mod router;
 pub mod scope;
 pub mod server;

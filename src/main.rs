@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::Config;
-use idemproxy::ops::{RecordsAction, RecordsCall};
+use idemproxy::records::{self, Answer, RecordsAction, RecordsCall};
 use idemproxy::server::{ReloadError, Reloader};
 use tracing_subscriber::EnvFilter;
 
@@ -42,7 +42,7 @@ enum Command {
     /// (needs admin.token_file). Exit status: 0 done, 3 no such record, 4 release
     /// refused (the record is not unknown), 1 any other failure.
     Records {
-        action: Action,
+        action: RecordsAction,
         /// The route's name.
         #[arg(long)]
         route: String,
@@ -59,17 +59,6 @@ enum Command {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum Action {
-    /// The record's state, TTL, lease, status, reason, size and fingerprint.
-    Show,
-    /// Remove the record, whatever its state: the next request with the key runs.
-    Purge,
-    /// Free a key whose outcome is unknown, after checking with the upstream that the
-    /// request did not take effect: the next request with the key runs.
-    Release,
 }
 
 /// Exit statuses of `records` that scripts can tell apart.
@@ -99,11 +88,6 @@ fn main() -> ExitCode {
             json,
             config,
         } => {
-            let action = match action {
-                Action::Show => RecordsAction::Show,
-                Action::Purge => RecordsAction::Purge,
-                Action::Release => RecordsAction::Release,
-            };
             let call = RecordsCall {
                 action,
                 route,
@@ -159,64 +143,26 @@ fn records(path: &std::path::Path, call: &RecordsCall, json: bool) -> anyhow::Re
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
-    let answer = runtime.block_on(idemproxy::ops::records(&config, call))?;
-    let status = answer.status;
-    if json {
-        println!("{}", answer.body);
+    let reply = runtime.block_on(records::call(&config, call))?;
+    if json && !reply.body.is_empty() {
+        println!("{}", String::from_utf8_lossy(&reply.body).trim_end());
     }
-    let field = |name: &str| answer.body.get(name).filter(|value| !value.is_null()).cloned();
-    let error = || {
-        field("error")
-            .and_then(|value| value.as_str().map(str::to_string))
-            .unwrap_or_default()
-    };
-    let code = match status.as_u16() {
-        200 | 204 => ExitCode::SUCCESS,
-        404 => {
-            eprintln!("idemproxy: {}", error());
+    match reply.answer {
+        Answer::NotFound(error) => {
+            eprintln!("idemproxy: {error}");
             return Ok(ExitCode::from(EXIT_NOT_FOUND));
         }
-        409 => {
-            eprintln!("idemproxy: {}", error());
+        Answer::Refused(error) => {
+            eprintln!("idemproxy: {error}");
             return Ok(ExitCode::from(EXIT_REFUSED));
         }
-        _ => anyhow::bail!("the admin listener answered {status}: {}", error()),
-    };
-    if json {
-        return Ok(code);
+        Answer::Failed(status, error) => anyhow::bail!("the admin listener answered {status}: {error}"),
+        _ if json => {}
+        Answer::Shown(view) => print!("{view}"),
+        Answer::Purged => println!("purged: the next request with this key runs"),
+        Answer::Released(_) => println!("released: the next request with this key runs"),
     }
-    match call.action {
-        RecordsAction::Show => {
-            let text = |name: &str| field(name).map(|value| value.to_string().trim_matches('"').to_string());
-            println!("route        {}", call.route);
-            println!("record       {}", text("record").unwrap_or_default());
-            println!("state        {}", text("state").unwrap_or_default());
-            for (label, name) in [("status", "status"), ("reason", "reason")] {
-                if let Some(value) = text(name) {
-                    println!("{label:<12} {value}");
-                }
-            }
-            if let Some(bytes) = text("response_bytes") {
-                println!("response     {bytes} bytes");
-            }
-            let millis = |name: &str| {
-                field(name)
-                    .and_then(|value| value.as_u64())
-                    .map(std::time::Duration::from_millis)
-            };
-            if let Some(lease) = millis("lease_remaining_ms") {
-                println!("lease        {} left", humantime::format_duration(lease));
-            }
-            if let Some(ttl) = millis("ttl_ms") {
-                let seconds = std::time::Duration::from_secs(ttl.as_secs());
-                println!("expires in   {}", humantime::format_duration(seconds));
-            }
-            println!("fingerprint  {}", text("fingerprint").unwrap_or_default());
-        }
-        RecordsAction::Purge => println!("purged: the next request with this key runs"),
-        RecordsAction::Release => println!("released: the next request with this key runs"),
-    }
-    Ok(code)
+    Ok(ExitCode::SUCCESS)
 }
 
 fn serve(path: &std::path::Path) -> anyhow::Result<()> {

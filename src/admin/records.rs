@@ -7,32 +7,14 @@
 
 use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, WWW_AUTHENTICATE};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
-use serde_json::{Value, json};
 
 use crate::body::{ProxyBody, full};
 use crate::config::{Config, IdempotencyPolicy};
 use crate::idempotency::{self, IdempotencyKey};
 use crate::proxy::DisplayChain;
+use crate::records::{RecordView, RecordsAction, RecordsError, Released};
 use crate::scope;
-use crate::store::{AnyStore, Forget, RecordStore, StoreKey, SummaryState};
-
-/// What the operator asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Action {
-    Show,
-    Purge,
-    Release,
-}
-
-impl Action {
-    fn as_str(self) -> &'static str {
-        match self {
-            Action::Show => "show",
-            Action::Purge => "purge",
-            Action::Release => "release",
-        }
-    }
-}
+use crate::store::{AnyStore, Forget, RecordStore, StoreKey};
 
 /// Serves `/records/...`; `None` when the records API is off, so that the caller
 /// answers 404 as for any unknown path.
@@ -57,17 +39,9 @@ pub(crate) async fn handle(
         return Some(response);
     }
     let rest = path.strip_prefix("/records/")?;
-    let (route_name, action) = match (rest.strip_suffix("/release"), method) {
-        (Some(route), &Method::POST) => (route, Action::Release),
-        (Some(_), _) => return Some(error(StatusCode::METHOD_NOT_ALLOWED, "use POST to release")),
-        (None, &Method::GET) => (rest, Action::Show),
-        (None, &Method::DELETE) => (rest, Action::Purge),
-        (None, _) => {
-            return Some(error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "use GET to show, DELETE to purge",
-            ));
-        }
+    let (action, route_name) = match RecordsAction::parse(method, rest) {
+        Ok(named) => named,
+        Err(allowed) => return Some(error(StatusCode::METHOD_NOT_ALLOWED, &allowed)),
     };
     let Some(route) = config.routes.iter().find(|route| route.name == route_name) else {
         return Some(error(StatusCode::NOT_FOUND, "no such route"));
@@ -148,57 +122,37 @@ fn scope_names(policy: &IdempotencyPolicy, jwt: Option<&str>, given: &str) -> St
     }
 }
 
-async fn run(store: &AnyStore, action: Action, route: &str, record: &StoreKey) -> Response<ProxyBody> {
-    let named = |mut body: Value| {
-        body["route"] = json!(route);
-        body["record"] = json!(record.short_hash());
-        body
-    };
+async fn run(store: &AnyStore, action: RecordsAction, route: &str, record: &StoreKey) -> Response<ProxyBody> {
+    let absent = || error(StatusCode::NOT_FOUND, "no record for this key");
     match action {
-        Action::Show => match store.inspect(record).await {
-            Ok(Some(summary)) => {
-                let (state, lease, status, reason, bytes) = match summary.state {
-                    SummaryState::InFlight { lease_remaining } => {
-                        ("in_flight", Some(lease_remaining.as_millis()), None, None, None)
-                    }
-                    SummaryState::LeaseExpired => ("unknown", Some(0), None, Some("lease-expired"), None),
-                    SummaryState::Completed { status, response_bytes } => {
-                        ("completed", None, Some(status), None, Some(response_bytes))
-                    }
-                    SummaryState::Unknown(reason) => ("unknown", None, None, Some(reason.as_str()), None),
-                };
-                json_response(
-                    StatusCode::OK,
-                    &named(json!({
-                        "state": state,
-                        "ttl_ms": summary.ttl.as_millis(),
-                        "lease_remaining_ms": lease,
-                        "status": status,
-                        "reason": reason,
-                        "response_bytes": bytes,
-                        "fingerprint": summary.fingerprint.to_hex(),
-                    })),
-                )
-            }
-            Ok(None) => error(StatusCode::NOT_FOUND, "no record for this key"),
+        RecordsAction::Show => match store.inspect(record).await {
+            Ok(Some(summary)) => json_response(StatusCode::OK, &RecordView::new(route, record, summary)),
+            Ok(None) => absent(),
             Err(failure) => store_failed(&failure),
         },
-        Action::Purge => match store.purge(record).await {
+        RecordsAction::Purge => match store.purge(record).await {
             Ok(true) => {
                 let mut response = Response::new(full(""));
                 *response.status_mut() = StatusCode::NO_CONTENT;
                 response
             }
-            Ok(false) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Ok(false) => absent(),
             Err(failure) => store_failed(&failure),
         },
-        Action::Release => match store.forget_unknown(record).await {
-            Ok(Forget::Released) => json_response(StatusCode::OK, &named(json!({ "released": true }))),
+        RecordsAction::Release => match store.forget_unknown(record).await {
+            Ok(Forget::Released) => {
+                let released = Released {
+                    route: route.to_string(),
+                    record: record.short_hash().to_string(),
+                    released: true,
+                };
+                json_response(StatusCode::OK, &released)
+            }
             Ok(Forget::NotUnknown) => error(
                 StatusCode::CONFLICT,
                 "the record is not unknown (completed, or in flight with its lease running): nothing was changed",
             ),
-            Ok(Forget::Absent) => error(StatusCode::NOT_FOUND, "no record for this key"),
+            Ok(Forget::Absent) => absent(),
             Err(failure) => store_failed(&failure),
         },
     }
@@ -210,11 +164,19 @@ fn store_failed(failure: &crate::error::StoreError) -> Response<ProxyBody> {
 }
 
 fn error(status: StatusCode, message: &str) -> Response<ProxyBody> {
-    json_response(status, &json!({ "error": message }))
+    json_response(
+        status,
+        &RecordsError {
+            error: message.to_string(),
+        },
+    )
 }
 
-fn json_response(status: StatusCode, body: &Value) -> Response<ProxyBody> {
-    let mut response = Response::new(full(format!("{body}\n")));
+fn json_response(status: StatusCode, body: &impl serde::Serialize) -> Response<ProxyBody> {
+    // Serializing these plain structs cannot fail.
+    let mut text = serde_json::to_string(body).unwrap_or_default();
+    text.push('\n');
+    let mut response = Response::new(full(text));
     *response.status_mut() = status;
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));

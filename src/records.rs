@@ -1,0 +1,391 @@
+//! The records API's contract, both ends of it: the actions an operator takes on one
+//! record (each with its method and path), the view of a record the admin listener
+//! answers with and `idemproxy records` prints, and the client the CLI calls it
+//! through, with the token from the config's `token_file`. The admin side builds the
+//! types here and the client side parses them, so that neither names a field by string.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::store::{RecordSummary, StoreKey, SummaryState};
+
+/// What an operator does to one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RecordsAction {
+    /// The record's state, TTL, lease, status, reason, size and fingerprint.
+    Show,
+    /// Remove the record, whatever its state: the next request with the key runs.
+    Purge,
+    /// Free a key whose outcome is unknown, after checking with the upstream that the
+    /// request did not take effect: the next request with the key runs.
+    Release,
+}
+
+impl RecordsAction {
+    const ALL: [RecordsAction; 3] = [RecordsAction::Show, RecordsAction::Purge, RecordsAction::Release];
+
+    /// How the access log and the admin's log line name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecordsAction::Show => "show",
+            RecordsAction::Purge => "purge",
+            RecordsAction::Release => "release",
+        }
+    }
+
+    pub fn method(self) -> Method {
+        match self {
+            RecordsAction::Show => Method::GET,
+            RecordsAction::Purge => Method::DELETE,
+            RecordsAction::Release => Method::POST,
+        }
+    }
+
+    /// What follows the route in the action's path: `/records/{route}{suffix}`.
+    fn suffix(self) -> &'static str {
+        match self {
+            RecordsAction::Show | RecordsAction::Purge => "",
+            RecordsAction::Release => "/release",
+        }
+    }
+
+    /// The action's path for `route`, its name percent-encoded.
+    pub fn path(self, route: &str) -> String {
+        let route: String = form_urlencoded::byte_serialize(route.as_bytes()).collect();
+        format!("/records/{route}{}", self.suffix())
+    }
+
+    /// The action and the route that `method` and the path after `/records/` name, or
+    /// why none does: the methods that path takes, for a 405.
+    pub fn parse<'a>(method: &Method, rest: &'a str) -> Result<(RecordsAction, &'a str), String> {
+        let named = |action: &RecordsAction| match action.suffix() {
+            "" => Some(rest),
+            suffix => rest.strip_suffix(suffix),
+        };
+        // The longest suffix first: `x/release` names the route `x`, not `x/release`.
+        let mut candidates: Vec<(RecordsAction, &str)> = RecordsAction::ALL
+            .iter()
+            .filter_map(|action| named(action).map(|route| (*action, route)))
+            .collect();
+        candidates.sort_by_key(|(action, _)| std::cmp::Reverse(action.suffix().len()));
+        let longest = candidates.first().map(|(action, _)| action.suffix().len());
+        candidates.retain(|(action, _)| Some(action.suffix().len()) == longest);
+        if let Some(found) = candidates.iter().find(|(action, _)| action.method() == method) {
+            return Ok(*found);
+        }
+        let allowed: Vec<String> = candidates
+            .iter()
+            .map(|(action, _)| format!("{} to {}", action.method(), action.as_str()))
+            .collect();
+        Err(format!("use {}", allowed.join(", ")))
+    }
+}
+
+/// Where a record stands, as an operator reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ViewState {
+    InFlight,
+    Completed,
+    Unknown,
+}
+
+impl ViewState {
+    fn as_str(self) -> &'static str {
+        match self {
+            ViewState::InFlight => "in_flight",
+            ViewState::Completed => "completed",
+            ViewState::Unknown => "unknown",
+        }
+    }
+}
+
+/// One record, as `GET /records/{route}` answers it and `records show` prints it:
+/// never its body. Absent fields are `null`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordView {
+    pub route: String,
+    /// The record hash's first 12 hex digits: how the logs name it.
+    pub record: String,
+    pub state: ViewState,
+    pub ttl_ms: u64,
+    /// In flight: what is left of its lease; 0 once it has run out (then `unknown`).
+    pub lease_remaining_ms: Option<u64>,
+    /// Completed: the recorded status.
+    pub status: Option<u16>,
+    /// Unknown: why (`upstream-timeout`, `upstream-failed`, `response-too-large`,
+    /// `lease-expired`).
+    pub reason: Option<String>,
+    /// Completed: the recorded body's size.
+    pub response_bytes: Option<u64>,
+    /// The first request's fingerprint, hex.
+    pub fingerprint: String,
+}
+
+impl RecordView {
+    /// The view of `summary`, the record `record` of `route`.
+    pub fn new(route: &str, record: &StoreKey, summary: RecordSummary) -> RecordView {
+        let millis = |duration: Duration| u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+        let mut view = RecordView {
+            route: route.to_string(),
+            record: record.short_hash().to_string(),
+            state: ViewState::Unknown,
+            ttl_ms: millis(summary.ttl),
+            lease_remaining_ms: None,
+            status: None,
+            reason: None,
+            response_bytes: None,
+            fingerprint: summary.fingerprint.to_hex(),
+        };
+        match summary.state {
+            SummaryState::InFlight { lease_remaining } => {
+                view.state = ViewState::InFlight;
+                view.lease_remaining_ms = Some(millis(lease_remaining));
+            }
+            SummaryState::LeaseExpired => {
+                view.lease_remaining_ms = Some(0);
+                view.reason = Some("lease-expired".into());
+            }
+            SummaryState::Completed { status, response_bytes } => {
+                view.state = ViewState::Completed;
+                view.status = Some(status);
+                view.response_bytes = Some(response_bytes);
+            }
+            SummaryState::Unknown(reason) => view.reason = Some(reason.as_str().into()),
+        }
+        view
+    }
+}
+
+impl std::fmt::Display for RecordView {
+    /// What `idemproxy records show` prints: one field a line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "route        {}", self.route)?;
+        writeln!(f, "record       {}", self.record)?;
+        writeln!(f, "state        {}", self.state.as_str())?;
+        if let Some(status) = self.status {
+            writeln!(f, "status       {status}")?;
+        }
+        if let Some(reason) = &self.reason {
+            writeln!(f, "reason       {reason}")?;
+        }
+        if let Some(bytes) = self.response_bytes {
+            writeln!(f, "response     {bytes} bytes")?;
+        }
+        if let Some(lease) = self.lease_remaining_ms {
+            let lease = humantime::format_duration(Duration::from_millis(lease));
+            writeln!(f, "lease        {lease} left")?;
+        }
+        let expires = humantime::format_duration(Duration::from_secs(self.ttl_ms / 1000));
+        writeln!(f, "expires in   {expires}")?;
+        writeln!(f, "fingerprint  {}", self.fingerprint)
+    }
+}
+
+/// The answer to a release: the record named, and that it is gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Released {
+    pub route: String,
+    pub record: String,
+    pub released: bool,
+}
+
+/// Any refusal of the records API: a sentence for the operator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordsError {
+    pub error: String,
+}
+
+// === the client ===
+
+/// One records call: what to do, to which record.
+#[derive(Debug, Clone)]
+pub struct RecordsCall {
+    pub action: RecordsAction,
+    pub route: String,
+    pub key: String,
+    /// `NAME:VALUE`, as the route's scope would have produced them.
+    pub scopes: Vec<String>,
+}
+
+/// What the admin listener answered, decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    Shown(RecordView),
+    Purged,
+    Released(Released),
+    /// 404: no such record (or route).
+    NotFound(String),
+    /// 409: the record is not in the state the action needs.
+    Refused(String),
+    /// Anything else: the status and what the listener said.
+    Failed(StatusCode, String),
+}
+
+/// An answer and the JSON it came as (`records --json` prints that).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub answer: Answer,
+    pub body: Bytes,
+}
+
+/// Why a records call got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("the config has no [admin] section: the records API is off")]
+    NoAdmin,
+    #[error("the config's [admin] has no token_file: the records API is off")]
+    NoToken,
+    #[error("cannot read the admin token from {}", .0.display())]
+    Token(PathBuf, #[source] std::io::Error),
+    #[error("cannot connect to the admin listener at {0}")]
+    Connect(SocketAddr, #[source] std::io::Error),
+    #[error("the admin listener at {0} did not answer over HTTP/1.1")]
+    Exchange(SocketAddr, #[source] hyper::Error),
+    #[error("the admin listener at {0} did not answer within {TIMEOUT:?}")]
+    Timeout(SocketAddr),
+    #[error("the admin listener answered {0} with a body that is not the records API's: {1}")]
+    Unexpected(StatusCode, String),
+    #[error("cannot build the request")]
+    Request(#[source] http::Error),
+}
+
+/// How long the CLI waits for the admin listener.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Makes `call` against the admin listener `config` names.
+pub async fn call(config: &Config, call: &RecordsCall) -> Result<Reply, CallError> {
+    let admin = config.admin.as_ref().ok_or(CallError::NoAdmin)?;
+    let token = admin.token.as_ref().ok_or(CallError::NoToken)?;
+    let secret = std::fs::read_to_string(&token.file).map_err(|error| CallError::Token(token.file.clone(), error))?;
+    let mut query = form_urlencoded::Serializer::new(String::new());
+    query.append_pair("key", &call.key);
+    for scope in &call.scopes {
+        query.append_pair("scope", scope);
+    }
+    let addr = reachable(admin.listen);
+    let request = Request::builder()
+        .method(call.action.method())
+        .uri(format!("{}?{}", call.action.path(&call.route), query.finish()))
+        .header(http::header::HOST, addr.to_string())
+        .header(http::header::AUTHORIZATION, format!("Bearer {}", secret.trim()))
+        .body(Full::new(Bytes::new()))
+        .map_err(CallError::Request)?;
+    let (status, body) = tokio::time::timeout(TIMEOUT, exchange(addr, request))
+        .await
+        .map_err(|_| CallError::Timeout(addr))??;
+    Ok(Reply {
+        answer: decode(call.action, status, &body)?,
+        body,
+    })
+}
+
+async fn exchange(addr: SocketAddr, request: Request<Full<Bytes>>) -> Result<(StatusCode, Bytes), CallError> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|error| CallError::Connect(addr, error))?;
+    let failed = |error| CallError::Exchange(addr, error);
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(failed)?;
+    tokio::spawn(connection);
+    let response = sender.send_request(request).await.map_err(failed)?;
+    let status = response.status();
+    let body = response.into_body().collect().await.map_err(failed)?.to_bytes();
+    Ok((status, body))
+}
+
+/// The answer to `action` that `status` and `body` make.
+fn decode(action: RecordsAction, status: StatusCode, body: &[u8]) -> Result<Answer, CallError> {
+    let unexpected = || CallError::Unexpected(status, String::from_utf8_lossy(body).into_owned());
+    let error = || {
+        serde_json::from_slice::<RecordsError>(body)
+            .map(|refusal| refusal.error)
+            .map_err(|_| unexpected())
+    };
+    Ok(match (status, action) {
+        (StatusCode::OK, RecordsAction::Show) => Answer::Shown(serde_json::from_slice(body).map_err(|_| unexpected())?),
+        (StatusCode::NO_CONTENT, RecordsAction::Purge) => Answer::Purged,
+        (StatusCode::OK, RecordsAction::Release) => {
+            Answer::Released(serde_json::from_slice(body).map_err(|_| unexpected())?)
+        }
+        (StatusCode::NOT_FOUND, _) => Answer::NotFound(error()?),
+        (StatusCode::CONFLICT, _) => Answer::Refused(error()?),
+        (status, _) => Answer::Failed(
+            status,
+            error().unwrap_or_else(|_| String::from_utf8_lossy(body).into_owned()),
+        ),
+    })
+}
+
+/// The admin listener's address as a client reaches it: a wildcard is this host.
+fn reachable(listen: SocketAddr) -> SocketAddr {
+    match listen.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), listen.port()),
+        IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), listen.port()),
+        _ => listen,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_action_parses_back_from_its_own_method_and_path() {
+        for action in RecordsAction::ALL {
+            let path = action.path("pay-ments.v1");
+            let rest = path.strip_prefix("/records/").expect("under /records/");
+            assert_eq!(
+                RecordsAction::parse(&action.method(), rest),
+                Ok((action, "pay-ments.v1"))
+            );
+        }
+        assert_eq!(
+            RecordsAction::parse(&Method::PUT, "payments"),
+            Err("use GET to show, DELETE to purge".into())
+        );
+        assert_eq!(
+            RecordsAction::parse(&Method::GET, "payments/release"),
+            Err("use POST to release".into())
+        );
+    }
+
+    #[test]
+    fn a_view_reads_back_as_itself_and_prints_each_field() {
+        let view = RecordView {
+            route: "payments".into(),
+            record: "abcdefabcdef".into(),
+            state: ViewState::Completed,
+            ttl_ms: 3_540_500,
+            lease_remaining_ms: None,
+            status: Some(201),
+            reason: None,
+            response_bytes: Some(81),
+            fingerprint: "ab".repeat(32),
+        };
+        let json = serde_json::to_vec(&view).expect("serialize");
+        assert_eq!(
+            decode(RecordsAction::Show, StatusCode::OK, &json).expect("decode"),
+            Answer::Shown(view.clone())
+        );
+        let printed = view.to_string();
+        for line in [
+            "state        completed",
+            "status       201",
+            "response     81 bytes",
+            "expires in   59m",
+        ] {
+            assert!(printed.contains(line), "{line:?} not in {printed}");
+        }
+        assert!(!printed.contains("lease"), "{printed}");
+    }
+}
