@@ -12,9 +12,10 @@ use arc_swap::ArcSwap;
 
 use crate::body::{ProxyBody, full};
 use crate::config::Config;
+use crate::error::DisplayChain;
 use crate::error::StoreError;
 use crate::metrics::{Metrics, StoreOp};
-use crate::proxy::{DisplayChain, GuardedRequests};
+use crate::proxy::GuardedRequests;
 use crate::store::{AnyStore, RecordStore};
 
 mod records;

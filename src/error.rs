@@ -443,6 +443,28 @@ impl Problem {
     }
 }
 
+/// Displays an error followed by its sources, for logs. A source whose text its error
+/// already ends with (the redis crate prints its cause, then gives it as the source) is
+/// not repeated.
+pub(crate) struct DisplayChain<'a>(pub(crate) &'a dyn std::error::Error);
+
+impl std::fmt::Display for DisplayChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut previous = self.0.to_string();
+        f.write_str(&previous)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            let text = cause.to_string();
+            if !previous.ends_with(&text) {
+                write!(f, ": {text}")?;
+            }
+            previous = text;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,6 +65,10 @@ pub mod tls;
 mod upstream;
 
 pub use config::Config;
+
+/// The access log's `tracing` target (`server.access_log`): what the proxy writes its
+/// lines under, and what the binary's filter keeps on.
+pub const ACCESS_LOG: &str = "idemproxy::access";
 #[cfg(feature = "test-util")]
 pub use server::start_with_store;
 pub use server::{Running, StartError, start};

@@ -65,9 +65,6 @@ enum Command {
 const EXIT_NOT_FOUND: u8 = 3;
 const EXIT_REFUSED: u8 = 4;
 
-/// The access log's target (`server.access_log`).
-const ACCESS_TARGET: &str = "idemproxy::access";
-
 #[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
     Text,
@@ -113,8 +110,8 @@ fn init_logging(format: LogFormat) {
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // `server.access_log` is what turns the access log on or off; a `RUST_LOG=warn`
     // meant for the rest should not silence it, unless it names the target itself.
-    let named = std::env::var("RUST_LOG").is_ok_and(|directives| directives.contains(ACCESS_TARGET));
-    if !named && let Ok(directive) = format!("{ACCESS_TARGET}=info").parse() {
+    let named = std::env::var("RUST_LOG").is_ok_and(|directives| directives.contains(idemproxy::ACCESS_LOG));
+    if !named && let Ok(directive) = format!("{}=info", idemproxy::ACCESS_LOG).parse() {
         filter = filter.add_directive(directive);
     }
     let builder = tracing_subscriber::fmt()

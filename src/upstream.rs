@@ -5,6 +5,7 @@
 //! what happened, and who was at fault.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
@@ -151,15 +152,35 @@ pub(crate) fn prepare_request<B>(
 
 // === exchanges ===
 
-/// Sends `request` and waits for the response head, within `deadline`.
+/// One exchange's clock: when it began, and the deadline its route's
+/// `upstream_timeout` sets for all of it, the response body included.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Clock {
+    pub(crate) started: Instant,
+    pub(crate) deadline: Instant,
+    /// What the deadline stands for, for the error when it passes.
+    pub(crate) timeout: Duration,
+}
+
+impl Clock {
+    pub(crate) fn start(timeout: Duration) -> Clock {
+        let started = Instant::now();
+        Clock {
+            started,
+            deadline: started + timeout,
+            timeout,
+        }
+    }
+}
+
+/// Sends `request` and waits for the response head, within `clock`'s deadline.
 pub(crate) async fn send(
     client: &HttpClient,
     request: Request<ProxyBody>,
-    deadline: Instant,
+    clock: &Clock,
 ) -> Result<Response<Incoming>, UpstreamError> {
-    let timeout = deadline.saturating_duration_since(Instant::now());
-    match tokio::time::timeout_at(deadline, client.request(request)).await {
-        Err(_) => Err(UpstreamError::Timeout(timeout)),
+    match tokio::time::timeout_at(clock.deadline, client.request(request)).await {
+        Err(_) => Err(UpstreamError::Timeout(clock.timeout)),
         Ok(Err(SendError::Connect(error))) => Err(UpstreamError::Unavailable(error)),
         Ok(Err(SendError::Failed(error))) => Err(UpstreamError::Failed(error)),
         Ok(Ok(response)) => Ok(response),

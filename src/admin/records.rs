@@ -10,8 +10,8 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
 
 use crate::body::{ProxyBody, full};
 use crate::config::{Config, IdempotencyPolicy};
+use crate::error::DisplayChain;
 use crate::idempotency::{self, IdempotencyKey};
-use crate::proxy::DisplayChain;
 use crate::records::{RecordView, RecordsAction, RecordsError, Released};
 use crate::scope;
 use crate::store::{AnyStore, Forget, RecordStore, StoreKey};

@@ -1,8 +1,9 @@
 //! The access log (`server.access_log`): one line per request, target
 //! `idemproxy::access`, written when the response body has been sent (or the client
-//! went away). What it says is gathered while the request is served, in the response's
-//! extensions, by the code that decides it: the outcome, the upstream's time, the
-//! record hash. Never a raw key, a query string or a header value.
+//! went away). What it says besides the method, status and time is noted on the
+//! response, once, where the request ends (`Proxy::finish`): the outcome, the route,
+//! the upstream's time, the record hash. Never a raw key, a query string or a header
+//! value.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,33 +20,27 @@ use crate::body::ProxyBody;
 use crate::error::BoxError;
 use crate::error::Outcome;
 
-/// How a request ended, and on which route.
+/// What the access log says of a request besides its method, status and time: how it
+/// ended, on which route, how long the upstream took to its response head (when it was
+/// asked), and the record it named (the first 12 hex digits of its hash). Noted on the
+/// response by `Proxy::finish`.
 #[derive(Clone)]
-pub(crate) struct Served {
+pub(crate) struct Note {
     pub(crate) outcome: Outcome,
     pub(crate) route: Option<Arc<str>>,
+    pub(crate) upstream: Option<Duration>,
+    pub(crate) record: Option<String>,
 }
-
-/// How long the upstream took, to its response head.
-#[derive(Clone, Copy)]
-pub(crate) struct UpstreamTime(pub(crate) Duration);
-
-/// The record a guarded request named: the first 12 hex digits of its hash.
-#[derive(Clone)]
-pub(crate) struct RecordHash(pub(crate) String);
 
 /// Wraps `response`'s body so that one line is logged when it ends.
 pub(crate) fn logged(response: Response<ProxyBody>, method: Method, started: Instant) -> Response<ProxyBody> {
-    let (parts, body) = response.into_parts();
-    let served = parts.extensions.get::<Served>();
+    let (mut parts, body) = response.into_parts();
+    let note = parts.extensions.remove::<Note>();
     let line = Line {
         started,
         method,
         status: parts.status.as_u16(),
-        route: served.and_then(|served| served.route.clone()),
-        outcome: served.map(|served| served.outcome.as_str()),
-        upstream: parts.extensions.get::<UpstreamTime>().map(|time| time.0),
-        record: parts.extensions.get::<RecordHash>().map(|hash| hash.0.clone()),
+        note,
     };
     let body = AccessBody {
         inner: body,
@@ -59,25 +54,23 @@ struct Line {
     started: Instant,
     method: Method,
     status: u16,
-    route: Option<Arc<str>>,
-    outcome: Option<&'static str>,
-    upstream: Option<Duration>,
-    record: Option<String>,
+    note: Option<Note>,
 }
 
 impl Line {
     fn write(self, bytes: u64, complete: bool) {
         // Milliseconds to the microsecond, printed without float noise.
         let millis = |duration: Duration| duration.as_micros() as f64 / 1000.0;
+        let note = self.note.as_ref();
         tracing::info!(
-            target: "idemproxy::access",
-            route = self.route.as_deref().unwrap_or("-"),
+            target: crate::ACCESS_LOG,
+            route = note.and_then(|note| note.route.as_deref()).unwrap_or("-"),
             method = self.method.as_str(),
             status = self.status,
-            outcome = self.outcome.unwrap_or("-"),
+            outcome = note.map_or("-", |note| note.outcome.as_str()),
             duration_ms = millis(self.started.elapsed()),
-            upstream_ms = self.upstream.map(millis),
-            record = self.record.as_deref(),
+            upstream_ms = note.and_then(|note| note.upstream).map(millis),
+            record = note.and_then(|note| note.record.as_deref()),
             bytes,
             complete,
             "access"

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
-use crate::error::StoreError;
+use crate::error::{StoreError, UpstreamError};
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::{AnyStore, ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, StoreKey, StoredResponse};
 use crate::store::{UnknownReason, Write};
@@ -207,6 +207,16 @@ impl OwnedClaim {
         if let Err(error) = self.ledger.write(StoreOp::Release, write).await {
             tracing::warn!(%error, "cannot release the claim; retrying in the background");
             self.retry_release();
+        }
+    }
+
+    /// The upstream failed the exchange: frees the key if nothing was sent, else marks
+    /// it unknown.
+    pub(super) async fn upstream_failed(self, error: &UpstreamError) {
+        match error {
+            UpstreamError::Unavailable(_) => self.release().await,
+            UpstreamError::Timeout(_) => self.mark_unknown(UnknownReason::UpstreamTimeout).await,
+            UpstreamError::Failed(_) => self.mark_unknown(UnknownReason::UpstreamFailed).await,
         }
     }
 

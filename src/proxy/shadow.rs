@@ -12,15 +12,15 @@ use http::Request;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
-use tracing::{Instrument, Span};
 
-use super::{Prepared, Proxy};
-use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, full, streamed};
+use super::{Ended, Prepared, Proxy};
+use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, streamed};
 use crate::config::IdempotencyPolicy;
 use crate::error::{KeyError, Rejection};
-use crate::idempotency::{self, Decision};
+use crate::idempotency::Decision;
 use crate::metrics::Would;
 use crate::router::RouteState;
+use crate::store::StoreKey;
 
 impl Proxy {
     /// A request on a shadow-mode route: named, read, claimed and decided as in
@@ -28,68 +28,48 @@ impl Proxy {
     /// recorded; the others leave the record as it is.
     pub(super) async fn shadow(
         &self,
-        route: Arc<RouteState>,
-        policy: Arc<IdempotencyPolicy>,
+        route: &Arc<RouteState>,
+        policy: &Arc<IdempotencyPolicy>,
+        identified: Result<StoreKey, Rejection>,
         request: Request<Incoming>,
         client: ClientInfo,
-    ) -> http::Response<ProxyBody> {
-        let record = match self.identify(&route, &policy, request.headers()) {
-            Ok(record) => record,
+    ) -> Ended {
+        let entered = identified.and_then(|record| self.enter(route, policy, &client, record));
+        let guarded = match entered {
+            Ok(guarded) => guarded,
             Err(rejection) => {
                 return self
-                    .unguarded(&route, would(&rejection), streamed(request), &client)
+                    .unguarded(route, would(&rejection), streamed(request), &client)
                     .await;
             }
         };
-        let span = tracing::info_span!("shadow", route = %route.route.name, record = %record.short_hash());
-        let hash = self.record_note(&record);
-        let Some(permit) = self.shared.guarded.try_enter() else {
-            return self
-                .unguarded(&route, Would::Overloaded, streamed(request), &client)
-                .await;
+        let (parts, body) = request.into_parts();
+        let limits = route.body;
+        let body = match body::peek_request_body(body, &parts.headers, limits.max_bytes, limits.timeout).await? {
+            Peeked::Whole(body) => body,
+            Peeked::Partial { head, rest, .. } => {
+                drop(guarded);
+                let timeout = route.route.upstream_timeout;
+                let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
+                let request = Request::from_parts(parts, body.boxed_unsync());
+                return self.unguarded(route, Would::Rejected, request, &client).await;
+            }
         };
-        let response = async move {
-            let (parts, body) = request.into_parts();
-            let (max, timeout) = (route.body.max_bytes, route.body.timeout);
-            let body = match body::peek_request_body(body, &parts.headers, max, timeout).await {
-                Ok(Peeked::Whole(body)) => body,
-                Ok(Peeked::Partial { head, rest, .. }) => {
-                    drop(permit);
-                    let timeout = route.route.upstream_timeout;
-                    let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
-                    let request = Request::from_parts(parts, body.boxed_unsync());
-                    return self.unguarded(&route, Would::Rejected, request, &client).await;
-                }
-                Err(rejection) => return self.reject(Some(&route), rejection),
-            };
-            let prepared = match Prepared::new(parts, body, &route, &policy, record) {
-                Ok(prepared) => prepared,
-                Err(rejection) => return self.reject(Some(&route), rejection),
-            };
-            let outcome = match self.shared.ledger.claim(&prepared.claim, &Span::current()).await {
-                Ok(outcome) => outcome,
-                Err(error) => {
-                    tracing::warn!(%error, "store unavailable; forwarding (shadow mode)");
-                    drop(permit);
-                    let request = Request::from_parts(prepared.parts, full(prepared.body));
-                    return self.unguarded(&route, Would::StoreError, request, &client).await;
-                }
-            };
-            let would = match idempotency::decide(outcome, prepared.fingerprint) {
-                Decision::Forward(claim) => {
-                    route.metrics.shadow(Would::Forward);
-                    return self.forward(route, policy, claim, prepared, &client, permit).await;
-                }
-                Decision::Replay(_) => Would::Replay,
-                Decision::Reject(rejection) => would(&rejection),
-            };
-            drop(permit);
-            let request = Request::from_parts(prepared.parts, full(prepared.body));
-            self.unguarded(&route, would, request, &client).await
-        }
-        .instrument(span)
-        .await;
-        self.noted_record(response, hash)
+        let prepared = Prepared::new(&guarded, parts, body)?;
+        let would = match self.claimed(&prepared).await {
+            Ok(Decision::Forward(claim)) => {
+                route.metrics.shadow(Would::Forward);
+                return self.forward(guarded, claim, prepared).await;
+            }
+            Ok(Decision::Replay(_)) => Would::Replay,
+            Ok(Decision::Reject(rejection)) => would(&rejection),
+            Err(error) => {
+                tracing::warn!(%error, "store unavailable; forwarding (shadow mode)");
+                Would::StoreError
+            }
+        };
+        drop(guarded);
+        self.unguarded(route, would, prepared.into_request(), &client).await
     }
 
     /// Counts what enforce mode `would` have done, and forwards the request unguarded.
@@ -99,7 +79,7 @@ impl Proxy {
         would: Would,
         request: Request<ProxyBody>,
         client: &ClientInfo,
-    ) -> http::Response<ProxyBody> {
+    ) -> Ended {
         route.metrics.shadow(would);
         self.pass(route, request, client).await
     }

@@ -10,19 +10,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::Response;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use tracing::Span;
 
-use super::{Prepared, Proxy};
-use crate::body::{ClientInfo, ProxyBody};
-use crate::config::IdempotencyPolicy;
-use crate::error::Outcome;
+use super::{Answer, Ended, Guarded, Prepared, Proxy};
 use crate::error::Rejection;
-use crate::idempotency::{self, Decision};
+use crate::idempotency::Decision;
 use crate::metrics::{Metrics, WaitEnd};
-use crate::router::RouteState;
 use crate::store::notify::{Watch, Watcher};
 
 /// How soon a waiter whose store failed reads its record again, unless woken first.
@@ -83,24 +77,16 @@ impl Drop for Tally {
 impl Proxy {
     /// A duplicate found its key in flight (`first` is the 409 it would get) on a route
     /// that waits: it waits for the record to change, up to `wait_for_in_flight`, and
-    /// answers as the record then says. It keeps its guarded-request `permit` (and its
-    /// body) throughout, in case it wins the key.
-    pub(super) async fn wait(
-        &self,
-        route: Arc<RouteState>,
-        policy: Arc<IdempotencyPolicy>,
-        prepared: Prepared,
-        client: &ClientInfo,
-        permit: OwnedSemaphorePermit,
-        first: Rejection,
-    ) -> Response<ProxyBody> {
+    /// answers as the record then says. It keeps its context (its place among the
+    /// guarded requests, and its body) throughout, in case it wins the key.
+    pub(super) async fn wait(&self, guarded: Guarded, prepared: Prepared, first: Rejection) -> Ended {
         let waiting = &self.shared.waiting;
         let Ok(slot) = waiting.slots.clone().try_acquire_owned() else {
             self.shared.metrics.wait_ended(WaitEnd::Full, Duration::ZERO);
-            return self.reject(Some(&route), first);
+            return Err(first.into());
         };
         let mut tally = Tally::new(self.shared.metrics.clone(), slot);
-        let deadline = Instant::now() + policy.wait_for_in_flight;
+        let deadline = Instant::now() + guarded.policy.wait_for_in_flight;
         // Without a subscription (the store's subscriber cannot connect), the waiter
         // still re-reads at the lease's end and at its deadline.
         let watch = waiting.watcher.watch(&prepared.claim.key).await;
@@ -111,50 +97,41 @@ impl Proxy {
             let notified = notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let outcome = match self.shared.ledger.claim(&prepared.claim, &Span::current()).await {
-                Ok(outcome) => outcome,
+            let wake = match self.claimed(&prepared).await {
+                Ok(Decision::Forward(claim)) => {
+                    tally.end(WaitEnd::Claimed);
+                    drop(watch);
+                    return self.forward(guarded, claim, prepared).await;
+                }
+                Ok(Decision::Replay(stored)) => {
+                    tally.end(WaitEnd::Replayed);
+                    return Ok(Answer::replayed(stored));
+                }
+                Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {
+                    Instant::now() + lease_remaining
+                }
                 // The store failing for a moment (a restart, a failover) does not end
                 // the wait: the waiter reads again when woken, or a moment later.
                 Err(error) if Instant::now() < deadline => {
                     tracing::debug!(%error, "a waiter cannot read its record; waiting on");
-                    let again = deadline.min(Instant::now() + STORE_RETRY);
-                    tokio::select! {
-                        () = &mut notified => {}
-                        () = tokio::time::sleep_until(again) => {}
-                    }
-                    continue;
+                    Instant::now() + STORE_RETRY
                 }
-                Err(error) => {
-                    tally.end(WaitEnd::Other);
-                    return self.reject(Some(&route), error.into());
-                }
-            };
-            let lease_remaining = match idempotency::decide(outcome, prepared.fingerprint) {
-                Decision::Forward(claim) => {
-                    tally.end(WaitEnd::Claimed);
-                    drop(watch);
-                    return self.forward(route, policy, claim, prepared, client, permit).await;
-                }
-                Decision::Replay(stored) => {
-                    tally.end(WaitEnd::Replayed);
-                    return self.served(&route, Outcome::Replayed, stored.into_response());
-                }
-                Decision::Reject(Rejection::InProgress { lease_remaining, .. }) if Instant::now() < deadline => {
-                    lease_remaining
-                }
-                Decision::Reject(rejection) => {
+                Ok(Decision::Reject(rejection)) => {
                     tally.end(match rejection {
                         Rejection::InProgress { .. } => WaitEnd::Timeout,
                         Rejection::OutcomeUnknown => WaitEnd::Unknown,
                         _ => WaitEnd::Other,
                     });
-                    return self.reject(Some(&route), rejection);
+                    return Err(rejection.into());
+                }
+                Err(error) => {
+                    tally.end(WaitEnd::Other);
+                    return Err(error.into());
                 }
             };
-            let wake = deadline.min(Instant::now() + lease_remaining);
             tokio::select! {
                 () = &mut notified => {}
-                () = tokio::time::sleep_until(wake) => {}
+                () = tokio::time::sleep_until(deadline.min(wake)) => {}
             }
         }
     }

@@ -1,0 +1,107 @@
+//! The exchange of a claimed request: sent from a task of its own (so a client that
+//! goes away changes nothing), timed, and its claim resolved by what came back:
+//! completed with the response, released, or marked unknown.
+
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::sync::oneshot;
+use tokio::time::Duration;
+use tracing::Instrument;
+
+use super::claim::OwnedClaim;
+use super::{Answer, Ended, Guarded, Prepared, Proxy, Refusal};
+use crate::body::{self, Buffered, ProxyBody, StreamedBody, full};
+use crate::error::{ProxyError, Rejection, UpstreamError};
+use crate::idempotency::{self, Recording};
+use crate::router::RouteState;
+use crate::store::{StoredResponse, UnknownReason};
+use crate::upstream::{self, Clock};
+
+/// Sends `request` on `route`'s upstream within its timeout, and times the response
+/// head in the route's metrics.
+pub(super) async fn send(
+    route: &RouteState,
+    request: Request<ProxyBody>,
+) -> (Result<Response<Incoming>, UpstreamError>, Clock, Duration) {
+    let clock = Clock::start(route.route.upstream_timeout);
+    let sent = upstream::send(&route.client, request, &clock).await;
+    let elapsed = clock.started.elapsed();
+    route.metrics.upstream(elapsed);
+    (sent, clock, elapsed)
+}
+
+impl Proxy {
+    /// Sends the claimed request from a task of its own, and returns its response once
+    /// the record is updated, so that a retry that follows it sees the record.
+    pub(super) async fn forward(&self, guarded: Guarded, claim: OwnedClaim, prepared: Prepared) -> Ended {
+        let mut request = prepared.into_request();
+        if let Err(error) = upstream::prepare_request(&mut request, &guarded.route.route.upstream, &guarded.client) {
+            claim.release_in_background();
+            return Err(ProxyError::Rewrite(error).into());
+        }
+        let (sender, receiver) = oneshot::channel();
+        let proxy = self.clone();
+        let exchange = async move {
+            let ended = proxy.exchange(&guarded, claim, request).await;
+            // The bodies are recorded or handed on: the request no longer counts.
+            drop(guarded);
+            // The client may have gone: the record is already updated.
+            let _ = sender.send(ended);
+        };
+        // Boxed once here: the exchange's state is kilobytes, which spawning would
+        // otherwise copy through each wrapper into the task.
+        self.shared.tasks.spawn(Box::pin(exchange).in_current_span());
+        receiver.await.unwrap_or_else(|_| Err(ProxyError::ExchangeLost.into()))
+    }
+
+    /// Runs in its own task: forwards the claimed request, then resolves the claim by
+    /// what came back.
+    async fn exchange(&self, guarded: &Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Ended {
+        claim.forwarding();
+        let (sent, clock, elapsed) = send(&guarded.route, request).await;
+        let failed = |rejection: Rejection| Refusal {
+            rejection,
+            upstream: Some(elapsed),
+        };
+        let response = match sent {
+            Ok(response) => response,
+            Err(error) => {
+                claim.upstream_failed(&error).await;
+                return Err(failed(error.into()));
+            }
+        };
+        let (mut parts, body) = response.into_parts();
+        upstream::strip_hop_by_hop(&mut parts.headers);
+        let policy = &guarded.policy;
+        let recording = idempotency::recording_for(parts.status, policy.on_server_error);
+        let limit = policy.max_response_body_bytes;
+        let body = match body::buffer_response(body, limit, clock.deadline, clock.timeout).await {
+            Err(error) => {
+                claim.upstream_failed(&error).await;
+                return Err(failed(error.into()));
+            }
+            Ok(Buffered::Whole(body)) => {
+                match recording {
+                    Recording::Record => {
+                        let stored = StoredResponse::from_parts(&parts, body.clone(), &policy.replay_exclude_headers);
+                        claim.complete(stored).await;
+                    }
+                    Recording::Release => claim.release().await,
+                }
+                full(body)
+            }
+            Ok(Buffered::TooLarge { head, rest }) => {
+                match recording {
+                    Recording::Record => {
+                        tracing::warn!(limit, "response too large to record; the key's outcome is now unknown");
+                        claim.mark_unknown(UnknownReason::ResponseTooLarge).await;
+                    }
+                    Recording::Release => claim.release().await,
+                }
+                StreamedBody::new(Some(head), rest, clock.deadline, clock.timeout).boxed_unsync()
+            }
+        };
+        Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed))
+    }
+}
