@@ -424,7 +424,9 @@ mod tests {
             .lines()
             .skip(1)
             .map(|line| line.split_whitespace().collect::<Vec<_>>())
-            .find(|fields| fields.get(1) == Some(&local.as_str()))
+            // The established connection: an earlier one on the same port may linger
+            // in TIME_WAIT, with no socket (inode 0).
+            .find(|fields| fields.get(1) == Some(&local.as_str()) && fields.get(3) == Some(&"01"))
             .and_then(|fields| fields.get(9).map(|inode| inode.to_string()))
             .expect("the pool's connection in /proc/net/tcp");
         let socket = format!("socket:[{inode}]");
