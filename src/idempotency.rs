@@ -30,20 +30,16 @@ impl IdempotencyKey {
 }
 
 impl std::fmt::Debug for IdempotencyKey {
-    /// Never prints the key itself: only a short hash, safe for logs.
+    /// Never prints the key itself: `key#` and the first 12 hex digits of its SHA-256.
+    /// (Logs name a request by its record instead: `StoreKey::short_hash`.)
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "key#{}", short_hash(self.0.as_bytes()))
+        let digest = digest::digest(&digest::SHA256, self.0.as_bytes());
+        write!(
+            f,
+            "key#{}",
+            const_hex::encode(digest.as_ref().get(..6).unwrap_or_default())
+        )
     }
-}
-
-/// The first 12 hex digits of the SHA-256 of `bytes`: how keys appear in logs.
-pub fn short_hash(bytes: &[u8]) -> String {
-    const_hex::encode(
-        digest::digest(&digest::SHA256, bytes)
-            .as_ref()
-            .get(..6)
-            .unwrap_or_default(),
-    )
 }
 
 /// Reads the idempotency key from every field line of its header.

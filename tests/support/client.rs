@@ -202,3 +202,10 @@ where
 pub async fn post_key(addr: SocketAddr, key: &str) -> TestResponse {
     send(addr, "POST", "/v1/payments", &[("idempotency-key", key)], "{}").await
 }
+
+/// A POST to the payments route with `key` (or none), `body` and the `extra` fields.
+pub async fn post(addr: SocketAddr, key: Option<&str>, body: &str, extra: &[(&str, &str)]) -> TestResponse {
+    let mut headers: Vec<(&str, &str)> = key.map(|key| ("idempotency-key", key)).into_iter().collect();
+    headers.extend_from_slice(extra);
+    send(addr, "POST", "/v1/payments", &headers, body).await
+}

@@ -1,6 +1,6 @@
-//! The edge (DESIGN §7, §10): every connection bounded in time from its accept, the
-//! connection limit and the open-files limit. Real sockets, a real child process where
-//! the property is about the process.
+//! Connections (DESIGN §7, §10): every connection bounded in time from its accept,
+//! the connection limit and the open-files limit, HTTP/2 floods. Real sockets, a real
+//! child process where the property is about the process.
 
 // A test that cannot set itself up should fail loudly, with the reason.
 #![allow(clippy::expect_used)]

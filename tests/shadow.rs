@@ -1,0 +1,99 @@
+//! Shadow mode (DESIGN §9): a guarded route that forwards everything and counts what
+//! enforce mode would have done, against a real `redis-server` that the test takes away
+//! through a relay.
+
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
+mod support;
+
+use support::client::{metric, post};
+use support::{Mode, RedisServer, Relay, StoreKind, TestConfig, Upstream};
+
+/// A scripted mix on a shadow-mode route: every request is forwarded and answered by
+/// the upstream, and each `would` counter ends at exactly what the mix holds.
+#[tokio::test]
+async fn shadow_mode_forwards_every_request_and_counts_what_enforce_would_have_done() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Redis(relay.url("redis")), &upstream.url());
+    config.idempotency = "mode = \"shadow\"".into();
+    config.server = "max_request_body_bytes = 1024".into();
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    let mut answers = Vec::new();
+
+    // 10 fresh keys: claimed, forwarded and recorded.
+    for index in 0..10 {
+        answers.push(post(addr, Some(&format!("fresh-{index}")), "{}", &[]).await);
+    }
+    // 5 duplicates: enforce would replay; shadow runs them again.
+    for index in 0..5 {
+        let duplicate = post(addr, Some(&format!("fresh-{index}")), "{}", &[]).await;
+        assert!(!duplicate.replayed(), "shadow mode never replays: {duplicate:?}");
+        answers.push(duplicate);
+    }
+    // 3 mismatches, 2 missing keys, 2 invalid keys.
+    for index in 0..3 {
+        answers.push(post(addr, Some(&format!("fresh-{index}")), "{\"other\":1}", &[]).await);
+    }
+    for _ in 0..2 {
+        answers.push(post(addr, None, "{}", &[]).await);
+    }
+    let too_long = "k".repeat(300);
+    answers.push(post(addr, Some(&too_long), "{}", &[]).await);
+    answers.push(post(addr, Some("\"unterminated"), "{}", &[]).await);
+    // A duplicate while the first is held at the upstream: enforce would answer 409.
+    let held = tokio::spawn(async move { post(addr, Some("held"), "{}", &[("x-test-hold", "held")]).await });
+    upstream.wait_for_key("held").await;
+    answers.push(post(addr, Some("held"), "{}", &[]).await);
+    upstream.release("held");
+    answers.push(held.await.expect("the held request"));
+    // A body over max_request_body_bytes: enforce would answer 413; it is forwarded whole.
+    let large = "x".repeat(4096);
+    let forwarded = post(addr, Some("large"), &large, &[]).await;
+    assert!(
+        String::from_utf8_lossy(&forwarded.body).contains("\"body_bytes\":4096"),
+        "{forwarded:?}"
+    );
+    answers.push(forwarded);
+    // The store gone: enforce would answer 503.
+    relay.set(Mode::Reset);
+    for index in 0..3 {
+        answers.push(post(addr, Some(&format!("down-{index}")), "{}", &[]).await);
+    }
+    relay.set(Mode::Pass);
+
+    for answer in &answers {
+        assert_eq!(answer.status, 201, "every request reaches the upstream: {answer:?}");
+    }
+    assert_eq!(upstream.total(), answers.len(), "one execution per request");
+    let expected = [
+        ("forward", 11.0),
+        ("replay", 5.0),
+        ("mismatch", 3.0),
+        ("missing_key", 2.0),
+        ("invalid_key", 2.0),
+        ("conflict", 1.0),
+        ("rejected", 1.0),
+        ("store_error", 3.0),
+        ("overloaded", 0.0),
+    ];
+    for (would, count) in expected {
+        let line = format!("idemproxy_shadow_decisions_total{{route=\"payments\",would=\"{would}\"}}");
+        assert_eq!(metric(proxy.admin(), &line).await, Some(count), "{line}");
+    }
+    let forwarded = "idemproxy_requests_total{route=\"payments\",outcome=\"forwarded\"}";
+    assert_eq!(metric(proxy.admin(), forwarded).await, Some(answers.len() as f64));
+    // Only shadow routes have the counters.
+    let orders = "idemproxy_shadow_decisions_total{route=\"orders\",would=\"forward\"}";
+    assert_eq!(metric(proxy.admin(), orders).await, None);
+    // The claims were real: the fresh keys' records are completed in Redis.
+    let records = redis
+        .keys()
+        .into_iter()
+        .filter(|key| key.starts_with("idemproxy:payments:"))
+        .count();
+    assert_eq!(records, 11, "ten fresh keys and the held one");
+}
