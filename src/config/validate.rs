@@ -419,7 +419,10 @@ impl Validator<'_> {
                     RedisTopology::Sentinel { urls, master_name }
                 }
             }
-            BackendKind::Memory => unreachable!("the memory backend is not a Redis one"),
+            // `store` validates the memory backend itself and never asks for this.
+            BackendKind::Memory => {
+                return Err(self.error(raw.backend.span(), "store.backend", "memory is not a Redis backend"));
+            }
         };
         let replica_ack_timeout = match &raw.replica_ack_timeout {
             Some(timeout) if timeout.get_ref().0 < Duration::from_millis(1) => {
