@@ -29,9 +29,27 @@ pub(crate) fn full(bytes: impl Into<Bytes>) -> ProxyBody {
         .boxed_unsync()
 }
 
-/// A client request with its body streamed on as it arrives.
+/// A client request with its body streamed on as it arrives. An error of the body
+/// (the client broke its framing, or left) reaches the upstream client as a
+/// `ClientBodyError`, so that the exchange it fails is the client's fault.
 pub(crate) fn streamed(request: Request<Incoming>) -> Request<ProxyBody> {
-    request.map(|body| body.map_err(BoxError::from).boxed_unsync())
+    request.map(|body| client_body(body).boxed_unsync())
+}
+
+/// `body` as streamed on: its errors marked as the client's.
+pub(crate) fn client_body(body: Incoming) -> impl Body<Data = Bytes, Error = BoxError> + Send + 'static {
+    body.map_err(|error| BoxError::from(ClientBodyError(error)))
+}
+
+/// The client's request body failed while it was streamed upstream.
+#[derive(Debug, thiserror::Error)]
+#[error("the client's request body broke off or was malformed")]
+pub(crate) struct ClientBodyError(#[source] hyper::Error);
+
+/// Whether `error` failed because the client's streamed body did: anywhere in its chain
+/// of sources is a `ClientBodyError`.
+pub(crate) fn broken_by_client(error: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(error), |error| error.source()).any(|error| error.is::<ClientBodyError>())
 }
 
 /// What the proxy knows about the client side of a connection, worked out once per

@@ -16,6 +16,7 @@ use serde::Deserialize;
 pub use crate::canonical_json::JsonPointer;
 use crate::error::ConfigError;
 use crate::jwt::JwtVerifier;
+pub use crate::target::{PathPolicy, Spelling};
 
 mod raw;
 mod target;
@@ -58,6 +59,8 @@ pub struct ServerConfig {
     pub max_waiters: usize,
     /// One log line per request, with target `idemproxy::access`.
     pub access_log: bool,
+    /// How request paths are made canonical before they are routed and forwarded.
+    pub paths: PathPolicy,
     /// TLS on the listener, when configured.
     pub tls: Option<ServerTls>,
 }
@@ -124,7 +127,14 @@ pub struct StoreConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
-    Memory { max_records: usize, max_bytes: usize },
+    Memory {
+        max_records: usize,
+        max_bytes: usize,
+        /// The live records, and the bytes they hold, that one scope (a route's
+        /// client, as `scope_headers` and `scope_jwt` name it) may have at once.
+        max_records_per_scope: usize,
+        max_bytes_per_scope: usize,
+    },
     Redis(RedisConfig),
 }
 
@@ -451,12 +461,20 @@ impl std::fmt::Display for Config {
             self.server.max_guarded_requests,
             self.bodies_in_flight() as f64 / (1024.0 * 1024.0)
         )?;
+        writeln!(f, "paths  {}", self.server.paths)?;
         match &self.store.backend {
-            Backend::Memory { max_records, max_bytes } => writeln!(
+            Backend::Memory {
+                max_records,
+                max_bytes,
+                max_records_per_scope,
+                max_bytes_per_scope,
+            } => writeln!(
                 f,
-                "store  {} (max_records {max_records}, max_bytes {max_bytes} = {:.1} MiB)",
+                "store  {} (max_records {max_records}, max_bytes {max_bytes} = {:.1} MiB; per scope \
+                 {max_records_per_scope} records, {:.1} MiB)",
                 self.store.backend.name(),
-                *max_bytes as f64 / (1024.0 * 1024.0)
+                *max_bytes as f64 / (1024.0 * 1024.0),
+                *max_bytes_per_scope as f64 / (1024.0 * 1024.0)
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
         }

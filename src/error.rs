@@ -11,6 +11,7 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderValue, Response, StatusCode};
 
 use crate::jwt::JwtError;
+use crate::target::TargetError;
 
 /// Any error, boxed, where the cause only goes to the log.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -66,6 +67,10 @@ pub enum StoreError {
     Tls(#[source] redis::RedisError),
     #[error("the memory store holds its maximum of {limit} {what}")]
     Full { what: &'static str, limit: usize },
+    /// One client's records hold its share of the memory store (`max_records_per_scope`
+    /// or `max_bytes_per_scope`); its oldest expires in `retry_after`.
+    #[error("the client's records hold their share of the memory store ({what})")]
+    ScopeFull { what: &'static str, retry_after: Duration },
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
     /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
@@ -89,7 +94,9 @@ impl StoreError {
             | StoreError::Unavailable(_)
             | StoreError::Protocol(_)
             | StoreError::NotReplicated { .. } => true,
-            StoreError::Full { .. } | StoreError::Unready(_) | StoreError::Tls(_) => false,
+            StoreError::Full { .. } | StoreError::ScopeFull { .. } | StoreError::Unready(_) | StoreError::Tls(_) => {
+                false
+            }
         }
     }
 }
@@ -124,6 +131,8 @@ pub(crate) enum ProxyError {
 pub(crate) enum Rejection {
     #[error("no route matches the request")]
     NoRoute,
+    #[error(transparent)]
+    Target(#[from] TargetError),
     #[error(transparent)]
     Key(#[from] KeyError),
     #[error("the request body is larger than {0} bytes")]
@@ -228,6 +237,37 @@ impl Rejection {
         use Fault::{Capacity, Client, Proxy, Store, Upstream};
         let (status, slug, title, fault, outcome) = match self {
             Rejection::NoRoute => (StatusCode::NOT_FOUND, "no-route", "No route", Client, Outcome::Rejected),
+            Rejection::Target(
+                TargetError::MalformedEscape
+                | TargetError::EscapedSlash
+                | TargetError::Parameter
+                | TargetError::CaseVariant,
+            ) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-path",
+                "Invalid path",
+                Client,
+                Outcome::Rejected,
+            ),
+            Rejection::Target(
+                TargetError::MissingHost
+                | TargetError::RepeatedHost
+                | TargetError::InvalidHost
+                | TargetError::ConflictingHost,
+            ) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-host",
+                "Invalid host",
+                Client,
+                Outcome::Rejected,
+            ),
+            Rejection::Target(TargetError::MethodCase) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-method",
+                "Invalid method",
+                Client,
+                Outcome::Rejected,
+            ),
             Rejection::Key(KeyError::Missing) => (
                 StatusCode::BAD_REQUEST,
                 "missing-idempotency-key",
@@ -311,6 +351,13 @@ impl Rejection {
                 Store,
                 Outcome::StoreError,
             ),
+            Rejection::Store(StoreError::ScopeFull { .. }) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "scope-full",
+                "Too many live keys for this client",
+                Client,
+                Outcome::Rejected,
+            ),
             Rejection::Store(
                 StoreError::Unavailable(_)
                 | StoreError::Tls(_)
@@ -362,6 +409,9 @@ impl Rejection {
         };
         let retry_after = match self {
             Rejection::InProgress { retry_after, .. } => Some(retry_after.as_secs().max(1)),
+            Rejection::Store(StoreError::ScopeFull { retry_after, .. }) => {
+                Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0))
+            }
             Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
             _ => None,
         };
@@ -384,6 +434,7 @@ impl Rejection {
     fn public_detail(&self) -> String {
         match self {
             Rejection::NoRoute
+            | Rejection::Target(_)
             | Rejection::Key(_)
             | Rejection::BodyTooLarge(_)
             | Rejection::BodyTimeout(_)
@@ -394,6 +445,9 @@ impl Rejection {
             | Rejection::OutcomeUnknown => self.to_string(),
             Rejection::Overloaded(_) => "the proxy is at its bound on guarded requests in flight; nothing was forwarded".into(),
             Rejection::Store(StoreError::Full { .. }) => "the idempotency store is full; nothing was forwarded".into(),
+            Rejection::Store(StoreError::ScopeFull { .. }) => {
+                "this client's live idempotency keys hold its share of the store; nothing was forwarded, retry after the oldest expires".into()
+            }
             Rejection::Store(
                 StoreError::Unavailable(_) | StoreError::Tls(_) | StoreError::Protocol(_) | StoreError::Unready(_),
             ) => {

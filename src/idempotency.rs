@@ -11,7 +11,7 @@ use ring::digest;
 use crate::canonical_json;
 use crate::config::{FingerprintBody, OnServerError};
 use crate::error::{KeyError, Rejection};
-use crate::store::{ClaimOutcome, Existing, Fingerprint, RecordState, StoreKey, StoredResponse};
+use crate::store::{ClaimOutcome, Existing, Fingerprint, RecordState, ScopeId, StoreKey, StoredResponse};
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -200,6 +200,29 @@ pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &Idem
     derived.push_str(const_hex::Buffer::<32>::new().format(&digest_array(&context.finish())));
     derived.push('}');
     StoreKey::from_derived(derived)
+}
+
+/// The client a record is counted against: its route and its scope, as a number only
+/// this process knows (SipHash with this process's random keys, so no client can aim
+/// at another's), or `None` on a route without scope, where every client is one.
+pub fn scope_id(route: &str, scope: &[Vec<&[u8]>]) -> Option<ScopeId> {
+    use std::hash::{BuildHasher, Hasher};
+    static KEYS: std::sync::LazyLock<std::hash::RandomState> = std::sync::LazyLock::new(std::hash::RandomState::new);
+    if scope.is_empty() {
+        return None;
+    }
+    let mut hasher = KEYS.build_hasher();
+    hasher.write_usize(route.len());
+    hasher.write(route.as_bytes());
+    hasher.write_usize(scope.len());
+    for values in scope {
+        hasher.write_usize(values.len());
+        for value in values {
+            hasher.write_usize(value.len());
+            hasher.write(value);
+        }
+    }
+    Some(ScopeId(hasher.finish()))
 }
 
 /// What the proxy does with a guarded request once its claim has answered. `C` is what

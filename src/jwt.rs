@@ -177,7 +177,7 @@ impl JwtVerifier {
     }
 
     /// The scope claim of the request's token, once the token verifies at `now`.
-    pub fn verify(&self, headers: &HeaderMap, now: SystemTime) -> Result<String, JwtError> {
+    pub fn verify(&self, headers: &HeaderMap, now: SystemTime) -> Result<ScopeClaim, JwtError> {
         let mut values = headers.get_all(&self.header).iter();
         let value = values.next().ok_or(JwtError::Missing)?;
         if values.next().is_some() {
@@ -236,16 +236,24 @@ impl JwtVerifier {
         }
     }
 
-    fn check_claims(&self, payload: &Value, now: SystemTime) -> Result<String, JwtError> {
-        let now = now.duration_since(UNIX_EPOCH).map_or(0, |since| since.as_secs());
-        let leeway = self.leeway.as_secs();
-        let time = |name: &str| payload.get(name).map(|value| value.as_u64().ok_or(JwtError::Malformed));
+    fn check_claims(&self, payload: &Value, now: SystemTime) -> Result<ScopeClaim, JwtError> {
+        let now = now.duration_since(UNIX_EPOCH).map_or(0.0, |since| since.as_secs_f64());
+        let leeway = self.leeway.as_secs_f64();
+        // A NumericDate is any JSON number of seconds (RFC 7519 §2), fractions included.
+        let time = |name: &str| {
+            payload.get(name).map(|value| {
+                value
+                    .as_f64()
+                    .filter(|seconds| seconds.is_finite())
+                    .ok_or(JwtError::Malformed)
+            })
+        };
         let exp = time("exp").ok_or(JwtError::Expired)??;
-        if now >= exp.saturating_add(leeway) {
+        if now >= exp + leeway {
             return Err(JwtError::Expired);
         }
         if let Some(nbf) = time("nbf")
-            && now.saturating_add(leeway) < nbf?
+            && now + leeway < nbf?
         {
             return Err(JwtError::NotYetValid);
         }
@@ -265,15 +273,36 @@ impl JwtVerifier {
             }
         }
         match payload.get(&self.claim) {
-            Some(Value::String(value)) if !value.is_empty() => Ok(value.clone()),
-            Some(Value::Number(value)) => Ok(value.to_string()),
+            Some(Value::String(value)) if !value.is_empty() => Ok(ScopeClaim::String(value.clone())),
+            Some(Value::Number(value)) => Ok(ScopeClaim::Number(value.to_string())),
             _ => Err(JwtError::Claim),
         }
     }
 }
 
+/// The verified claim that scopes a record, with its JSON type: the number `123` and
+/// the string `"123"` name two scopes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScopeClaim {
+    String(String),
+    /// A JSON number, as serde_json writes it back.
+    Number(String),
+}
+
+impl From<&str> for ScopeClaim {
+    fn from(value: &str) -> ScopeClaim {
+        ScopeClaim::String(value.to_string())
+    }
+}
+
+impl From<String> for ScopeClaim {
+    fn from(value: String) -> ScopeClaim {
+        ScopeClaim::String(value)
+    }
+}
+
 /// The token of a `Bearer` credential (the scheme in any case, RFC 9110 §11.1).
-fn bearer(value: &HeaderValue) -> Option<&str> {
+pub(crate) fn bearer(value: &HeaderValue) -> Option<&str> {
     let value = value.to_str().ok()?.trim();
     let (scheme, token) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
@@ -287,6 +316,17 @@ fn decode_json(part: &str) -> Result<Value, JwtError> {
     } else {
         Err(JwtError::Malformed)
     }
+}
+
+/// The bit length of a big-endian modulus, leading zero bytes and bits left out.
+fn modulus_bits(n: &[u8]) -> usize {
+    let significant = n
+        .iter()
+        .position(|byte| *byte != 0)
+        .map_or(&[][..], |first| &n[first..]);
+    significant.first().map_or(0, |top| {
+        (significant.len() - 1) * 8 + (8 - usize::try_from(top.leading_zeros()).unwrap_or(8))
+    })
 }
 
 /// The signing keys of a JWKS: RSA (RS256), EC P-256 (ES256) and OKP Ed25519 (EdDSA);
@@ -311,7 +351,18 @@ fn parse_jwks(text: &str) -> Result<Vec<Jwk>, KeysError> {
         let crv = key.get("crv").and_then(Value::as_str);
         let public = match (kty, crv) {
             (Some("RSA"), _) => match (field(key, "n"), field(key, "e")) {
-                (Some(n), Some(e)) => Some(PublicKey::Rs256(signature::RsaPublicKeyComponents { n, e })),
+                (Some(n), Some(e)) => {
+                    // ring refuses to verify with a shorter key: every token signed
+                    // with it would be a 401, so the config is refused instead.
+                    let bits = modulus_bits(&n);
+                    if bits < 2048 {
+                        let kid = key.get("kid").and_then(Value::as_str).unwrap_or("(no kid)");
+                        return Err(KeysError(format!(
+                            "the RSA key {kid:?} has a {bits}-bit modulus; RS256 needs at least 2048 bits"
+                        )));
+                    }
+                    Some(PublicKey::Rs256(signature::RsaPublicKeyComponents { n, e }))
+                }
                 _ => None,
             },
             (Some("EC"), Some("P-256")) => match (field(key, "x"), field(key, "y")) {

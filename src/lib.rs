@@ -61,6 +61,7 @@ mod router;
 pub mod scope;
 pub mod server;
 pub mod store;
+pub mod target;
 pub mod tls;
 mod upstream;
 

@@ -18,18 +18,20 @@ use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
+use self::admit::Admitted;
 use self::claim::{Ledger, OwnedClaim};
 use self::exchange::send;
-use crate::body::{ClientInfo, ProxyBody, StreamedBody, full, streamed};
+use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
 use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
 use crate::error::{DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
-use crate::router::{BodyLimits, RouteState, Router, host_without_port};
-use crate::store::{AnyStore, StoreKey, StoredResponse};
+use crate::router::{BodyLimits, RouteState, Router};
+use crate::store::{AnyStore, StoredResponse};
 use crate::upstream::{self, HttpClient};
 
 mod access;
+mod admit;
 mod claim;
 mod context;
 mod exchange;
@@ -37,7 +39,7 @@ mod shadow;
 mod wait;
 
 pub(crate) use self::context::GuardedRequests;
-use self::context::{Guarded, Prepared};
+use self::context::{Guarded, Named, Prepared};
 pub(crate) use self::wait::Waiting;
 
 /// A cheap-to-clone handle on everything a request needs.
@@ -124,17 +126,7 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient) -> Result<Rou
         };
         routes.push(RouteState::new(route, metrics, client, body));
     }
-    Ok(Router::new(routes))
-}
-
-/// The route's policy, when it guards `request`: its method is guarded, and it carries
-/// a key or the route requires one (a keyless request on a `required = false` route
-/// passes unguarded).
-fn guard(route: &RouteState, request: &Request<Incoming>) -> Option<Arc<IdempotencyPolicy>> {
-    let policy = route.route.idempotency.as_ref()?;
-    let guarded = policy.methods.contains(request.method())
-        && (policy.required || request.headers().contains_key(&policy.header));
-    guarded.then(|| policy.clone())
+    Ok(Router::new(routes, config.server.paths))
 }
 
 impl Proxy {
@@ -191,17 +183,11 @@ impl Proxy {
     }
 
     async fn serve(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
-        let host = request
-            .headers()
-            .get(http::header::HOST)
-            .and_then(|host| host.to_str().ok())
-            .or_else(|| request.uri().authority().map(|a| a.as_str()))
-            .map(host_without_port);
-        let routed = self.shared.router.load().route(host, request.uri().path()).cloned();
-        let Some(route) = routed else {
-            return self.finish(None, None, Err(Rejection::NoRoute.into()));
+        let Admitted { request, route, guard } = match self.admit(request) {
+            Ok(admitted) => admitted,
+            Err(refused) => return self.finish(refused.route.as_deref(), None, Err(refused.rejection.into())),
         };
-        match guard(&route, &request) {
+        match guard {
             // Boxed: the guarded path's state is large, and the pass-through future
             // should not carry (and move) it.
             Some(policy) => Box::pin(self.guarded(route, policy, request, client)).await,
@@ -217,7 +203,12 @@ impl Proxy {
         upstream::prepare_request(&mut request, &route.route.upstream, client).map_err(ProxyError::Rewrite)?;
         let (sent, clock, elapsed) = send(route, request).await;
         let response = sent.map_err(|error| Refusal {
-            rejection: error.into(),
+            // A body the client broke while it streamed is the client's fault.
+            rejection: if body::broken_by_client(&error) {
+                Rejection::BodyIncomplete(error.into())
+            } else {
+                error.into()
+            },
             upstream: Some(elapsed),
         })?;
         let (mut parts, body) = response.into_parts();
@@ -237,7 +228,7 @@ impl Proxy {
         client: ClientInfo,
     ) -> Response<ProxyBody> {
         let identified = self.identify(&route, &policy, request.headers());
-        let record = identified.as_ref().ok().map(StoreKey::short_hash);
+        let record = identified.as_ref().ok().map(|named| named.record.short_hash());
         let span = match policy.mode {
             Mode::Enforce => tracing::info_span!("guarded", route = %route.name, record),
             Mode::Shadow => tracing::info_span!("shadow", route = %route.name, record),
@@ -260,7 +251,7 @@ impl Proxy {
         &self,
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
-        identified: Result<StoreKey, Rejection>,
+        identified: Result<Named, Rejection>,
         request: Request<Incoming>,
         client: ClientInfo,
     ) -> Ended {

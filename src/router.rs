@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
-use crate::config::Route;
+use http::Method;
+
+use crate::config::{PathPolicy, Route};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::upstream::HttpClient;
 
@@ -48,10 +50,14 @@ pub(crate) struct Router {
     /// Sorted so that the first match is the best one: host-specific routes first,
     /// then longer prefixes first.
     routes: Arc<[Arc<RouteState>]>,
+    /// How request paths are made canonical before they are matched.
+    pub(crate) paths: PathPolicy,
+    /// Every method some route guards.
+    pub(crate) guarded_methods: Vec<Method>,
 }
 
 impl Router {
-    pub(crate) fn new(routes: Vec<RouteState>) -> Router {
+    pub(crate) fn new(routes: Vec<RouteState>, paths: PathPolicy) -> Router {
         let mut routes: Vec<Arc<RouteState>> = routes.into_iter().map(Arc::new).collect();
         routes.sort_by(|a, b| {
             let (a, b) = (&a.route, &b.route);
@@ -60,14 +66,40 @@ impl Router {
                 .cmp(&a.host.is_some())
                 .then(b.path_prefix.len().cmp(&a.path_prefix.len()))
         });
-        Router { routes: routes.into() }
+        let mut guarded_methods: Vec<Method> = Vec::new();
+        for policy in routes.iter().filter_map(|state| state.route.idempotency.as_ref()) {
+            for method in &policy.methods {
+                if !guarded_methods.contains(method) {
+                    guarded_methods.push(method.clone());
+                }
+            }
+        }
+        Router {
+            routes: routes.into(),
+            paths,
+            guarded_methods,
+        }
     }
 
     /// The route for `host` (without port, any case) and `path`, if one matches.
     ///
-    /// A prefix matches at a segment boundary: `/v1/pay` matches `/v1/pay` and
-    /// `/v1/pay/x`, but not `/v1/payments`, unless the prefix itself ends in `/`.
+    /// A prefix matches at a segment boundary: `/v1/pay` matches `/v1/pay`,
+    /// `/v1/pay/x` and `/v1/pay;x`, but not `/v1/payments`, unless the prefix itself
+    /// ends in `/`.
     pub(crate) fn route(&self, host: Option<&str>, path: &str) -> Option<&Arc<RouteState>> {
+        self.find(host, path, false)
+    }
+
+    /// The guarded route whose prefix `path` matches only when letter case is ignored
+    /// (`/V1/Payments` for `/v1/payments`), if the route `path` matches is another:
+    /// a spelling that an upstream which ignores case (Express, ASP.NET) runs as the
+    /// guarded route.
+    pub(crate) fn case_variant(&self, host: Option<&str>, path: &str, exact: &RouteState) -> Option<&Arc<RouteState>> {
+        let loose = self.find(host, path, true)?;
+        (loose.name != exact.name && loose.route.idempotency.is_some()).then_some(loose)
+    }
+
+    fn find(&self, host: Option<&str>, path: &str, ignore_case: bool) -> Option<&Arc<RouteState>> {
         self.routes.iter().find(|state| {
             let route = &state.route;
             let host_ok = match (&route.host, host) {
@@ -75,30 +107,24 @@ impl Router {
                 (Some(want), Some(have)) => want.eq_ignore_ascii_case(have),
                 (Some(_), None) => false,
             };
-            host_ok && prefix_matches(&route.path_prefix, path)
+            host_ok && prefix_matches(&route.path_prefix, path, ignore_case)
         })
     }
 }
 
-fn prefix_matches(prefix: &str, path: &str) -> bool {
-    match path.strip_prefix(prefix) {
-        None => false,
-        Some(rest) => prefix.ends_with('/') || rest.is_empty() || rest.starts_with('/') || rest.starts_with('?'),
-    }
-}
-
-/// The host part of a Host header or authority: the port and any brackets removed.
-pub(crate) fn host_without_port(authority: &str) -> &str {
-    if let Some(rest) = authority.strip_prefix('[') {
-        return rest.split(']').next().unwrap_or(rest);
-    }
-    authority.rsplit_once(':').map_or(authority, |(host, port)| {
-        if port.bytes().all(|b| b.is_ascii_digit()) {
-            host
-        } else {
-            authority
-        }
-    })
+/// Whether `path` starts with `prefix` at a segment boundary (`/`, `;` or the end),
+/// or anywhere when the prefix ends in `/`.
+fn prefix_matches(prefix: &str, path: &str, ignore_case: bool) -> bool {
+    let Some(head) = path.get(..prefix.len()) else {
+        return false;
+    };
+    let same = if ignore_case {
+        head.eq_ignore_ascii_case(prefix)
+    } else {
+        head == prefix
+    };
+    let rest = &path[prefix.len()..];
+    same && (prefix.ends_with('/') || rest.is_empty() || rest.starts_with(['/', ';', '?']))
 }
 
 #[cfg(test)]
@@ -134,6 +160,7 @@ mod tests {
                     RouteState::new(route, &metrics, client.clone(), body)
                 })
                 .collect(),
+            PathPolicy::default(),
         )
     }
 
@@ -161,12 +188,5 @@ mod tests {
         let router = router(&[route("v1", "/v1", None)]);
         assert!(router.route(None, "/v2").is_none());
         assert!(router.route(None, "/v10").is_none());
-    }
-
-    #[test]
-    fn host_port_is_stripped() {
-        assert_eq!(host_without_port("example.com:8080"), "example.com");
-        assert_eq!(host_without_port("example.com"), "example.com");
-        assert_eq!(host_without_port("[::1]:80"), "::1");
     }
 }

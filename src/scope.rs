@@ -5,11 +5,22 @@
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
+use crate::jwt::ScopeClaim;
+
 /// The scope of a request: the verified claim first, when the route has `scope_jwt`,
 /// then every value of each of `scope_headers`, in order. `store_key` length-prefixes
-/// every part, so no two different scopes meet.
-pub fn values<'a>(headers: &'a HeaderMap, scope_headers: &[HeaderName], claim: Option<&'a str>) -> Vec<Vec<&'a [u8]>> {
-    let claim = claim.map(|claim| vec![claim.as_bytes()]);
+/// every part, so no two different scopes meet. A string claim is one value (as it has
+/// always been), a numeric claim two (`number` and its digits), so that `123` and
+/// `"123"` never name the same scope.
+pub fn values<'a>(
+    headers: &'a HeaderMap,
+    scope_headers: &[HeaderName],
+    claim: Option<&'a ScopeClaim>,
+) -> Vec<Vec<&'a [u8]>> {
+    let claim = claim.map(|claim| match claim {
+        ScopeClaim::String(value) => vec![value.as_bytes()],
+        ScopeClaim::Number(value) => vec![b"number".as_slice(), value.as_bytes()],
+    });
     claim
         .into_iter()
         .chain(

@@ -17,7 +17,7 @@ pub mod memory;
 pub(crate) mod notify;
 pub mod redis;
 
-pub use self::memory::{MemoryStore, MemoryUsage};
+pub use self::memory::{MemoryLimits, MemoryStore, MemoryUsage};
 use self::notify::Watcher;
 pub use self::redis::RedisStore;
 
@@ -31,8 +31,19 @@ pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sy
 /// sweeper or the Redis subscriber.
 pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
     match &config.backend {
-        Backend::Memory { max_records, max_bytes } => {
-            let store = MemoryStore::new(*max_records, *max_bytes);
+        Backend::Memory {
+            max_records,
+            max_bytes,
+            max_records_per_scope,
+            max_bytes_per_scope,
+        } => {
+            let limits = MemoryLimits {
+                max_records: *max_records,
+                max_bytes: *max_bytes,
+                max_records_per_scope: *max_records_per_scope,
+                max_bytes_per_scope: *max_bytes_per_scope,
+            };
+            let store = MemoryStore::with_limits(limits);
             let watcher = store.watcher();
             let shared = AnyStore::Memory(store);
             Ok((Arc::new(move || Ok(shared.clone())), watcher))
@@ -48,7 +59,7 @@ pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), Stor
 
 /// The name of one record in the store. Only `idempotency::store_key` makes these,
 /// so writer and reader always agree on it.
-#[derive(Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct StoreKey(String);
 
 impl StoreKey {
@@ -147,10 +158,17 @@ impl UnknownReason {
     }
 }
 
+/// Which client of which route a record belongs to, as a number only this process
+/// knows (see `idempotency::scope_id`): what the memory store bounds per client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScopeId(pub u64);
+
 /// What a claim asks for.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
     pub key: StoreKey,
+    /// The client the record is counted against; `None` on a route without scope.
+    pub scope: Option<ScopeId>,
     pub owner: OwnerToken,
     pub fingerprint: Fingerprint,
     /// The whole record lives exactly this long from the claim.

@@ -250,6 +250,13 @@ fn scope_jwt_keys_are_checked_and_named() {
     assert!(!stdout.contains(secret));
     // Scoped routes draw no warning.
     assert!(output.stderr.is_empty(), "{}", String::from_utf8_lossy(&output.stderr));
+    // A 1024-bit RSA key: ring would refuse every token signed with it.
+    let modulus = base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, [0xc5u8; 128]);
+    write(
+        &dir,
+        "weak.json",
+        &format!(r#"{{"keys": [{{"kty": "RSA", "kid": "weak-1", "n": "{modulus}", "e": "AQAB"}}]}}"#),
+    );
     for (name, body, env, needle) in [
         (
             "no-env.toml",
@@ -280,6 +287,12 @@ fn scope_jwt_keys_are_checked_and_named() {
             "jwks_file = \"nowhere.json\"",
             None,
             ":7: route[0].idempotency.scope_jwt.jwks_file: cannot read",
+        ),
+        (
+            "weak-rsa.toml",
+            "jwks_file = \"weak.json\"",
+            None,
+            ":7: route[0].idempotency.scope_jwt.jwks_file: the RSA key \"weak-1\" has a 1024-bit modulus; RS256 needs at least 2048 bits",
         ),
     ] {
         let path = write(&dir, name, &jwt(body));

@@ -137,6 +137,7 @@ impl<S: RecordStore> Subject<S> {
             Op::Claim => {
                 let request = ClaimRequest {
                     key: self.key.clone(),
+                    scope: None,
                     owner: token,
                     fingerprint: fingerprint(owner),
                     retention: RETENTION,

@@ -943,3 +943,51 @@ async fn an_upstream_that_closes_every_connection_still_gets_each_request_once()
     }
     assert_eq!(upstream.total(), 100);
 }
+
+/// One client cannot take the embedded store from the others: past
+/// `max_records_per_scope` live records its new keys get 429 `scope-full`, with a
+/// `Retry-After` until its oldest record expires, while its recorded keys still
+/// replay and other clients are served; a released record frees its place; a route
+/// without scope is not bounded by it.
+#[tokio::test]
+async fn one_client_cannot_fill_the_memory_store() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.store_extra = "max_records_per_scope = 3".into();
+    config.idempotency = "scope_headers = [\"x-tenant\"]".into();
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    let pay = |tenant: &'static str, key: &'static str, extra: &'static [(&'static str, &'static str)]| async move {
+        let mut headers = vec![("idempotency-key", key), ("x-tenant", tenant)];
+        headers.extend_from_slice(extra);
+        send(addr, "POST", "/v1/payments", &headers, "{}").await
+    };
+    for key in ["a1", "a2", "a3"] {
+        assert_eq!(pay("alice", key, &[]).await.status, 201, "{key}");
+    }
+    let refused = pay("alice", "a4", &[]).await;
+    assert_eq!((refused.status.as_u16(), refused.problem()), (429, "scope-full".into()));
+    let retry_after: u64 = refused
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!((3_590..=3_600).contains(&retry_after), "{retry_after}");
+    assert_eq!(upstream.executions("a4"), 0, "nothing forwarded");
+    assert!(pay("alice", "a1", &[]).await.replayed(), "recorded keys still replay");
+    assert_eq!(pay("bob", "b1", &[]).await.status, 201, "another client is served");
+    // A released record (the upstream said 429) gives its place back.
+    for key in ["c1", "c2"] {
+        assert_eq!(pay("carol", key, &[]).await.status, 201);
+    }
+    assert_eq!(pay("carol", "c3", &[("x-test-status", "429")]).await.status, 429);
+    assert_eq!(pay("carol", "c4", &[]).await.status, 201, "c3's place was given back");
+    assert_eq!(pay("carol", "c5", &[]).await.problem(), "scope-full");
+    // The orders route has no scope: its clients are one, and not bounded per scope.
+    for index in 0..5 {
+        let key = format!("o{index}");
+        let answer = send(addr, "POST", "/v1/orders", &[("idempotency-key", &key)], "{}").await;
+        assert_eq!(answer.status, 201, "{key}");
+    }
+    let rejected = "idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"}";
+    assert_eq!(support::client::metric(proxy.admin(), rejected).await, Some(2.0));
+}

@@ -65,6 +65,12 @@ async fn the_records_api_is_off_without_a_token_and_refuses_a_wrong_one() {
             .status,
         401
     );
+    // The scheme is case-insensitive (RFC 9110 §11.1), as scope_jwt reads it.
+    for scheme in ["bearer", "BEARER", "bEaReR"] {
+        let value = format!("{scheme} {TOKEN}");
+        let answer = send(at, "GET", "/records/payments?key=k", &[("authorization", &value)], "").await;
+        assert_eq!(answer.status, 404, "{scheme}: {answer:?}");
+    }
     let prefix = &TOKEN[..TOKEN.len() - 1];
     assert_eq!(
         admin(at, "GET", "/records/payments?key=k", Some(prefix)).await.status,
@@ -83,6 +89,12 @@ async fn the_records_api_is_off_without_a_token_and_refuses_a_wrong_one() {
         ("GET", "/records/payments", 400, "key is required"),
         ("GET", "/records/payments?key=", 400, "key:"),
         ("GET", "/records/payments?key=a&key=b", 400, "key is given twice"),
+        (
+            "GET",
+            "/records/payments?key=k&scope=authorization:Bearer%20alice&scope=authorization:Bearer%20bob",
+            400,
+            "scope authorization is given twice",
+        ),
         (
             "GET",
             "/records/payments?key=k&scope=cookie:x",

@@ -139,3 +139,32 @@ async fn tokens_that_do_not_verify_get_401_and_nothing_is_forwarded_or_stored() 
         201
     );
 }
+
+/// The scope carries the claim's JSON type: `123` and `"123"` are two identities, so a
+/// token whose `sub` is the number never reads the record of one whose `sub` is the
+/// string. And a NumericDate is any JSON number: an `exp` with a fraction is honoured.
+#[tokio::test]
+async fn a_numeric_claim_is_its_own_scope_and_fractional_dates_verify() {
+    let setup = setup().await;
+    let issued = |sub: serde_json::Value, exp: serde_json::Value| {
+        setup
+            .issuer
+            .token_with(&json!({"sub": sub, "exp": exp, "aud": "payments"}))
+    };
+    let later = now() + 600;
+    let number = pay(&setup, "typed-1", &issued(json!(123), json!(later))).await;
+    assert_eq!(number.status, 201, "{number:?}");
+    let string = pay(&setup, "typed-1", &issued(json!("123"), json!(later))).await;
+    assert_eq!(string.status, 201, "{string:?}");
+    assert!(!string.replayed(), "the string 123 read the number 123's record");
+    assert_eq!(setup.upstream.executions("typed-1"), 2);
+    // Each replays its own.
+    let again = pay(&setup, "typed-1", &issued(json!(123), json!(later as f64 + 0.5))).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.execution(), number.execution());
+    let expired = pay(&setup, "typed-2", &issued(json!("alice"), json!(now() as f64 - 0.5))).await;
+    assert_eq!(
+        (expired.status.as_u16(), expired.problem()),
+        (401, "unverified-scope".into())
+    );
+}

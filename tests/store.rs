@@ -16,8 +16,8 @@ use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, MemoryStore, MemoryUsage, OwnerToken, RecordState,
-    RecordStore, RedisStore, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken,
+    RecordState, RecordStore, RedisStore, ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use support::RedisServer;
 use support::pki::Pki;
@@ -36,6 +36,7 @@ fn new_owner() -> OwnerToken {
 fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> ClaimRequest {
     ClaimRequest {
         key: key.clone(),
+        scope: None,
         owner,
         fingerprint: Fingerprint([1; 32]),
         retention: Duration::from_secs(60),
@@ -776,4 +777,68 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(outcome, ClaimOutcome::Acquired(()));
+}
+
+/// One scope's share of the memory store: past `max_records_per_scope` live records its
+/// claims are refused with the time until its oldest record expires, other scopes and
+/// unscoped claims are not, and the share comes back as the scope's records expire, are
+/// released or purged (the counts return to zero).
+#[tokio::test(start_paused = true)]
+async fn a_scope_past_its_share_of_the_memory_store_is_refused_until_its_records_go() {
+    let store = MemoryStore::with_limits(MemoryLimits {
+        max_records: 100,
+        max_bytes: usize::MAX,
+        max_records_per_scope: 2,
+        max_bytes_per_scope: usize::MAX,
+    });
+    let scoped = |name: &str, scope: u64| ClaimRequest {
+        scope: Some(ScopeId(scope)),
+        ..claim(&key(name), new_owner(), Duration::from_secs(2))
+    };
+    let first = scoped("s1-a", 1);
+    store.claim(&first).await.expect("claim");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    store.claim(&scoped("s1-b", 1)).await.expect("claim");
+    match store.claim(&scoped("s1-c", 1)).await {
+        Err(StoreError::ScopeFull {
+            what: "records",
+            retry_after,
+        }) => {
+            assert_eq!(retry_after, Duration::from_secs(50), "until s1-a expires")
+        }
+        other => panic!("a third record of scope 1: {other:?}"),
+    }
+    store.claim(&scoped("s2-a", 2)).await.expect("another scope");
+    store
+        .claim(&claim(&key("unscoped-a"), new_owner(), Duration::from_secs(2)))
+        .await
+        .expect("unscoped");
+    store
+        .claim(&claim(&key("unscoped-b"), new_owner(), Duration::from_secs(2)))
+        .await
+        .expect("unscoped");
+    store
+        .claim(&claim(&key("unscoped-c"), new_owner(), Duration::from_secs(2)))
+        .await
+        .expect("unscoped");
+    // A release gives its place back at once.
+    assert_eq!(
+        store.release(&first.key, first.owner).await.expect("release"),
+        Write::Applied
+    );
+    store.claim(&scoped("s1-c", 1)).await.expect("s1-a's place");
+    assert!(store.claim(&scoped("s1-d", 1)).await.is_err());
+    // Expiry gives them back too, without waiting for the sweeper.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    store.claim(&scoped("s1-d", 1)).await.expect("after the retention");
+    assert!(store.purge(&key("s1-d")).await.expect("purge"));
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    store.claim(&scoped("s1-e", 1)).await.expect("claim");
+    store.purge(&key("s1-e")).await.expect("purge");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        (store.usage().records, store.usage().bytes),
+        (0, 0),
+        "every count back to zero"
+    );
 }

@@ -12,6 +12,7 @@ use crate::body::{ProxyBody, full};
 use crate::config::{Config, IdempotencyPolicy};
 use crate::error::DisplayChain;
 use crate::idempotency::{self, IdempotencyKey};
+use crate::jwt::{self, ScopeClaim};
 use crate::records::{RecordView, RecordsAction, RecordsError, Released};
 use crate::scope;
 use crate::store::{AnyStore, Forget, RecordStore, StoreKey};
@@ -27,10 +28,9 @@ pub(crate) async fn handle(
     headers: &HeaderMap,
 ) -> Option<Response<ProxyBody>> {
     let token = config.admin.as_ref()?.token.as_ref()?;
-    let presented = headers
-        .get(AUTHORIZATION)
-        .and_then(|value| value.as_bytes().strip_prefix(b"Bearer "));
-    if !presented.is_some_and(|presented| token.verify(presented)) {
+    // The scheme in any case (RFC 9110 §11.1), as `scope_jwt` reads it.
+    let presented = headers.get(AUTHORIZATION).and_then(jwt::bearer);
+    if !presented.is_some_and(|presented| token.verify(presented.as_bytes())) {
         tracing::warn!(path, "records API: missing or wrong token");
         let mut response = error(StatusCode::UNAUTHORIZED, "a valid admin token is required");
         response
@@ -72,7 +72,8 @@ pub(crate) async fn handle(
 fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &str) -> Result<StoreKey, String> {
     let mut key: Option<IdempotencyKey> = None;
     let mut headers = HeaderMap::new();
-    let mut claim: Option<String> = None;
+    let mut claim: Option<ScopeClaim> = None;
+    let mut named: Vec<String> = Vec::new();
     let jwt_name = policy.scope_jwt.as_ref().map(|jwt| format!("jwt.{}", jwt.claim()));
     for (name, value) in form_urlencoded::parse(query.as_bytes()) {
         match name.as_ref() {
@@ -81,21 +82,31 @@ fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &
                 key = Some(idempotency::parse_key_value(value.as_bytes()).map_err(|error| format!("key: {error}"))?);
             }
             "scope" => {
+                // The claim by its exact name (which may hold ':'): `jwt.sub:alice` is
+                // the string, `jwt.sub=123` the number.
+                if let Some(jwt) = &jwt_name
+                    && let Some(given) = jwt_claim(&value, jwt)?
+                {
+                    if claim.replace(given).is_some() {
+                        return Err(format!("scope {jwt} is given twice"));
+                    }
+                    continue;
+                }
                 let Some((scope_name, scope_value)) = value.split_once(':') else {
                     return Err("scope must be NAME:VALUE".into());
                 };
                 let scope_name = scope_name.trim().to_ascii_lowercase();
-                if Some(&scope_name) == jwt_name.as_ref() {
-                    claim = Some(scope_value.to_string());
-                    continue;
-                }
                 let header = HeaderName::from_bytes(scope_name.as_bytes())
                     .ok()
                     .filter(|header| policy.scope_headers.contains(header))
                     .ok_or_else(|| scope_names(policy, jwt_name.as_deref(), &scope_name))?;
+                if named.contains(&scope_name) {
+                    return Err(format!("scope {scope_name} is given twice"));
+                }
                 let value = HeaderValue::from_str(scope_value)
                     .map_err(|_| format!("scope {scope_name}: not a header value"))?;
                 headers.append(header, value);
+                named.push(scope_name);
             }
             other => return Err(format!("unknown parameter {other:?}: the query takes key and scope")),
         }
@@ -103,11 +114,28 @@ fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &
     let key = key.ok_or("key is required")?;
     if let (Some(name), None) = (&jwt_name, &claim) {
         return Err(format!(
-            "the route scopes records by a verified token: give scope={name}:VALUE"
+            "the route scopes records by a verified token: give scope={name}:VALUE (a string claim) or scope={name}=NUMBER"
         ));
     }
-    let scope = scope::values(&headers, &policy.scope_headers, claim.as_deref());
+    let scope = scope::values(&headers, &policy.scope_headers, claim.as_ref());
     Ok(idempotency::store_key(&config.store.key_prefix, route, &scope, &key))
+}
+
+/// The claim `value` gives when it names the route's claim `jwt` (`jwt.CLAIM`):
+/// `jwt.CLAIM:VALUE` a string, `jwt.CLAIM=NUMBER` a JSON number.
+fn jwt_claim(value: &str, jwt: &str) -> Result<Option<ScopeClaim>, String> {
+    let Some(rest) = value.strip_prefix(jwt) else {
+        return Ok(None);
+    };
+    if let Some(text) = rest.strip_prefix(':') {
+        return Ok(Some(ScopeClaim::String(text.to_string())));
+    }
+    let Some(number) = rest.strip_prefix('=') else {
+        return Ok(None);
+    };
+    let number: serde_json::Number =
+        serde_json::from_str(number).map_err(|_| format!("scope {jwt}={number}: not a JSON number"))?;
+    Ok(Some(ScopeClaim::Number(number.to_string())))
 }
 
 fn scope_names(policy: &IdempotencyPolicy, jwt: Option<&str>, given: &str) -> String {
@@ -182,4 +210,38 @@ fn json_response(status: StatusCode, body: &impl serde::Serialize) -> Response<P
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jwt_scope_names_its_claim_exactly_and_its_json_type() {
+        assert_eq!(
+            jwt_claim("jwt.sub:alice", "jwt.sub"),
+            Ok(Some(ScopeClaim::String("alice".into())))
+        );
+        assert_eq!(
+            jwt_claim("jwt.sub:123", "jwt.sub"),
+            Ok(Some(ScopeClaim::String("123".into())))
+        );
+        assert_eq!(
+            jwt_claim("jwt.sub=123", "jwt.sub"),
+            Ok(Some(ScopeClaim::Number("123".into())))
+        );
+        assert_eq!(
+            jwt_claim("jwt.sub=1.5", "jwt.sub"),
+            Ok(Some(ScopeClaim::Number("1.5".into())))
+        );
+        assert!(jwt_claim("jwt.sub=abc", "jwt.sub").is_err());
+        assert_eq!(jwt_claim("jwt.subway:x", "jwt.sub"), Ok(None));
+        assert_eq!(jwt_claim("authorization:x", "jwt.sub"), Ok(None));
+        // A claim named by a URL holds ':' itself.
+        let url = "jwt.https://example.com/tenant";
+        assert_eq!(
+            jwt_claim("jwt.https://example.com/tenant:acme", url),
+            Ok(Some(ScopeClaim::String("acme".into())))
+        );
+    }
 }

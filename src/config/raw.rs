@@ -9,6 +9,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{Mode, OnServerError, OnStoreError};
+use crate::target::Spelling;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -35,6 +36,9 @@ pub(super) struct RawServer {
     pub(super) max_guarded_requests: Spanned<usize>,
     pub(super) max_waiters: Spanned<usize>,
     pub(super) access_log: bool,
+    pub(super) merge_slashes: bool,
+    pub(super) escaped_slashes: Spelling,
+    pub(super) path_parameters: Spelling,
     pub(super) tls: Option<RawTls>,
 }
 
@@ -59,6 +63,9 @@ impl Default for RawServer {
             max_guarded_requests: Spanned::new(0..0, super::DEFAULT_MAX_GUARDED_REQUESTS),
             max_waiters: Spanned::new(0..0, super::DEFAULT_MAX_WAITERS),
             access_log: false,
+            merge_slashes: true,
+            escaped_slashes: Spelling::Reject,
+            path_parameters: Spelling::Reject,
             tls: None,
         }
     }
@@ -96,6 +103,8 @@ pub(super) struct RawStore {
     pub(super) timeout: Spanned<HumanDuration>,
     pub(super) max_records: Option<Spanned<usize>>,
     pub(super) max_bytes: Option<Spanned<usize>>,
+    pub(super) max_records_per_scope: Option<Spanned<usize>>,
+    pub(super) max_bytes_per_scope: Option<Spanned<usize>>,
     pub(super) min_replica_acks: Option<Spanned<u32>>,
     pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
     pub(super) tls_ca_file: Option<Spanned<String>>,
@@ -114,6 +123,8 @@ impl Default for RawStore {
             timeout: Spanned::new(0..0, HumanDuration(Duration::from_millis(500))),
             max_records: None,
             max_bytes: None,
+            max_records_per_scope: None,
+            max_bytes_per_scope: None,
             min_replica_acks: None,
             replica_ack_timeout: None,
             tls_ca_file: None,

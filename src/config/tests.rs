@@ -24,6 +24,8 @@ fn defaults_match_the_design() {
         Backend::Memory {
             max_records: DEFAULT_MAX_RECORDS,
             max_bytes: DEFAULT_MAX_BYTES,
+            max_records_per_scope: 25_000,
+            max_bytes_per_scope: 67_108_864,
         }
     ));
     assert_eq!(config.store.key_prefix, "idemproxy");

@@ -18,7 +18,7 @@ use super::raw::{
 };
 use super::{
     AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
-    DEFAULT_REPLICA_ACK_TIMEOUT, FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, RedisConfig,
+    DEFAULT_REPLICA_ACK_TIMEOUT, FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, PathPolicy, RedisConfig,
     RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls, Target,
 };
 use crate::error::ConfigError;
@@ -119,7 +119,7 @@ impl Validator<'_> {
         let mut routes: Vec<Route> = Vec::with_capacity(raw_routes.len());
         for (index, raw_route) in raw_routes.into_iter().enumerate() {
             let name_span = raw_route.name.span();
-            let route = self.route(index, raw_route)?;
+            let route = self.route(index, raw_route, &server.paths)?;
             if routes.iter().any(|r| r.name == route.name) {
                 return Err(self.error(
                     name_span,
@@ -221,6 +221,11 @@ impl Validator<'_> {
             max_guarded_requests: raw.max_guarded_requests.into_inner(),
             max_waiters: raw.max_waiters.into_inner(),
             access_log: raw.access_log,
+            paths: PathPolicy {
+                merge_slashes: raw.merge_slashes,
+                escaped_slashes: raw.escaped_slashes,
+                path_parameters: raw.path_parameters,
+            },
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
             header_read_timeout: raw.header_read_timeout.into_inner().0,
@@ -276,7 +281,22 @@ impl Validator<'_> {
                     Some(max) => *max.get_ref(),
                     None => DEFAULT_MAX_BYTES,
                 };
-                Backend::Memory { max_records, max_bytes }
+                // A quarter of each bound by default: one client cannot take the store
+                // from the others.
+                let per_scope = |value: &Option<Spanned<usize>>, field: &str, default: usize| match value {
+                    Some(max) if *max.get_ref() == 0 => Err(self.error(max.span(), field, "must be greater than 0")),
+                    Some(max) => Ok(*max.get_ref()),
+                    None => Ok((default / 4).max(1)),
+                };
+                let max_records_per_scope =
+                    per_scope(&raw.max_records_per_scope, "store.max_records_per_scope", max_records)?;
+                let max_bytes_per_scope = per_scope(&raw.max_bytes_per_scope, "store.max_bytes_per_scope", max_bytes)?;
+                Backend::Memory {
+                    max_records,
+                    max_bytes,
+                    max_records_per_scope,
+                    max_bytes_per_scope,
+                }
             }
             kind => Backend::Redis(self.redis(kind, &raw)?),
         };
@@ -333,6 +353,14 @@ impl Validator<'_> {
         for (field, span) in [
             ("store.max_records", raw.max_records.as_ref().map(Spanned::span)),
             ("store.max_bytes", raw.max_bytes.as_ref().map(Spanned::span)),
+            (
+                "store.max_records_per_scope",
+                raw.max_records_per_scope.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.max_bytes_per_scope",
+                raw.max_bytes_per_scope.as_ref().map(Spanned::span),
+            ),
         ] {
             if let Some(span) = span {
                 return Err(self.error(
@@ -513,7 +541,7 @@ impl Validator<'_> {
         Ok(())
     }
 
-    fn route(&self, index: usize, raw: RawRoute) -> Result<Route, ConfigError> {
+    fn route(&self, index: usize, raw: RawRoute, paths: &PathPolicy) -> Result<Route, ConfigError> {
         let field = |name: &str| format!("route[{index}].{name}");
         let name = raw.name.get_ref();
         if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
@@ -523,8 +551,22 @@ impl Validator<'_> {
                 "must be 1 to 64 of the characters A-Z a-z 0-9 _ - .",
             ));
         }
-        if !raw.path_prefix.get_ref().starts_with('/') {
+        let prefix = raw.path_prefix.get_ref();
+        if !prefix.starts_with('/') {
             return Err(self.error(raw.path_prefix.span(), field("path_prefix"), "must start with /"));
+        }
+        // Requests are routed by their canonical path: a prefix spelled otherwise
+        // would match none of them.
+        match crate::target::canonical_path(prefix, paths) {
+            Ok(canonical) if canonical == *prefix => {}
+            Ok(canonical) => {
+                return Err(self.error(
+                    raw.path_prefix.span(),
+                    field("path_prefix"),
+                    format!("must be a canonical path: write {canonical:?}"),
+                ));
+            }
+            Err(error) => return Err(self.error(raw.path_prefix.span(), field("path_prefix"), error.to_string())),
         }
         let host = match raw.host {
             Some(host) if host.get_ref().is_empty() => {

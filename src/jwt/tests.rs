@@ -139,7 +139,7 @@ impl Signers {
 fn hs256_tokens_verify_with_their_secret_and_nothing_else() {
     let verifier = secret_verifier();
     let good = token(&json!({"alg": "HS256", "typ": "JWT"}), &claims(), hs256(SECRET));
-    assert_eq!(verifier.verify(&headers(&good), now()), Ok("alice".to_string()));
+    assert_eq!(verifier.verify(&headers(&good), now()), Ok(ScopeClaim::from("alice")));
     let forged = token(
         &json!({"alg": "HS256"}),
         &claims(),
@@ -196,7 +196,17 @@ fn the_time_issuer_audience_and_claim_rules() {
         Err(JwtError::Claim)
     );
     assert_eq!(with(&|p| p["sub"] = json!("")), Err(JwtError::Claim));
-    assert_eq!(with(&|p| p["sub"] = json!(42)), Ok("42".into()));
+    assert_eq!(with(&|p| p["sub"] = json!(42)), Ok(ScopeClaim::Number("42".into())));
+    assert_ne!(with(&|p| p["sub"] = json!(42)), with(&|p| p["sub"] = json!("42")));
+    // NumericDate is any JSON number (RFC 7519 §2).
+    assert_eq!(with(&|p| p["exp"] = json!(NOW as f64 + 0.5)), Ok("alice".into()));
+    assert_eq!(with(&|p| p["exp"] = json!(NOW as f64 - 31.5)), Err(JwtError::Expired));
+    assert_eq!(with(&|p| p["nbf"] = json!(NOW as f64 - 0.25)), Ok("alice".into()));
+    assert_eq!(
+        with(&|p| p["nbf"] = json!(NOW as f64 + 60.5)),
+        Err(JwtError::NotYetValid)
+    );
+    assert_eq!(with(&|p| p["iat"] = json!(NOW as f64 - 1.5)), Ok("alice".into()));
 }
 
 #[test]
@@ -301,4 +311,34 @@ fn verifiers_refuse_weak_secrets_and_useless_jwks() {
     assert!(make(KeySource::Jwks("not json".into())).is_err());
     assert!(make(KeySource::Jwks(r#"{"keys": []}"#.into())).is_err());
     assert!(make(KeySource::Jwks(r#"{"keys": [{"kty": "oct", "k": "AAAA"}]}"#.into())).is_err());
+}
+
+/// ring refuses RS256 with a modulus under 2048 bits, so such a key in a JWKS would
+/// make every token signed with it a 401: the verifier (and so `check` and reload)
+/// refuses it, naming its kid.
+#[test]
+fn an_rsa_key_under_2048_bits_is_refused_by_its_kid() {
+    let jwks = |bytes: usize, top: u8| {
+        let mut n = vec![0xab; bytes];
+        n[0] = top;
+        json!({"keys": [{"kty": "RSA", "kid": "weak-1", "n": b64(&n), "e": "AQAB"}]}).to_string()
+    };
+    let make = |text: String| {
+        JwtVerifier::new(
+            HeaderName::from_static("authorization"),
+            "sub".into(),
+            KeySource::Jwks(text),
+            None,
+            None,
+            Duration::ZERO,
+        )
+    };
+    let error = make(jwks(128, 0xc0)).expect_err("a 1024-bit key").to_string();
+    assert!(error.contains("\"weak-1\"") && error.contains("1024-bit"), "{error}");
+    // A leading zero byte does not count; 2047 bits is still short, 2048 is enough.
+    let mut padded = vec![0u8];
+    padded.extend(vec![0xff; 256]);
+    assert_eq!(modulus_bits(&padded), 2048);
+    assert!(make(jwks(256, 0x7f)).is_err(), "2047 bits");
+    assert!(make(jwks(256, 0x80)).is_ok(), "2048 bits");
 }

@@ -18,7 +18,7 @@ use crate::error::{KeyError, ProxyError, Rejection};
 use crate::idempotency;
 use crate::router::RouteState;
 use crate::scope;
-use crate::store::{ClaimRequest, Fingerprint, OwnerToken, StoreKey};
+use crate::store::{ClaimRequest, Fingerprint, OwnerToken, ScopeId, StoreKey};
 
 /// One permit per guarded request in flight, from reading its body to recording its
 /// response: what bounds the bodies the proxy holds at once. Shared by the workers.
@@ -58,7 +58,15 @@ pub(super) struct Guarded {
     pub(super) policy: Arc<IdempotencyPolicy>,
     pub(super) client: ClientInfo,
     pub(super) record: StoreKey,
+    pub(super) scope: Option<ScopeId>,
     _permit: OwnedSemaphorePermit,
+}
+
+/// The record a guarded request names, and the client (route and scope) it is
+/// counted against.
+pub(super) struct Named {
+    pub(super) record: StoreKey,
+    pub(super) scope: Option<ScopeId>,
 }
 
 /// A guarded request, read and fingerprinted, and the claim it asks for.
@@ -83,6 +91,7 @@ impl Prepared {
         );
         let claim = ClaimRequest {
             key: guarded.record.clone(),
+            scope: guarded.scope,
             owner: OwnerToken::generate().map_err(|_| ProxyError::Random)?,
             fingerprint,
             retention: policy.retention,
@@ -110,19 +119,17 @@ impl Proxy {
         route: &RouteState,
         policy: &IdempotencyPolicy,
         headers: &http::HeaderMap,
-    ) -> Result<StoreKey, Rejection> {
+    ) -> Result<Named, Rejection> {
         let key = idempotency::parse_key(headers.get_all(&policy.header))?.ok_or(KeyError::Missing)?;
         let claim = match &policy.scope_jwt {
             None => None,
             Some(verifier) => Some(verifier.verify(headers, SystemTime::now())?),
         };
-        let scope = scope::values(headers, &policy.scope_headers, claim.as_deref());
-        Ok(idempotency::store_key(
-            &self.shared.key_prefix,
-            &route.name,
-            &scope,
-            &key,
-        ))
+        let scope = scope::values(headers, &policy.scope_headers, claim.as_ref());
+        Ok(Named {
+            record: idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key),
+            scope: idempotency::scope_id(&route.name, &scope),
+        })
     }
 
     /// The context of a guarded request that names `record`, once it has its place
@@ -132,14 +139,15 @@ impl Proxy {
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
         client: &ClientInfo,
-        record: StoreKey,
+        named: Named,
     ) -> Result<Guarded, Rejection> {
         Ok(Guarded {
             _permit: self.shared.guarded.try_enter()?,
             route: route.clone(),
             policy: policy.clone(),
             client: client.clone(),
-            record,
+            record: named.record,
+            scope: named.scope,
         })
     }
 

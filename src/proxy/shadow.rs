@@ -13,14 +13,13 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::{Ended, Prepared, Proxy};
+use super::{Ended, Named, Prepared, Proxy};
 use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, streamed};
 use crate::config::IdempotencyPolicy;
 use crate::error::{KeyError, Rejection};
 use crate::idempotency::Decision;
 use crate::metrics::Would;
 use crate::router::RouteState;
-use crate::store::StoreKey;
 
 impl Proxy {
     /// A request on a shadow-mode route: named, read, claimed and decided as in
@@ -30,11 +29,11 @@ impl Proxy {
         &self,
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
-        identified: Result<StoreKey, Rejection>,
+        identified: Result<Named, Rejection>,
         request: Request<Incoming>,
         client: ClientInfo,
     ) -> Ended {
-        let entered = identified.and_then(|record| self.enter(route, policy, &client, record));
+        let entered = identified.and_then(|named| self.enter(route, policy, &client, named));
         let guarded = match entered {
             Ok(guarded) => guarded,
             Err(rejection) => {
@@ -95,6 +94,7 @@ fn would(rejection: &Rejection) -> Would {
         Rejection::Overloaded(_) => Would::Overloaded,
         Rejection::Store(_) => Would::StoreError,
         Rejection::NoRoute
+        | Rejection::Target(_)
         | Rejection::BodyTooLarge(_)
         | Rejection::BodyTimeout(_)
         | Rejection::BodyIncomplete(_)

@@ -1,10 +1,12 @@
 //! The embedded store, for one proxy instance: the same lifecycle as the Redis store,
 //! behind one mutex that is never held across an `.await`. It is bounded: when
 //! `max_records` live records exist, or they hold `max_bytes`, new claims are refused
-//! and nothing live is ever evicted. Expired records are swept in the background and
-//! on demand.
+//! and nothing live is ever evicted; and so that one client cannot take it from the
+//! others, a client's records (its scope) are bounded too, by `max_records_per_scope`
+//! and `max_bytes_per_scope`. Expired records are swept in the background and on
+//! demand.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -13,7 +15,7 @@ use tokio::time::Instant;
 use super::notify::{Hub, Watcher};
 use super::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, OwnerToken, RecordState, RecordStore, RecordSummary,
-    StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -40,58 +42,141 @@ pub struct MemoryStore {
 /// and its state. An estimate, counted once per record.
 const RECORD_OVERHEAD: usize = 160;
 
+/// The memory store's bounds: on everything it holds, and on each scope's share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryLimits {
+    pub max_records: usize,
+    pub max_bytes: usize,
+    pub max_records_per_scope: usize,
+    pub max_bytes_per_scope: usize,
+}
+
+/// What a scoped record costs besides the rest: its entry among its scope's expiries.
+const SCOPE_OVERHEAD: usize = 48;
+
 #[derive(Debug)]
 struct Shared {
     records: Mutex<Records>,
     max_records: usize,
     max_bytes: usize,
+    max_records_per_scope: usize,
+    max_bytes_per_scope: usize,
     /// The waiters of records, woken by every change to theirs.
     hub: Arc<Hub>,
     #[cfg(feature = "test-util")]
     plant: Option<Plant>,
 }
 
-/// The records, and the bytes they hold, kept equal to the sum of `Record::size` on
-/// every insert, change and removal.
+/// The records, and the bytes they hold (kept equal to the sum of `Record::size` on
+/// every insert, change and removal), in all and per scope.
 #[derive(Debug, Default)]
 struct Records {
     map: HashMap<StoreKey, Record>,
     bytes: usize,
+    scopes: HashMap<ScopeId, ScopeUsage>,
+}
+
+/// What one scope's records hold, and when each expires (for a `Retry-After`).
+#[derive(Debug, Default)]
+struct ScopeUsage {
+    bytes: usize,
+    expiries: BTreeSet<(Instant, StoreKey)>,
 }
 
 impl Records {
     fn insert(&mut self, key: StoreKey, record: Record) {
-        self.bytes += record.size(&key);
+        count(&mut self.bytes, &mut self.scopes, &key, &record);
         if let Some(old) = self.map.insert(key.clone(), record) {
-            self.bytes -= old.size(&key);
+            uncount(&mut self.bytes, &mut self.scopes, &key, &old);
         }
     }
 
     fn remove(&mut self, key: &StoreKey) -> Option<Record> {
         let record = self.map.remove(key)?;
-        self.bytes -= record.size(key);
+        uncount(&mut self.bytes, &mut self.scopes, key, &record);
         Some(record)
     }
 
-    /// Gives `key`'s record the state `state`, keeping the count right.
+    /// Gives `key`'s record the state `state`, keeping the counts right.
     fn set_state(&mut self, key: &StoreKey, state: State) {
         if let Some(record) = self.map.get_mut(key) {
-            self.bytes -= record.size(key);
+            let before = record.size(key);
             record.state = state;
-            self.bytes += record.size(key);
+            let after = record.size(key);
+            self.bytes = self.bytes - before + after;
+            if let Some(usage) = record.scope.and_then(|scope| self.scopes.get_mut(&scope)) {
+                usage.bytes = usage.bytes - before + after;
+            }
         }
     }
 
     fn sweep(&mut self, now: Instant) {
-        let mut freed = 0;
-        self.map.retain(|key, record| {
+        let Records { map, bytes, scopes } = self;
+        map.retain(|key, record| {
             let live = record.expires_at > now;
             if !live {
-                freed += record.size(key);
+                uncount(bytes, scopes, key, record);
             }
             live
         });
-        self.bytes -= freed;
+    }
+
+    /// Removes `scope`'s expired records, and says whether what is left holds the
+    /// scope's share (`Some(why)`).
+    fn scope_full(&mut self, scope: ScopeId, now: Instant, limits: (usize, usize)) -> Option<&'static str> {
+        let expired: Vec<StoreKey> = self
+            .scopes
+            .get(&scope)?
+            .expiries
+            .iter()
+            .take_while(|(expires_at, _)| *expires_at <= now)
+            .map(|(_, key)| key.clone())
+            .collect();
+        for key in &expired {
+            self.remove(key);
+        }
+        let usage = self.scopes.get(&scope)?;
+        if usage.expiries.len() >= limits.0 {
+            Some("records")
+        } else if usage.bytes >= limits.1 {
+            Some("bytes")
+        } else {
+            None
+        }
+    }
+
+    /// How long until the first of `scope`'s records expires.
+    fn first_expiry(&self, scope: ScopeId, now: Instant) -> Duration {
+        self.scopes
+            .get(&scope)
+            .and_then(|usage| usage.expiries.first())
+            .map_or(Duration::ZERO, |(expires_at, _)| *expires_at - now)
+    }
+}
+
+/// Adds `record`'s bytes to the store's and its scope's, and its expiry to the scope's.
+fn count(bytes: &mut usize, scopes: &mut HashMap<ScopeId, ScopeUsage>, key: &StoreKey, record: &Record) {
+    let size = record.size(key);
+    *bytes += size;
+    if let Some(scope) = record.scope {
+        let usage = scopes.entry(scope).or_default();
+        usage.bytes += size;
+        usage.expiries.insert((record.expires_at, key.clone()));
+    }
+}
+
+/// The inverse of `count`; a scope with no record left is forgotten.
+fn uncount(bytes: &mut usize, scopes: &mut HashMap<ScopeId, ScopeUsage>, key: &StoreKey, record: &Record) {
+    let size = record.size(key);
+    *bytes -= size;
+    if let Some(scope) = record.scope
+        && let Some(usage) = scopes.get_mut(&scope)
+    {
+        usage.bytes -= size;
+        usage.expiries.remove(&(record.expires_at, key.clone()));
+        if usage.expiries.is_empty() {
+            scopes.remove(&scope);
+        }
     }
 }
 
@@ -132,18 +217,20 @@ macro_rules! planted {
 struct Record {
     fingerprint: Fingerprint,
     expires_at: Instant,
+    scope: Option<ScopeId>,
     state: State,
 }
 
 impl Record {
     /// The bytes this record holds: its key, its response if it has one, and the
-    /// bookkeeping around it.
+    /// bookkeeping around it (with its scope's copy of its key, when it has a scope).
     fn size(&self, key: &StoreKey) -> usize {
         let response = match &self.state {
             State::Completed(response) => response.size(),
             State::InFlight { .. } | State::Unknown(_) => 0,
         };
-        RECORD_OVERHEAD + key.as_str().len() + response
+        let scoped = self.scope.map_or(0, |_| SCOPE_OVERHEAD + key.as_str().len());
+        RECORD_OVERHEAD + key.as_str().len() + scoped + response
     }
 }
 
@@ -159,23 +246,41 @@ impl MemoryStore {
     /// they hold `max_bytes`. Must be called inside a
     /// Tokio runtime: it starts the sweeper, which stops when the last handle drops.
     pub fn new(max_records: usize, max_bytes: usize) -> MemoryStore {
-        MemoryStore::open(max_records, max_bytes, None)
+        MemoryStore::with_limits(MemoryLimits {
+            max_records,
+            max_bytes,
+            max_records_per_scope: max_records,
+            max_bytes_per_scope: max_bytes,
+        })
+    }
+
+    /// A store with every bound of `limits`. Must be called inside a Tokio runtime.
+    pub fn with_limits(limits: MemoryLimits) -> MemoryStore {
+        MemoryStore::open(limits, None)
     }
 
     /// A store with `plant` in it, for the negative controls of the conformance test.
     #[cfg(feature = "test-util")]
     pub fn with_plant(max_records: usize, plant: Plant) -> MemoryStore {
-        MemoryStore::open(max_records, usize::MAX, Some(plant))
+        let limits = MemoryLimits {
+            max_records,
+            max_bytes: usize::MAX,
+            max_records_per_scope: max_records,
+            max_bytes_per_scope: usize::MAX,
+        };
+        MemoryStore::open(limits, Some(plant))
     }
 
-    fn open(max_records: usize, max_bytes: usize, plant: Option<Plant>) -> MemoryStore {
+    fn open(limits: MemoryLimits, plant: Option<Plant>) -> MemoryStore {
         // Without the feature `Plant` has no value: `plant` is `None`, and unused.
         #[cfg(not(feature = "test-util"))]
         let _ = plant;
         let shared = Arc::new(Shared {
             records: Mutex::new(Records::default()),
-            max_records,
-            max_bytes,
+            max_records: limits.max_records,
+            max_bytes: limits.max_bytes,
+            max_records_per_scope: limits.max_records_per_scope,
+            max_bytes_per_scope: limits.max_bytes_per_scope,
             hub: Arc::default(),
             #[cfg(feature = "test-util")]
             plant,
@@ -286,11 +391,21 @@ impl RecordStore for MemoryStore {
                 });
             }
         }
+        if let Some(scope) = claim.scope {
+            let limits = (self.shared.max_records_per_scope, self.shared.max_bytes_per_scope);
+            if let Some(what) = records.scope_full(scope, now, limits) {
+                return Err(StoreError::ScopeFull {
+                    what,
+                    retry_after: records.first_expiry(scope, now).max(Duration::from_secs(1)),
+                });
+            }
+        }
         records.insert(
             claim.key.clone(),
             Record {
                 fingerprint: claim.fingerprint,
                 expires_at: now + claim.retention,
+                scope: claim.scope,
                 state: State::InFlight {
                     owner: claim.owner,
                     lease_until: now + claim.lease,

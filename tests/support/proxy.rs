@@ -44,6 +44,8 @@ pub struct TestConfig {
     pub upstream_extra: String,
     /// Extra lines in `[admin]` (e.g. `token_file`).
     pub admin_extra: String,
+    /// More `[[route]]` tables, after the three.
+    pub extra_routes: String,
 }
 
 impl TestConfig {
@@ -61,6 +63,7 @@ impl TestConfig {
             store_extra: String::new(),
             upstream_extra: String::new(),
             admin_extra: String::new(),
+            extra_routes: String::new(),
         }
     }
 
@@ -118,7 +121,10 @@ name = "reads"
 path_prefix = "/v1/reads"
 upstream = "{upstream}"
 upstream_timeout = "{upstream_timeout}"
+
+{extra_routes}
 "#,
+            extra_routes = self.extra_routes,
             listen = self.listen,
             server = self.server,
             admin = self.admin_listen,

@@ -1,0 +1,109 @@
+//! Admission: a request made into the one the guard decides on and the upstream gets
+//! (`target`: its path canonical and in origin form, its one validated authority its
+//! only `Host`), routed, and given the policy that guards it, if any. A spelling that
+//! would let a guarded request pass unguarded (a method that differs from one some
+//! route guards only in letter case, or a path that differs from a guarded route's
+//! only in letter case) is refused here, before anything is read.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use http::{Request, header};
+use hyper::body::Incoming;
+
+use super::Proxy;
+use crate::config::IdempotencyPolicy;
+use crate::error::{ProxyError, Rejection};
+use crate::router::{RouteState, Router};
+use crate::target::{self, TargetError};
+
+/// A request admitted: as forwarded, its route, and the policy that guards it.
+pub(super) struct Admitted {
+    pub(super) request: Request<Incoming>,
+    pub(super) route: Arc<RouteState>,
+    pub(super) guard: Option<Arc<IdempotencyPolicy>>,
+}
+
+/// Why a request is not admitted, and the route it matched, when it got that far.
+pub(super) struct NotAdmitted {
+    pub(super) route: Option<Arc<RouteState>>,
+    pub(super) rejection: Rejection,
+}
+
+impl From<Rejection> for NotAdmitted {
+    fn from(rejection: Rejection) -> NotAdmitted {
+        NotAdmitted { route: None, rejection }
+    }
+}
+
+impl From<TargetError> for NotAdmitted {
+    fn from(error: TargetError) -> NotAdmitted {
+        Rejection::from(error).into()
+    }
+}
+
+impl Proxy {
+    pub(super) fn admit(&self, mut request: Request<Incoming>) -> Result<Admitted, NotAdmitted> {
+        let router = self.shared.router.load();
+        let authority = target::authority(request.version(), request.uri(), request.headers())?;
+        let canonical = match target::canonical_path(request.uri().path(), &router.paths)? {
+            Cow::Borrowed(_) => None,
+            Cow::Owned(path) => Some(path),
+        };
+        if let Some(path) = canonical {
+            let uri =
+                target::with_path(request.uri(), &path).map_err(|error| Rejection::from(ProxyError::Rewrite(error)))?;
+            *request.uri_mut() = uri;
+        }
+        if let Some(authority) = &authority
+            && request.headers().get(header::HOST) != Some(authority)
+        {
+            request.headers_mut().insert(header::HOST, authority.clone());
+        }
+        let host = authority
+            .as_ref()
+            .and_then(|host| host.to_str().ok())
+            .map(target::host_of);
+        let path = request.uri().path();
+        let route = router.route(host, path).cloned().ok_or(Rejection::NoRoute)?;
+        let refused = |route: &Arc<RouteState>, error: TargetError| NotAdmitted {
+            route: Some(route.clone()),
+            rejection: error.into(),
+        };
+        let method = request.method();
+        if method.as_str().bytes().any(|byte| byte.is_ascii_lowercase())
+            && router
+                .guarded_methods
+                .iter()
+                .any(|guarded| guarded.as_str().eq_ignore_ascii_case(method.as_str()))
+        {
+            return Err(refused(&route, TargetError::MethodCase));
+        }
+        let guard = guard(&route, &request);
+        if guard.is_none() && case_variant_guards(&router, host, &request, &route) {
+            return Err(refused(&route, TargetError::CaseVariant));
+        }
+        Ok(Admitted { request, route, guard })
+    }
+}
+
+/// The route's policy, when it guards `request`: its method is guarded, and it carries
+/// a key or the route requires one (a keyless request on a `required = false` route
+/// passes unguarded).
+fn guard(route: &RouteState, request: &Request<Incoming>) -> Option<Arc<IdempotencyPolicy>> {
+    let policy = route.route.idempotency.as_ref()?;
+    let guarded = policy.methods.contains(request.method())
+        && (policy.required || request.headers().contains_key(&policy.header));
+    guarded.then(|| policy.clone())
+}
+
+/// Whether a route other than `route` would guard `request` if its path's letter case
+/// were ignored. Only asked for a method some route guards.
+fn case_variant_guards(router: &Router, host: Option<&str>, request: &Request<Incoming>, route: &RouteState) -> bool {
+    if !router.guarded_methods.contains(request.method()) {
+        return false;
+    }
+    router
+        .case_variant(host, request.uri().path(), route)
+        .is_some_and(|variant| guard(variant, request).is_some())
+}
