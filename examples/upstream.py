@@ -9,6 +9,7 @@ fingerprint) holds the answer, to see 409 request-in-progress, or an upstream ti
 """
 import itertools
 import json
+import signal
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -43,5 +44,8 @@ class Handler(BaseHTTPRequestHandler):
 if __name__ == "__main__":
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 9000
     host = sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1"
+    # As a container's PID 1, Python gets no default action for SIGTERM: stop on it,
+    # so that `docker compose stop` does not wait out its grace and kill.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"toy upstream on http://{host}:{port}", flush=True)
     ThreadingHTTPServer((host, port), Handler).serve_forever()
