@@ -188,8 +188,9 @@ def runtime_rootfs(rootfs, work):
     certificates, /etc/services and zoneinfo, and the nonroot user."""
     debs = os.path.join(work, "debs")
     os.makedirs(debs)
-    os.chmod(debs, 0o777)  # apt downloads as its own user, _apt
-    subprocess.run(["apt-get", "download", "-qq", *RUNTIME_PACKAGES], cwd=debs, check=True)
+    # As root, apt would download as _apt, who cannot write into this private directory.
+    subprocess.run(["apt-get", "download", "-qq", "-o", "APT::Sandbox::User=root", *RUNTIME_PACKAGES], cwd=debs,
+                   check=True)
     for deb in sorted(os.listdir(debs)):
         subprocess.run(["dpkg-deb", "-x", os.path.join(debs, deb), rootfs], check=True)
     etc = os.path.join(rootfs, "etc")
