@@ -97,7 +97,7 @@ impl Admin {
                 }
             }
             "/metrics" => {
-                self.metrics.guarded_in_flight(self.guarded.in_flight());
+                self.guarded.report(&self.metrics);
                 if let Some(usage) = self.store.usage() {
                     self.metrics.memory_store(usage);
                 }

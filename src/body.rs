@@ -17,7 +17,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
-use crate::error::{BoxError, Rejection, UpstreamError};
+use crate::error::{Bound, BoxError, Rejection, UpstreamError};
 
 /// The body type of everything the proxy sends, both ways.
 pub(crate) type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
@@ -73,23 +73,28 @@ impl ClientInfo {
 }
 
 /// Reads a guarded request's whole body: at most `max` bytes (a declared larger
-/// length is refused before reading), within `timeout`.
+/// length is refused before reading), within `timeout`, each byte first taken from the
+/// byte budget by `reserve` (refused, 503 `overloaded`, before anything is claimed).
 pub(crate) async fn read_request_body(
     body: Incoming,
     headers: &HeaderMap,
     max: u64,
     timeout: Duration,
+    reserve: impl FnMut(u64) -> bool,
 ) -> Result<Bytes, Rejection> {
-    match peek_request_body(body, headers, max, timeout).await? {
+    match peek_request_body(body, headers, max, timeout, reserve).await? {
         Peeked::Whole(body) => Ok(body),
         Peeked::Partial { cut: Cut::TooLarge, .. } => Err(Rejection::BodyTooLarge(max)),
         Peeked::Partial { cut: Cut::TooSlow, .. } => Err(Rejection::BodyTimeout(timeout)),
+        Peeked::Partial {
+            cut: Cut::OverBudget, ..
+        } => Err(Rejection::Overloaded(Bound::Bytes(max))),
     }
 }
 
 /// A request body read as far as a guarded request may hold it: the whole of it, or
-/// what arrived before it passed `max` bytes or the read timeout, with the rest still
-/// to stream (shadow mode forwards it; enforce mode refuses it).
+/// what arrived before it passed `max` bytes, the read timeout or the byte budget, with
+/// the rest still to stream (shadow mode forwards it; enforce mode refuses it).
 pub(crate) enum Peeked {
     Whole(Bytes),
     Partial { head: Bytes, rest: Incoming, cut: Cut },
@@ -100,28 +105,39 @@ pub(crate) enum Peeked {
 pub(crate) enum Cut {
     TooLarge,
     TooSlow,
+    /// The byte budget could not hold it.
+    OverBudget,
 }
 
 /// Reads `body` up to `max` bytes (a declared larger length is not read at all),
-/// within `timeout`. A body the client broke is refused.
+/// within `timeout`, taking its bytes from the budget with `reserve` first: all of a
+/// declared length up front, else each frame as it comes. A body the client broke is
+/// refused.
 pub(crate) async fn peek_request_body(
     mut body: Incoming,
     headers: &HeaderMap,
     max: u64,
     timeout: Duration,
+    mut reserve: impl FnMut(u64) -> bool,
 ) -> Result<Peeked, Rejection> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > max) {
+    let refused = match declared {
+        Some(length) if length > max => Some(Cut::TooLarge),
+        Some(length) if !reserve(length) => Some(Cut::OverBudget),
+        _ => None,
+    };
+    if let Some(cut) = refused {
         return Ok(Peeked::Partial {
             head: Bytes::new(),
             rest: body,
-            cut: Cut::TooLarge,
+            cut,
         });
     }
-    // A body that comes in one frame (the common case) is kept as it came, uncopied.
+    // A body that comes in one frame (the common case) is kept as it came, uncopied;
+    // one in several is joined into one allocation of its declared length.
     let mut first: Option<Bytes> = None;
     let mut joined = BytesMut::new();
     let mut read: u64 = 0;
@@ -143,21 +159,27 @@ pub(crate) async fn peek_request_body(
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        read += data.len() as u64;
+        let length = data.len() as u64;
+        read += length;
+        // A declared length was taken whole; more than it is hyper's error, not ours.
+        let over_budget = declared.is_none() && read <= max && !reserve(length);
         match first.take() {
             None if joined.is_empty() => first = Some(data),
             earlier => {
                 if let Some(earlier) = earlier {
+                    let length = declared.and_then(|length| usize::try_from(length).ok());
+                    joined.reserve(length.unwrap_or(earlier.len() + data.len()));
                     joined.extend_from_slice(&earlier);
                 }
                 joined.extend_from_slice(&data);
             }
         }
-        if read > max {
+        if read > max || over_budget {
+            let cut = if read > max { Cut::TooLarge } else { Cut::OverBudget };
             return Ok(Peeked::Partial {
                 head: head(first, joined),
                 rest: body,
-                cut: Cut::TooLarge,
+                cut,
             });
         }
     }
@@ -167,18 +189,35 @@ pub(crate) async fn peek_request_body(
 pub(crate) enum Buffered {
     /// The whole body, within the limit.
     Whole(Bytes),
-    /// The limit was passed: what was read so far, and the rest, still to stream.
-    TooLarge { head: Bytes, rest: Incoming },
+    /// The limit was passed, or the byte budget could not hold more: what was read so
+    /// far, and the rest, still to stream.
+    Cut {
+        head: Bytes,
+        rest: Incoming,
+        over_budget: bool,
+    },
 }
 
-/// Reads `body` until it ends or passes `limit` bytes, within `deadline`; `timeout` is
-/// what the deadline stands for, for the error.
+/// Reads `body` until it ends or passes `limit` bytes, within `deadline`, taking its
+/// bytes from the budget with `reserve` first (all of a declared length up front, else
+/// each frame as it comes); `timeout` is what the deadline stands for, for the error.
 pub(crate) async fn buffer_response(
     mut body: Incoming,
     limit: u64,
     deadline: Instant,
     timeout: Duration,
+    mut reserve: impl FnMut(u64) -> bool,
 ) -> Result<Buffered, UpstreamError> {
+    let declared = body.size_hint().exact().filter(|length| *length <= limit);
+    if let Some(length) = declared
+        && !reserve(length)
+    {
+        return Ok(Buffered::Cut {
+            head: Bytes::new(),
+            rest: body,
+            over_budget: true,
+        });
+    }
     let read = async {
         // Sized from Content-Length when the upstream sent one, so a body is read into
         // one allocation of its own size.
@@ -187,21 +226,26 @@ pub(crate) async fn buffer_response(
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|error| UpstreamError::Failed(error.into()))?;
             if let Ok(data) = frame.into_data() {
+                let over_budget = declared.is_none() && !reserve(data.len() as u64);
                 collected.extend_from_slice(&data);
-                if collected.len() as u64 > limit {
-                    return Ok((collected.freeze(), false));
+                if collected.len() as u64 > limit || over_budget {
+                    return Ok((collected.freeze(), Some(over_budget)));
                 }
             }
         }
-        Ok::<_, UpstreamError>((exact(collected), true))
+        Ok::<_, UpstreamError>((exact(collected), None))
     };
     // `read` borrows `body`; the borrow ends with this statement.
     let outcome = tokio::time::timeout_at(deadline, read).await;
     match outcome {
         Err(_) => Err(UpstreamError::Timeout(timeout)),
         Ok(Err(error)) => Err(error),
-        Ok(Ok((whole, true))) => Ok(Buffered::Whole(whole)),
-        Ok(Ok((head, false))) => Ok(Buffered::TooLarge { head, rest: body }),
+        Ok(Ok((whole, None))) => Ok(Buffered::Whole(whole)),
+        Ok(Ok((head, Some(over_budget)))) => Ok(Buffered::Cut {
+            head,
+            rest: body,
+            over_budget,
+        }),
     }
 }
 

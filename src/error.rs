@@ -153,14 +153,23 @@ pub(crate) enum Rejection {
     },
     #[error("the outcome of the first request with this key is unknown")]
     OutcomeUnknown,
-    #[error("{0} guarded requests are already in flight")]
-    Overloaded(usize),
+    #[error("the proxy is at its bound on {0}")]
+    Overloaded(Bound),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
     #[error(transparent)]
     Internal(#[from] ProxyError),
+}
+
+/// Which bound on guarded requests in flight was reached (503 `overloaded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Bound {
+    #[error("guarded requests in flight ({0}, server.max_guarded_requests)")]
+    Requests(usize),
+    #[error("buffered body bytes ({0}, server.max_buffered_bytes)")]
+    Bytes(u64),
 }
 
 /// Whose fault a rejection is, as pingora's `ErrorSource` says it. It decides the level
@@ -443,7 +452,10 @@ impl Rejection {
             | Rejection::UnverifiedScope(_)
             | Rejection::InProgress { .. }
             | Rejection::OutcomeUnknown => self.to_string(),
-            Rejection::Overloaded(_) => "the proxy is at its bound on guarded requests in flight; nothing was forwarded".into(),
+            Rejection::Overloaded(_) => {
+                "the proxy is at its bound on guarded requests in flight or the bytes they hold; nothing was forwarded"
+                    .into()
+            }
             Rejection::Store(StoreError::Full { .. }) => "the idempotency store is full; nothing was forwarded".into(),
             Rejection::Store(StoreError::ScopeFull { .. }) => {
                 "this client's live idempotency keys hold its share of the store; nothing was forwarded, retry after the oldest expires".into()
@@ -536,7 +548,7 @@ mod tests {
 
     #[test]
     fn overload_is_a_503_of_its_own_with_a_retry_after_and_no_capacity_in_it() {
-        let problem = Rejection::Overloaded(4321).problem();
+        let problem = Rejection::Overloaded(Bound::Requests(4321)).problem();
         assert_eq!(
             (problem.status, problem.slug),
             (StatusCode::SERVICE_UNAVAILABLE, "overloaded")

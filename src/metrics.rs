@@ -151,6 +151,10 @@ pub(crate) struct Metrics {
     /// backend so that nothing shows with Redis, whose memory is Redis's to report.
     store_held: [Family<BackendLabels, Gauge>; 4],
     guarded_in_flight: Gauge,
+    /// The guarded-request bounds and what is held of them, set at each scrape.
+    max_guarded_requests: Gauge,
+    buffered_bytes: Gauge,
+    max_buffered_bytes: Gauge,
     config_reloads: [Counter; ReloadResult::ALL.len()],
     waiters: Gauge,
     waits: [Counter; WaitEnd::ALL.len()],
@@ -296,6 +300,24 @@ impl Metrics {
                 "Guarded requests between reading their body and recording their response (bound: server.max_guarded_requests)",
                 Gauge::default(),
             ),
+            max_guarded_requests: register(
+                r,
+                "max_guarded_requests",
+                "The bound on guarded requests in flight (server.max_guarded_requests)",
+                Gauge::default(),
+            ),
+            buffered_bytes: register(
+                r,
+                "buffered_bytes",
+                "Body bytes guarded requests hold now while buffered: request bodies read, responses read for recording (bound: server.max_buffered_bytes)",
+                Gauge::default(),
+            ),
+            max_buffered_bytes: register(
+                r,
+                "max_buffered_bytes",
+                "The bound on buffered body bytes (server.max_buffered_bytes); request bodies may hold three quarters of it",
+                Gauge::default(),
+            ),
             config_reloads: result_counters(
                 r,
                 "config_reloads",
@@ -379,9 +401,14 @@ impl Metrics {
         self.replica_acks_missed.inc();
     }
 
-    /// Sets the guarded requests in flight; called at each scrape.
-    pub(crate) fn guarded_in_flight(&self, count: usize) {
-        self.guarded_in_flight.set(i64::try_from(count).unwrap_or(i64::MAX));
+    /// Sets the guarded requests in flight and the bytes they hold, with their bounds;
+    /// called at each scrape.
+    pub(crate) fn guarded(&self, in_flight: usize, max: usize, buffered: u64, max_buffered: u64) {
+        let gauge = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+        self.guarded_in_flight.set(gauge(in_flight as u64));
+        self.max_guarded_requests.set(gauge(max as u64));
+        self.buffered_bytes.set(gauge(buffered));
+        self.max_buffered_bytes.set(gauge(max_buffered));
     }
 
     /// Sets the embedded store's gauges; called at each scrape.

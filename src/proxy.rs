@@ -257,8 +257,8 @@ impl Proxy {
     ) -> Ended {
         // Refused at once rather than queued: nothing is read, claimed or forwarded, and
         // the client may retry with the same key.
-        let guarded = self.enter(route, policy, &client, identified?)?;
-        let prepared = self.prepare(&guarded, request).await?;
+        let mut guarded = self.enter(route, policy, &client, identified?)?;
+        let prepared = self.prepare(&mut guarded, request).await?;
         let decision = match self.claimed(&prepared).await {
             Ok(decision) => decision,
             Err(error) if policy.on_store_error == OnStoreError::Forward => {

@@ -171,7 +171,7 @@ impl Process {
                 grace: config.server.shutdown_grace,
             },
             connections: Arc::new(Semaphore::new(capacity)),
-            guarded: GuardedRequests::new(config.server.max_guarded_requests),
+            guarded: GuardedRequests::new(config.server.max_guarded_requests, config.server.max_buffered_bytes),
             waiting: Waiting::new(watcher, config.server.max_waiters),
             tls: config
                 .server

@@ -137,6 +137,8 @@ pub enum UnknownReason {
     UpstreamTimeout,
     UpstreamFailed,
     ResponseTooLarge,
+    /// The byte budget could not hold the response while it was read for recording.
+    OverBudget,
 }
 
 impl UnknownReason {
@@ -145,6 +147,7 @@ impl UnknownReason {
             UnknownReason::UpstreamTimeout => "upstream-timeout",
             UnknownReason::UpstreamFailed => "upstream-failed",
             UnknownReason::ResponseTooLarge => "response-too-large",
+            UnknownReason::OverBudget => "over-budget",
         }
     }
 
@@ -153,6 +156,7 @@ impl UnknownReason {
             b"upstream-timeout" => Some(UnknownReason::UpstreamTimeout),
             b"upstream-failed" => Some(UnknownReason::UpstreamFailed),
             b"response-too-large" => Some(UnknownReason::ResponseTooLarge),
+            b"over-budget" => Some(UnknownReason::OverBudget),
             _ => None,
         }
     }

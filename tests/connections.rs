@@ -146,26 +146,30 @@ async fn at_max_connections_new_clients_wait_in_the_backlog_and_are_served_when_
     let first = held("first");
     let second = held("second");
     upstream.wait_for_total(2).await;
-    // A third connects (the kernel completes its handshake) and asks: it is not
-    // accepted, so it waits in the listening socket's accept queue.
+    // A third connects and asks: the worker accepts it and holds it unserved, with no
+    // slot for it. A fourth is not accepted: it waits in the listening socket's accept
+    // queue (the kernel completed its handshake).
     let third = tokio::spawn(async move { post_key(addr, "third").await });
+    let fourth = tokio::spawn(async move { post_key(addr, "fourth").await });
     let started = Instant::now();
     while accept_queue(addr.port()) < 1 {
         assert!(
             started.elapsed() < Duration::from_secs(10),
-            "the third client never reached the backlog"
+            "the fourth client never reached the backlog"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(upstream.total(), 2, "the third request was served past the limit");
-    // A slot frees: the third is accepted and served.
+    assert_eq!(upstream.total(), 2, "a request was served past the limit");
+    // A slot frees: the held one is served, and the one in the backlog is accepted.
     upstream.release("first");
     assert_eq!(first.await.expect("first").status, 201);
-    let third = third.await.expect("third");
-    assert_eq!(third.status, 201, "{third:?}");
-    assert_eq!(accept_queue(addr.port()), 0);
+    upstream.wait_for_total(3).await;
     upstream.release("second");
     assert_eq!(second.await.expect("second").status, 201);
+    for answer in [third.await.expect("third"), fourth.await.expect("fourth")] {
+        assert_eq!(answer.status, 201, "{answer:?}");
+    }
+    assert_eq!(accept_queue(addr.port()), 0);
 }
 
 // === 3. the open-files limit ===

@@ -469,6 +469,7 @@ fn tls_store() -> (Pki, RedisServer, RedisStore) {
                 key_file: client.key_file,
             }),
         }),
+        connections: 2,
     };
     let store = RedisStore::new(&config, Duration::from_secs(2)).expect("store");
     (pki, server, store)

@@ -195,19 +195,40 @@ fn bounds_are_inclusive_where_the_design_says_so() {
 }
 
 #[test]
-fn max_guarded_requests_bounds_the_bodies_in_flight() {
+fn the_byte_budget_bounds_the_bodies_and_a_count_bounds_the_rest() {
     let config = parse(&format!("{ROUTE}[route.idempotency]\n")).expect("valid");
     assert_eq!(config.server.max_guarded_requests, DEFAULT_MAX_GUARDED_REQUESTS);
-    assert_eq!(config.bodies_in_flight(), 1024 * 2 * 1024 * 1024);
+    assert_eq!(config.server.max_guarded_requests, 16_384);
+    assert_eq!(config.server.max_buffered_bytes, 256 * 1024 * 1024);
+    assert!(
+        config.to_string().contains(
+            "max_buffered_bytes 268435456 = 256.0 MiB (request bodies at most 192.0 MiB of it), max_guarded_requests 16384"
+        ),
+        "{config}"
+    );
     let config = parse(&format!(
-        "[server]\nmax_guarded_requests = 10\nmax_request_body_bytes = 1000\n{ROUTE}[route.idempotency]\nmax_response_body_bytes = 5000\n"
+        "[server]\nmax_guarded_requests = 10\nmax_buffered_bytes = 4000\nmax_request_body_bytes = 3000\n{ROUTE}[route.idempotency]\nmax_response_body_bytes = 4000\n"
     ))
     .expect("valid");
-    assert_eq!(config.bodies_in_flight(), 10 * 6000);
+    assert_eq!(
+        (config.server.max_guarded_requests, config.server.max_buffered_bytes),
+        (10, 4000)
+    );
+    // Request bodies take three quarters: the largest one must fit them.
+    let message = error(&format!(
+        "[server]\nmax_buffered_bytes = 3999\nmax_request_body_bytes = 3000\n{ROUTE}"
+    ));
     assert!(
-        config
-            .to_string()
-            .contains("max_guarded_requests 10 (bodies in flight at most 0.1 MiB)")
+        message.contains("t.toml:2: server.max_buffered_bytes: 3999 leaves less than max_request_body_bytes (3000)"),
+        "{message}"
+    );
+    // A response the budget cannot hold could never be recorded.
+    let message = error(&format!(
+        "[server]\nmax_buffered_bytes = 4000\nmax_request_body_bytes = 3000\n{ROUTE}[route.idempotency]\nmax_response_body_bytes = 4001\n"
+    ));
+    assert!(
+        message.contains("route[0].idempotency.max_response_body_bytes: is more than server.max_buffered_bytes (4000)"),
+        "{message}"
     );
     let message = error(&format!("[server]\nmax_guarded_requests = 0\n{ROUTE}"));
     assert!(

@@ -18,8 +18,8 @@ use super::raw::{
 };
 use super::{
     AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
-    DEFAULT_REPLICA_ACK_TIMEOUT, FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, PathPolicy, RedisConfig,
-    RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls, Target,
+    DEFAULT_REPLICA_ACK_TIMEOUT, DEFAULT_STORE_CONNECTIONS, FingerprintBody, IdempotencyPolicy, JsonPointer,
+    LEASE_GRACE, PathPolicy, RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls, Target,
 };
 use crate::error::ConfigError;
 use crate::jwt::{JwtVerifier, KeySource};
@@ -119,7 +119,7 @@ impl Validator<'_> {
         let mut routes: Vec<Route> = Vec::with_capacity(raw_routes.len());
         for (index, raw_route) in raw_routes.into_iter().enumerate() {
             let name_span = raw_route.name.span();
-            let route = self.route(index, raw_route, &server.paths)?;
+            let route = self.route(index, raw_route, &server)?;
             if routes.iter().any(|r| r.name == route.name) {
                 return Err(self.error(
                     name_span,
@@ -214,11 +214,25 @@ impl Validator<'_> {
                 return Err(self.error(value.span(), field, "must be greater than 0"));
             }
         }
+        // A request body of the largest size must fit the request bodies' three
+        // quarters, or such a request could never be admitted.
+        let max_buffered_bytes = *raw.max_buffered_bytes.get_ref();
+        if max_buffered_bytes / 4 * 3 < *raw.max_request_body_bytes.get_ref() {
+            return Err(self.error(
+                raw.max_buffered_bytes.span(),
+                "server.max_buffered_bytes",
+                format!(
+                    "{max_buffered_bytes} leaves less than max_request_body_bytes ({}) for request bodies, which may take three quarters of it",
+                    raw.max_request_body_bytes.get_ref()
+                ),
+            ));
+        }
         Ok(ServerConfig {
             tls,
             workers,
             max_connections: raw.max_connections.into_inner(),
             max_guarded_requests: raw.max_guarded_requests.into_inner(),
+            max_buffered_bytes,
             max_waiters: raw.max_waiters.into_inner(),
             access_log: raw.access_log,
             paths: PathPolicy {
@@ -263,6 +277,7 @@ impl Validator<'_> {
                     ("store.tls_ca_file", raw.tls_ca_file.as_ref().map(Spanned::span)),
                     ("store.tls_cert_file", raw.tls_cert_file.as_ref().map(Spanned::span)),
                     ("store.tls_key_file", raw.tls_key_file.as_ref().map(Spanned::span)),
+                    ("store.connections", raw.connections.as_ref().map(Spanned::span)),
                 ];
                 if let Some((field, Some(span))) = redis_only.into_iter().find(|(_, span)| span.is_some()) {
                     return Err(self.error(span, field, "only the redis backends take this"));
@@ -464,11 +479,19 @@ impl Validator<'_> {
             None => DEFAULT_REPLICA_ACK_TIMEOUT,
         };
         let tls = self.store_tls(raw, &topology)?;
+        let connections = match &raw.connections {
+            Some(count) if !(1..=64).contains(count.get_ref()) => {
+                return Err(self.error(count.span(), "store.connections", "must be between 1 and 64"));
+            }
+            Some(count) => *count.get_ref(),
+            None => DEFAULT_STORE_CONNECTIONS,
+        };
         Ok(RedisConfig {
             topology,
             min_replica_acks: raw.min_replica_acks.as_ref().map_or(0, |acks| *acks.get_ref()),
             replica_ack_timeout,
             tls,
+            connections,
         })
     }
 
@@ -541,7 +564,7 @@ impl Validator<'_> {
         Ok(())
     }
 
-    fn route(&self, index: usize, raw: RawRoute, paths: &PathPolicy) -> Result<Route, ConfigError> {
+    fn route(&self, index: usize, raw: RawRoute, server: &ServerConfig) -> Result<Route, ConfigError> {
         let field = |name: &str| format!("route[{index}].{name}");
         let name = raw.name.get_ref();
         if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
@@ -557,7 +580,7 @@ impl Validator<'_> {
         }
         // Requests are routed by their canonical path: a prefix spelled otherwise
         // would match none of them.
-        match crate::target::canonical_path(prefix, paths) {
+        match crate::target::canonical_path(prefix, &server.paths) {
             Ok(canonical) if canonical == *prefix => {}
             Ok(canonical) => {
                 return Err(self.error(
@@ -592,7 +615,12 @@ impl Validator<'_> {
             ),
         };
         let idempotency = match raw.idempotency {
-            Some(policy) => Some(Arc::new(self.policy(index, policy, upstream_timeout)?)),
+            Some(policy) => Some(Arc::new(self.policy(
+                index,
+                policy,
+                upstream_timeout,
+                server.max_buffered_bytes,
+            )?)),
             None => None,
         };
         Ok(Route {
@@ -619,6 +647,7 @@ impl Validator<'_> {
         index: usize,
         raw: RawIdempotency,
         upstream_timeout: Duration,
+        max_buffered_bytes: u64,
     ) -> Result<IdempotencyPolicy, ConfigError> {
         let field = |name: &str| format!("route[{index}].idempotency.{name}");
         let mut methods = Vec::new();
@@ -673,6 +702,15 @@ impl Validator<'_> {
                 raw.max_response_body_bytes.span(),
                 field("max_response_body_bytes"),
                 "must be greater than 0",
+            ));
+        }
+        if *raw.max_response_body_bytes.get_ref() > max_buffered_bytes {
+            return Err(self.error(
+                raw.max_response_body_bytes.span(),
+                field("max_response_body_bytes"),
+                format!(
+                    "is more than server.max_buffered_bytes ({max_buffered_bytes}): no such response could be recorded"
+                ),
             ));
         }
         Ok(IdempotencyPolicy {

@@ -4,6 +4,7 @@
 //! touches the store or the upstream.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -14,44 +15,119 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::config::IdempotencyPolicy;
-use crate::error::{KeyError, ProxyError, Rejection};
+use crate::error::{Bound, KeyError, ProxyError, Rejection};
 use crate::idempotency;
+use crate::metrics::Metrics;
 use crate::router::RouteState;
 use crate::scope;
 use crate::store::{ClaimRequest, Fingerprint, OwnerToken, ScopeId, StoreKey};
 
-/// One permit per guarded request in flight, from reading its body to recording its
-/// response: what bounds the bodies the proxy holds at once. Shared by the workers.
+/// What bounds the guarded requests in flight, process-wide (the workers share it):
+/// their number (`max_guarded_requests`), and the bytes their bodies hold while they
+/// are buffered (`max_buffered_bytes`): a request body as it is read (by its
+/// `Content-Length` up front when it has one, chunk by chunk when it has not), a
+/// response as it is read for recording. Request bodies may take three quarters of the
+/// budget; the last quarter is kept for the responses of requests already forwarded,
+/// which cannot be refused any more.
 #[derive(Clone, Debug)]
 pub(crate) struct GuardedRequests {
     permits: Arc<Semaphore>,
     max: usize,
+    budget: Arc<Budget>,
+}
+
+#[derive(Debug)]
+struct Budget {
+    held: AtomicU64,
+    max: u64,
+}
+
+impl Budget {
+    /// Takes `bytes` if what is held stays at most `cap`.
+    fn take(&self, bytes: u64, cap: u64) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|total| *total <= cap)
+            })
+            .is_ok()
+    }
 }
 
 impl GuardedRequests {
-    pub(crate) fn new(max: usize) -> GuardedRequests {
+    pub(crate) fn new(max: usize, max_bytes: u64) -> GuardedRequests {
         GuardedRequests {
             permits: Arc::new(Semaphore::new(max)),
             max,
+            budget: Arc::new(Budget {
+                held: AtomicU64::new(0),
+                max: max_bytes,
+            }),
         }
     }
 
-    /// A permit for one more guarded request, unless `max` are in flight.
-    pub(super) fn try_enter(&self) -> Result<OwnedSemaphorePermit, Rejection> {
-        self.permits
+    /// A share for one more guarded request, unless `max` are in flight.
+    pub(super) fn try_enter(&self) -> Result<Share, Rejection> {
+        let permit = self
+            .permits
             .clone()
             .try_acquire_owned()
-            .map_err(|_| Rejection::Overloaded(self.max))
+            .map_err(|_| Rejection::Overloaded(Bound::Requests(self.max)))?;
+        Ok(Share {
+            _permit: permit,
+            budget: self.budget.clone(),
+            bytes: 0,
+        })
     }
 
-    /// The guarded requests in flight now.
-    pub(crate) fn in_flight(&self) -> usize {
-        self.max - self.permits.available_permits()
+    /// Reports the guarded requests in flight now, the bytes their bodies hold, and the
+    /// bounds on both, in `metrics`.
+    pub(crate) fn report(&self, metrics: &Metrics) {
+        let in_flight = self.max - self.permits.available_permits();
+        let held = self.budget.held.load(Ordering::Acquire);
+        metrics.guarded(in_flight, self.max, held, self.budget.max);
+    }
+}
+
+/// One guarded request's place among those in flight, and the bytes of the budget it
+/// holds: all given back when it is dropped, once its bodies are recorded or handed on.
+#[derive(Debug)]
+pub(super) struct Share {
+    _permit: OwnedSemaphorePermit,
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl Share {
+    /// Takes `bytes` for the request body, unless request bodies would hold more than
+    /// their three quarters of the budget.
+    pub(super) fn take_for_request(&mut self, bytes: u64) -> bool {
+        let cap = self.budget.max / 4 * 3;
+        self.take(bytes, cap)
+    }
+
+    /// Takes `bytes` for a response buffered for recording, unless the budget is spent.
+    pub(super) fn take_for_response(&mut self, bytes: u64) -> bool {
+        let cap = self.budget.max;
+        self.take(bytes, cap)
+    }
+
+    fn take(&mut self, bytes: u64, cap: u64) -> bool {
+        let taken = self.budget.take(bytes, cap);
+        if taken {
+            self.bytes += bytes;
+        }
+        taken
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
 /// A guarded request's context, shared by its steps: its route and policy, the client,
-/// the record it names, and its place among the guarded requests in flight (given back
+/// the record it names, and its share of the bounds on guarded requests (given back
 /// when the context is dropped: once its bodies are recorded or handed on).
 pub(super) struct Guarded {
     pub(super) route: Arc<RouteState>,
@@ -59,7 +135,7 @@ pub(super) struct Guarded {
     pub(super) client: ClientInfo,
     pub(super) record: StoreKey,
     pub(super) scope: Option<ScopeId>,
-    _permit: OwnedSemaphorePermit,
+    pub(super) share: Share,
 }
 
 /// The record a guarded request names, and the client (route and scope) it is
@@ -142,7 +218,7 @@ impl Proxy {
         named: Named,
     ) -> Result<Guarded, Rejection> {
         Ok(Guarded {
-            _permit: self.shared.guarded.try_enter()?,
+            share: self.shared.guarded.try_enter()?,
             route: route.clone(),
             policy: policy.clone(),
             client: client.clone(),
@@ -151,11 +227,20 @@ impl Proxy {
         })
     }
 
-    /// Reads the body within its limits and works out what the claim asks for.
-    pub(super) async fn prepare(&self, guarded: &Guarded, request: Request<Incoming>) -> Result<Prepared, Rejection> {
+    /// Reads the body within its limits and its share of the byte budget, and works
+    /// out what the claim asks for.
+    pub(super) async fn prepare(
+        &self,
+        guarded: &mut Guarded,
+        request: Request<Incoming>,
+    ) -> Result<Prepared, Rejection> {
         let (parts, body) = request.into_parts();
         let limits = guarded.route.body;
-        let body = body::read_request_body(body, &parts.headers, limits.max_bytes, limits.timeout).await?;
+        let share = &mut guarded.share;
+        let body = body::read_request_body(body, &parts.headers, limits.max_bytes, limits.timeout, |bytes| {
+            share.take_for_request(bytes)
+        })
+        .await?;
         Prepared::new(guarded, parts, body)
     }
 }

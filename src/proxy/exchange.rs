@@ -42,8 +42,9 @@ impl Proxy {
         }
         let (sender, receiver) = oneshot::channel();
         let proxy = self.clone();
+        let mut guarded = guarded;
         let exchange = async move {
-            let ended = proxy.exchange(&guarded, claim, request).await;
+            let ended = proxy.exchange(&mut guarded, claim, request).await;
             // The bodies are recorded or handed on: the request no longer counts.
             drop(guarded);
             // The client may have gone: the record is already updated.
@@ -57,7 +58,7 @@ impl Proxy {
 
     /// Runs in its own task: forwards the claimed request, then resolves the claim by
     /// what came back.
-    async fn exchange(&self, guarded: &Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Ended {
+    async fn exchange(&self, guarded: &mut Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Ended {
         claim.forwarding();
         let (sent, clock, elapsed) = send(&guarded.route, request).await;
         let failed = |rejection: Rejection| Refusal {
@@ -73,10 +74,14 @@ impl Proxy {
         };
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
-        let policy = &guarded.policy;
+        let policy = guarded.policy.clone();
         let recording = idempotency::recording_for(parts.status, policy.on_server_error);
         let limit = policy.max_response_body_bytes;
-        let body = match body::buffer_response(body, limit, clock.deadline, clock.timeout).await {
+        let share = &mut guarded.share;
+        let buffered = body::buffer_response(body, limit, clock.deadline, clock.timeout, |bytes| {
+            share.take_for_response(bytes)
+        });
+        let body = match buffered.await {
             Err(error) => {
                 claim.upstream_failed(&error).await;
                 return Err(failed(error.into()));
@@ -91,8 +96,18 @@ impl Proxy {
                 }
                 full(body)
             }
-            Ok(Buffered::TooLarge { head, rest }) => {
+            Ok(Buffered::Cut {
+                head,
+                rest,
+                over_budget,
+            }) => {
                 match recording {
+                    Recording::Record if over_budget => {
+                        tracing::warn!(
+                            "no budget left to buffer the response for recording; the key's outcome is now unknown"
+                        );
+                        claim.mark_unknown(UnknownReason::OverBudget).await;
+                    }
                     Recording::Record => {
                         tracing::warn!(limit, "response too large to record; the key's outcome is now unknown");
                         claim.mark_unknown(UnknownReason::ResponseTooLarge).await;

@@ -34,7 +34,7 @@ impl Proxy {
         client: ClientInfo,
     ) -> Ended {
         let entered = identified.and_then(|named| self.enter(route, policy, &client, named));
-        let guarded = match entered {
+        let mut guarded = match entered {
             Ok(guarded) => guarded,
             Err(rejection) => {
                 return self
@@ -44,7 +44,11 @@ impl Proxy {
         };
         let (parts, body) = request.into_parts();
         let limits = route.body;
-        let body = match body::peek_request_body(body, &parts.headers, limits.max_bytes, limits.timeout).await? {
+        let share = &mut guarded.share;
+        let peeked = body::peek_request_body(body, &parts.headers, limits.max_bytes, limits.timeout, |bytes| {
+            share.take_for_request(bytes)
+        });
+        let body = match peeked.await? {
             Peeked::Whole(body) => body,
             Peeked::Partial { head, rest, .. } => {
                 drop(guarded);

@@ -136,8 +136,11 @@ fn http_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
 }
 
 /// Accepts connections until `shutdown`, then drains them for up to `limits.grace`.
-/// A connection is accepted only once one of `connections`' permits is free: at the
-/// limit, new clients wait in the kernel's backlog, neither accepted nor refused.
+/// A connection is served with one of `connections`' permits, shared by every worker,
+/// and taken only once it is accepted: an idle worker holds none, so while fewer than
+/// the limit are open no connection waits, whichever worker's socket it came to. At
+/// the limit, the worker holds the connection it accepted until a permit frees, and new
+/// clients wait in the kernel's backlog, neither served nor refused.
 pub(super) async fn serve<S, F>(listener: TcpListener, listening: Listening, shutdown: CancellationToken, service: S)
 where
     S: Fn(Request<Incoming>, ClientInfo) -> F + Clone + Send + Sync + 'static,
@@ -148,16 +151,19 @@ where
     let open = TaskTracker::new();
     let mut backoff = Backoff::new();
     loop {
-        let permit = tokio::select! {
-            () = shutdown.cancelled() => break,
-            permit = listening.connections.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
-            },
-        };
         let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
             accepted = limits::accept_with_backoff(&mut backoff, || listener.accept()) => accepted,
+        };
+        let permit = match listening.connections.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => tokio::select! {
+                () = shutdown.cancelled() => break,
+                permit = listening.connections.clone().acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => break,
+                },
+            },
         };
         let connection = serve_connection(
             builder.clone(),

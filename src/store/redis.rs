@@ -9,6 +9,7 @@
 //! them (restart, failover, `SCRIPT FLUSH`). Replies are decoded here, once, into the
 //! store's types: a reply or record that does not decode is a store error.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -94,7 +95,9 @@ enum Retry {
 /// A cheap-to-clone handle on the Redis store.
 #[derive(Clone)]
 pub struct RedisStore {
-    connection: Connection,
+    /// The worker's connections to the store, taken in turn.
+    connections: Arc<[Connection]>,
+    next: Arc<AtomicUsize>,
     scripts: Arc<Scripts>,
     timeout: Duration,
     durability: Option<Durability>,
@@ -121,9 +124,13 @@ impl RedisStore {
     /// by `timeout`, and a claim that waits for replicas by `timeout` plus the
     /// configured wait.
     pub fn new(config: &RedisConfig, timeout: Duration) -> Result<RedisStore, StoreError> {
-        let connection = Connection::new(&config.topology, config.tls.as_ref(), timeout).map_err(unavailable)?;
+        let connections = (0..config.connections.max(1))
+            .map(|_| Connection::new(&config.topology, config.tls.as_ref(), timeout))
+            .collect::<RedisResult<Vec<_>>>()
+            .map_err(unavailable)?;
         Ok(RedisStore {
-            connection,
+            connections: connections.into(),
+            next: Arc::default(),
             scripts: SCRIPTS.clone(),
             timeout,
             durability: (config.min_replica_acks > 0).then_some(Durability {
@@ -170,6 +177,12 @@ impl RedisStore {
         self
     }
 
+    /// The next of the worker's connections, in turn.
+    fn connection(&self) -> Connection {
+        let at = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
+        self.connections[at].clone()
+    }
+
     /// Loads the scripts into Redis (every primary, on a cluster), so that the first
     /// write on a connection does not pay `NOSCRIPT`, a load and a second try. Redis
     /// forgets them on a restart or `SCRIPT FLUSH`; the writes load them again then.
@@ -180,7 +193,7 @@ impl RedisStore {
             &self.scripts.release,
             &self.scripts.forget,
         ] {
-            let mut connection = self.connection.clone();
+            let mut connection = self.connection();
             let loaded = tokio::time::timeout(self.timeout, script.prepare_invoke().load_async(&mut connection)).await;
             if !matches!(loaded, Ok(Ok(_))) {
                 tracing::debug!("cannot load the scripts yet; the first writes will");
@@ -199,7 +212,7 @@ impl RedisStore {
         let deadline = Instant::now() + budget;
         let mut pause = FIRST_PAUSE;
         loop {
-            let error = match tokio::time::timeout_at(deadline, op(self.connection.clone())).await {
+            let error = match tokio::time::timeout_at(deadline, op(self.connection())).await {
                 Err(_) => return Err(StoreError::Timeout(budget)),
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(error)) => error,
@@ -428,7 +441,7 @@ impl RecordStore for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let mut connection = self.connection.clone();
+        let mut connection = self.connection();
         match tokio::time::timeout(self.timeout, connection.readiness()).await {
             Err(_) => Err(StoreError::Timeout(self.timeout)),
             Ok(Ok(())) => Ok(()),
