@@ -134,9 +134,10 @@ def nginx_binary():
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def nginx_command(workdir, name, server_block, workers, master=True):
+def nginx_command(workdir, name, server_block, workers, master=True, connections=4096):
     """Writes an nginx config under workdir/name and returns the command that runs it
-    in the foreground. master=False: one process and no master, for a profiler."""
+    in the foreground. master=False: one process and no master, for a profiler;
+    `connections` per worker (each proxied request takes two)."""
     prefix = os.path.join(workdir, name)
     os.makedirs(os.path.join(prefix, "logs"), exist_ok=True)
     conf = os.path.join(prefix, "nginx.conf")
@@ -147,7 +148,8 @@ def nginx_command(workdir, name, server_block, workers, master=True):
             worker_processes {workers};
             pid {prefix}/nginx.pid;
             error_log {prefix}/logs/error.log warn;
-            events {{ worker_connections 4096; }}
+            worker_rlimit_nofile {max(1024, 2 * connections + 64)};
+            events {{ worker_connections {connections}; }}
             http {{
               access_log off;
               client_body_temp_path {prefix}/body;
@@ -162,8 +164,8 @@ def nginx_command(workdir, name, server_block, workers, master=True):
     return [nginx_binary(), "-p", prefix, "-c", conf]
 
 
-def start_nginx(workdir, name, server_block, workers):
-    return subprocess.Popen(nginx_command(workdir, name, server_block, workers),
+def start_nginx(workdir, name, server_block, workers, connections=4096):
+    return subprocess.Popen(nginx_command(workdir, name, server_block, workers, connections=connections),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

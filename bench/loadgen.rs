@@ -28,6 +28,9 @@ struct Options {
     keys: String,
     body: Bytes,
     threads: usize,
+    /// Requests a second, spread evenly over the lanes (open loop); 0: each lane sends
+    /// its next request when its last is answered (closed loop).
+    rate: f64,
 }
 
 fn options() -> Options {
@@ -50,6 +53,7 @@ fn options() -> Options {
         keys: value("--keys").unwrap_or_else(|| "fresh".into()),
         body: Bytes::from(value("--body").unwrap_or_else(|| "{}".into())),
         threads: number("--threads", 1),
+        rate: value("--rate").and_then(|v| v.parse().ok()).unwrap_or(0.0),
     }
 }
 
@@ -108,14 +112,40 @@ fn key(options: &Options, run: u64, lane: usize, n: u64) -> Option<String> {
     }
 }
 
-/// Sends requests one after another on `conn` until `stop`, as lane `lane`.
-async fn lane(options: Arc<Options>, mut conn: Conn, lane: usize, run: u64, stop: Arc<AtomicBool>) -> Tally {
+/// Where a lane stands among all of them, for an open loop's schedule.
+#[derive(Clone, Copy)]
+struct Slot {
+    index: usize,
+    of: usize,
+    start: Instant,
+}
+
+/// Sends requests one after another on `conn` until `stop`, as lane `lane`: in an open
+/// loop, each at its turn in the schedule (`slot`), timed from when it was due.
+async fn lane(
+    options: Arc<Options>,
+    mut conn: Conn,
+    lane: usize,
+    run: u64,
+    stop: Arc<AtomicBool>,
+    slot: Slot,
+) -> Tally {
     let mut tally = Tally::default();
     let mut n = 0;
     while !stop.load(Ordering::Relaxed) {
         n += 1;
         let request = request(&options, key(&options, run, lane, n));
-        let started = Instant::now();
+        let started = if options.rate > 0.0 {
+            let due = slot.start
+                + Duration::from_secs_f64((slot.index as f64 + (n - 1) as f64 * slot.of as f64) / options.rate);
+            tokio::time::sleep_until(due).await;
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            due
+        } else {
+            Instant::now()
+        };
         let sent = match &mut conn {
             Conn::H1(sender) => {
                 if sender.ready().await.is_err() {
@@ -177,19 +207,37 @@ fn main() {
                 }
             }
         }
+        // One key for all: its first request runs alone, so that the others replay it
+        // (rather than find it in flight).
+        if options.keys == "fixed"
+            && let Some(mut conn) = connect(&options).await
+        {
+            let first = request(&options, key(&options, run, 0, 0));
+            let _ = match &mut conn {
+                Conn::H1(sender) => sender.send_request(first).await.map(|_| ()),
+                Conn::H2(sender) => sender.send_request(first).await.map(|_| ()),
+            };
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let started = Instant::now();
         let mut lanes = Vec::new();
+        let per = if options.h2 { options.streams.max(1) } else { 1 };
+        let of = conns.len() * per;
+        let slot = |index: usize| Slot {
+            index,
+            of,
+            start: started,
+        };
         for (index, conn) in conns.into_iter().enumerate() {
             match conn {
                 Conn::H1(sender) => {
-                    let lane = lane(options.clone(), Conn::H1(sender), index, run, stop.clone());
+                    let lane = lane(options.clone(), Conn::H1(sender), index, run, stop.clone(), slot(index));
                     lanes.push(tokio::spawn(lane));
                 }
                 Conn::H2(sender) => {
-                    for stream in 0..options.streams.max(1) {
-                        let conn = Conn::H2(sender.clone());
-                        let lane = lane(options.clone(), conn, index * 1000 + stream, run, stop.clone());
+                    for stream in 0..per {
+                        let (id, at) = (index * 1000 + stream, slot(index * per + stream));
+                        let lane = lane(options.clone(), Conn::H2(sender.clone()), id, run, stop.clone(), at);
                         lanes.push(tokio::spawn(lane));
                     }
                 }

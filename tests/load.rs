@@ -256,3 +256,94 @@ async fn max_connections_holds_exactly_across_the_workers_sockets() {
         }
     }
 }
+
+/// One HTTP/2 connection's requests: `streams` guarded POSTs at once, keys
+/// `h2-{connection}-{stream}`, each held at the upstream behind `gate` when one is given.
+async fn h2_posts(addr: SocketAddr, connection: usize, streams: usize, gate: Option<&'static str>) -> Vec<(u16, bool)> {
+    use http_body_util::{BodyExt, Full};
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (sender, driver) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("h2c handshake");
+    tokio::spawn(driver);
+    let requests = (0..streams).map(|n| {
+        let mut sender = sender.clone();
+        async move {
+            let mut request = http::Request::post(format!("http://{addr}/v1/payments"))
+                .header("idempotency-key", format!("h2-{connection}-{n}"))
+                .header("content-type", "application/json");
+            if let Some(gate) = gate {
+                request = request.header("x-test-hold", gate);
+            }
+            let request = request
+                .body(Full::new(bytes::Bytes::from_static(b"{\"a\":1}")))
+                .expect("request");
+            let response = sender.send_request(request).await.expect("h2 request");
+            let status = response.status().as_u16();
+            let replayed = response
+                .headers()
+                .get("idempotent-replayed")
+                .is_some_and(|value| value == "true");
+            response.into_body().collect().await.expect("body");
+            (status, replayed)
+        }
+    });
+    futures_util::future::join_all(requests).await
+}
+
+/// 256 HTTP/2 connections x 10 streams on Redis: 2,560 guarded requests held at the
+/// upstream at once all reach it (the old count bound of 1,024 answered the rest 503
+/// `overloaded`, 65-72 % of a replay storm at this concurrency), are all answered 201
+/// once released, and all 2,560 keys then replay over HTTP/2 with no refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_five_hundred_http2_streams_on_redis_are_all_served_then_all_replayed() {
+    const CONNECTIONS: usize = 256;
+    const STREAMS: usize = 10;
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let proxy = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url())
+        .start()
+        .await;
+    let addr = proxy.addr();
+    let first = tokio::spawn(join_all(
+        (0..CONNECTIONS).map(move |connection| h2_posts(addr, connection, STREAMS, Some("h2-many"))),
+    ));
+    let reached = tokio::time::timeout(Duration::from_secs(60), upstream.wait_for_total(CONNECTIONS * STREAMS)).await;
+    if reached.is_err() {
+        upstream.release("h2-many");
+        let answers: Vec<_> = first.await.expect("answers").into_iter().flatten().collect();
+        let refused = answers.iter().filter(|(status, _)| *status == 503).count();
+        panic!("{} of 2560 reached the upstream; {refused} got 503", upstream.total());
+    }
+    upstream.release("h2-many");
+    let answers: Vec<_> = first.await.expect("answers").into_iter().flatten().collect();
+    let created = answers
+        .iter()
+        .filter(|(status, replayed)| *status == 201 && !replayed)
+        .count();
+    assert_eq!(
+        created,
+        CONNECTIONS * STREAMS,
+        "{:?}",
+        answers.iter().find(|(status, _)| *status != 201)
+    );
+    let replays: Vec<_> = join_all((0..CONNECTIONS).map(move |connection| h2_posts(addr, connection, STREAMS, None)))
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    let replayed = replays
+        .iter()
+        .filter(|(status, replayed)| *status == 201 && *replayed)
+        .count();
+    assert_eq!(
+        replayed,
+        CONNECTIONS * STREAMS,
+        "{:?}",
+        replays.iter().find(|(_, replayed)| !replayed)
+    );
+    assert_eq!(upstream.total(), CONNECTIONS * STREAMS, "a replay reached the upstream");
+}
