@@ -279,6 +279,23 @@ pub struct IdempotencyPolicy {
     pub max_response_body_bytes: u64,
     pub on_server_error: OnServerError,
     pub on_store_error: OnStoreError,
+    /// The key the upstream is sent with a guarded request, and the field it is in.
+    pub upstream_key: UpstreamKey,
+    pub upstream_key_header: HeaderName,
+}
+
+/// `upstream_key`: which idempotency key a guarded request carries to the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamKey {
+    /// The client's own key, as it sent it.
+    Client,
+    /// The record's operation id (`StoreKey::operation_id`): unique per route, scope
+    /// and client key, so an upstream that deduplicates on it never confuses two
+    /// tenants' keys; it reveals none of them.
+    Derived,
+    /// No key: the field is removed.
+    None,
 }
 
 /// A guarded route's `mode`.

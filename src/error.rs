@@ -232,6 +232,8 @@ pub(crate) struct Problem {
     pub(crate) retry_after: Option<u64>,
     /// `WWW-Authenticate`, on a 401.
     pub(crate) authenticate: Option<&'static str>,
+    /// The record's operation id, on a 409 `outcome-unknown`.
+    pub(crate) operation: Option<String>,
     pub(crate) fault: Fault,
     pub(crate) outcome: Outcome,
 }
@@ -431,6 +433,7 @@ impl Rejection {
             detail: self.public_detail(),
             retry_after,
             authenticate,
+            operation: None,
             fault,
             outcome,
         }
@@ -488,12 +491,15 @@ impl Rejection {
 impl Problem {
     /// Renders the problem as an `application/problem+json` response.
     pub(crate) fn into_response(self) -> Response<Bytes> {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "type": format!("{PROBLEM_TYPE_PREFIX}{}", self.slug),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
+        if let Some(operation) = self.operation {
+            body["operation"] = serde_json::Value::String(operation);
+        }
         let mut response = Response::new(Bytes::from(body.to_string()));
         *response.status_mut() = self.status;
         let headers = response.headers_mut();

@@ -27,7 +27,7 @@ use crate::error::{DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
 use crate::router::{BodyLimits, RouteState, Router};
-use crate::store::{AnyStore, StoredResponse};
+use crate::store::{AnyStore, StoreKey, StoredResponse};
 use crate::upstream::{self, HttpClient};
 
 mod access;
@@ -100,6 +100,21 @@ impl Answer {
 struct Refusal {
     rejection: Rejection,
     upstream: Option<Duration>,
+    /// The record's operation id, for a 409 `outcome-unknown` to name.
+    operation: Option<String>,
+}
+
+impl Refusal {
+    /// `rejection` of a request that named `record`: an `outcome-unknown` names the
+    /// record's operation, so that client and operator speak of the same one.
+    fn about(rejection: Rejection, record: &StoreKey) -> Refusal {
+        let operation = matches!(rejection, Rejection::OutcomeUnknown).then(|| record.operation_id());
+        Refusal {
+            rejection,
+            upstream: None,
+            operation,
+        }
+    }
 }
 
 impl<E: Into<Rejection>> From<E> for Refusal {
@@ -107,6 +122,7 @@ impl<E: Into<Rejection>> From<E> for Refusal {
         Refusal {
             rejection: error.into(),
             upstream: None,
+            operation: None,
         }
     }
 }
@@ -210,6 +226,7 @@ impl Proxy {
                 error.into()
             },
             upstream: Some(elapsed),
+            operation: None,
         })?;
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
@@ -273,7 +290,7 @@ impl Proxy {
             Decision::Reject(first @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
                 self.wait(guarded, prepared, first).await
             }
-            Decision::Reject(rejection) => Err(rejection.into()),
+            Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
         }
     }
 
@@ -291,7 +308,8 @@ impl Proxy {
         let (mut response, outcome, upstream) = match ended {
             Ok(answer) => (answer.response, answer.outcome, answer.upstream),
             Err(refusal) => {
-                let problem = refusal.rejection.problem();
+                let mut problem = refusal.rejection.problem();
+                problem.operation = refusal.operation;
                 let name = route.map_or("-", |route| &*route.name);
                 let (status, slug) = (problem.status.as_u16(), problem.slug);
                 let error = DisplayChain(&refusal.rejection);

@@ -115,6 +115,9 @@ pub struct RecordView {
     pub route: String,
     /// The record hash's first 12 hex digits: how the logs name it.
     pub record: String,
+    /// The record's operation id (`StoreKey::operation_id`): what a 409
+    /// `outcome-unknown` names and `upstream_key = "derived"` sends the upstream.
+    pub operation: String,
     pub state: ViewState,
     pub ttl_ms: u64,
     /// In flight: what is left of its lease; 0 once it has run out (then `unknown`).
@@ -137,6 +140,7 @@ impl RecordView {
         let mut view = RecordView {
             route: route.to_string(),
             record: record.short_hash().to_string(),
+            operation: record.operation_id(),
             state: ViewState::Unknown,
             ttl_ms: millis(summary.ttl),
             lease_remaining_ms: None,
@@ -170,6 +174,7 @@ impl std::fmt::Display for RecordView {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "route        {}", self.route)?;
         writeln!(f, "record       {}", self.record)?;
+        writeln!(f, "operation    {}", self.operation)?;
         writeln!(f, "state        {}", self.state.as_str())?;
         if let Some(status) = self.status {
             writeln!(f, "status       {status}")?;
@@ -364,6 +369,7 @@ mod tests {
         let view = RecordView {
             route: "payments".into(),
             record: "abcdefabcdef".into(),
+            operation: "0123456789abcdef".repeat(2),
             state: ViewState::Completed,
             ttl_ms: 3_540_500,
             lease_remaining_ms: None,
@@ -379,6 +385,7 @@ mod tests {
         );
         let printed = view.to_string();
         for line in [
+            "operation    0123456789abcdef0123456789abcdef",
             "state        completed",
             "status       201",
             "response     81 bytes",

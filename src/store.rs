@@ -80,6 +80,18 @@ impl StoreKey {
     }
 }
 
+impl StoreKey {
+    /// The record's operation id: 32 hex digits, the first 128 bits of SHA-256 over
+    /// the whole store key (prefix, route, and the record hash of scope and client
+    /// key). Unique per route, scope and client key, and revealing none of them: what a
+    /// 409 `outcome-unknown` names, the records API shows, and `upstream_key =
+    /// "derived"` sends the upstream.
+    pub fn operation_id(&self) -> String {
+        let digest = ring::digest::digest(&ring::digest::SHA256, self.0.as_bytes());
+        const_hex::encode(&digest.as_ref()[..16])
+    }
+}
+
 impl fmt::Debug for StoreKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{Mode, OnServerError, OnStoreError};
+use super::{Mode, OnServerError, OnStoreError, UpstreamKey};
 use crate::target::Spelling;
 
 #[derive(Deserialize)]
@@ -173,6 +173,8 @@ pub(super) struct RawIdempotency {
     pub(super) max_response_body_bytes: Spanned<u64>,
     pub(super) on_server_error: OnServerError,
     pub(super) on_store_error: OnStoreError,
+    pub(super) upstream_key: UpstreamKey,
+    pub(super) upstream_key_header: Spanned<String>,
 }
 
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
@@ -200,6 +202,8 @@ impl Default for RawIdempotency {
             max_response_body_bytes: Spanned::new(0..0, 1024 * 1024),
             on_server_error: OnServerError::Release,
             on_store_error: OnStoreError::Reject,
+            upstream_key: UpstreamKey::Client,
+            upstream_key_header: Spanned::new(0..0, "Idempotency-Key".into()),
         }
     }
 }

@@ -669,6 +669,11 @@ impl Validator<'_> {
         let fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
         let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
         let replay_exclude_headers = self.header_names(&raw.replay_exclude_headers, field("replay_exclude_headers"))?;
+        let upstream_key_header = self.header_name(
+            &raw.upstream_key_header.span(),
+            raw.upstream_key_header.get_ref(),
+            field("upstream_key_header"),
+        )?;
         let scope_jwt = match &raw.scope_jwt {
             None => None,
             Some(jwt) => Some(self.scope_jwt(index, jwt)?),
@@ -728,6 +733,8 @@ impl Validator<'_> {
             max_response_body_bytes: raw.max_response_body_bytes.into_inner(),
             on_server_error: raw.on_server_error,
             on_store_error: raw.on_store_error,
+            upstream_key: raw.upstream_key,
+            upstream_key_header,
         })
     }
 

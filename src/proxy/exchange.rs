@@ -64,6 +64,7 @@ impl Proxy {
         let failed = |rejection: Rejection| Refusal {
             rejection,
             upstream: Some(elapsed),
+            operation: None,
         };
         let response = match sent {
             Ok(response) => response,

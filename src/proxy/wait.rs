@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::{Answer, Ended, Guarded, Prepared, Proxy};
+use super::{Answer, Ended, Guarded, Prepared, Proxy, Refusal};
 use crate::error::Rejection;
 use crate::idempotency::Decision;
 use crate::metrics::{Metrics, WaitEnd};
@@ -122,7 +122,7 @@ impl Proxy {
                         Rejection::OutcomeUnknown => WaitEnd::Unknown,
                         _ => WaitEnd::Other,
                     });
-                    return Err(rejection.into());
+                    return Err(Refusal::about(rejection, &guarded.record));
                 }
                 Err(error) => {
                     tally.end(WaitEnd::Other);
