@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 
 use arc_swap::ArcSwap;
 
-use crate::body::{ProxyBody, full};
+use crate::body::{self, ProxyBody, full};
 use crate::config::Config;
 use crate::error::DisplayChain;
 use crate::error::StoreError;
@@ -30,6 +30,11 @@ pub(crate) struct Admin {
     /// What the last `/readyz` found: `UNKNOWN` before the first.
     ready: Arc<AtomicU8>,
 }
+
+/// What a resolution's JSON may hold beyond its response body's base64.
+const RESOLUTION_OVERHEAD: u64 = 64 * 1024;
+/// How long the records API waits for a request's body.
+const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 const UNKNOWN: u8 = 0;
 const READY: u8 = 1;
@@ -67,13 +72,34 @@ impl Admin {
     pub(crate) async fn handle(&self, request: Request<Incoming>) -> Response<ProxyBody> {
         if request.uri().path().starts_with("/records/") {
             let config = self.live.load_full();
+            let (parts, body) = request.into_parts();
+            // A resolution's response, base64 in JSON: at most the largest a route
+            // records, and some room around it.
+            let limit = config
+                .routes
+                .iter()
+                .filter_map(|route| route.idempotency.as_ref())
+                .map(|policy| policy.max_response_body_bytes)
+                .max()
+                .unwrap_or(0)
+                .saturating_mul(4)
+                / 3
+                + RESOLUTION_OVERHEAD;
+            let body = match body::read_request_body(body, &parts.headers, limit, BODY_TIMEOUT, |_| true).await {
+                Ok(body) => body,
+                Err(rejection) => {
+                    let problem = rejection.problem();
+                    return records::error(problem.status, &problem.detail);
+                }
+            };
             let answer = records::handle(
                 &config,
                 &self.store,
-                request.method(),
-                request.uri().path(),
-                request.uri().query(),
-                request.headers(),
+                &parts.method,
+                parts.uri.path(),
+                parts.uri.query(),
+                &parts.headers,
+                &body,
             )
             .await;
             return answer.unwrap_or_else(|| text(StatusCode::NOT_FOUND, "not found\n"));

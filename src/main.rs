@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::Config;
-use idemproxy::records::{self, Answer, RecordsAction, RecordsCall};
+use idemproxy::records::{self, Answer, RecordedResponse, RecordsAction, RecordsCall, Verdict};
 use idemproxy::server::{ReloadError, Reloader};
 use tracing_subscriber::EnvFilter;
 
@@ -38,9 +38,9 @@ enum Command {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
-    /// Show, purge or release one record through the running proxy's admin listener
-    /// (needs admin.token_file). Exit status: 0 done, 3 no such record, 4 release
-    /// refused (the record is not unknown), 1 any other failure.
+    /// Show, purge, release or resolve one record through the running proxy's admin
+    /// listener (needs admin.token_file). Exit status: 0 done, 3 no such record, 4
+    /// release or resolve refused (the record is not unknown), 1 any other failure.
     Records {
         action: RecordsAction,
         /// The route's name.
@@ -56,9 +56,73 @@ enum Command {
         /// Print the admin listener's JSON answer instead.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        resolve: ResolveArgs,
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
+}
+
+/// What `records resolve` records: the upstream took the operation (`--applied`, with
+/// the response it gave) or did not (`--not-applied`).
+#[derive(clap::Args, Debug, Default)]
+struct ResolveArgs {
+    /// resolve: the operation took effect; record this response for retries to replay.
+    #[arg(long, conflicts_with = "not_applied", requires = "status")]
+    applied: bool,
+    /// resolve: the operation did not take effect; free the key so the next retry runs.
+    #[arg(long)]
+    not_applied: bool,
+    /// resolve --applied: the status the upstream answered.
+    #[arg(long, requires = "applied")]
+    status: Option<u16>,
+    /// resolve --applied: a header of that response, NAME:VALUE; repeat for each.
+    #[arg(long = "header", value_name = "NAME:VALUE", requires = "applied")]
+    headers: Vec<String>,
+    /// resolve --applied: a file holding that response's body (none: empty).
+    #[arg(long, value_name = "FILE", requires = "applied")]
+    body_file: Option<PathBuf>,
+    /// resolve, release: the claim `show` printed, so that what you learned about that
+    /// request never lands on a later one of the key (without it: the claim the record
+    /// holds when the call reads it).
+    #[arg(long, value_name = "HEX")]
+    claim: Option<String>,
+}
+
+impl ResolveArgs {
+    /// The verdict these arguments give for `action`; refused where they do not fit it.
+    fn verdict(self, action: RecordsAction) -> anyhow::Result<Option<(Verdict, Option<RecordedResponse>)>> {
+        let given = self.applied || self.not_applied;
+        match (action, given) {
+            (RecordsAction::Resolve, false) => {
+                anyhow::bail!("resolve needs --applied (with --status) or --not-applied")
+            }
+            (RecordsAction::Resolve, true) => {}
+            (_, true) => anyhow::bail!("--applied and --not-applied are for resolve"),
+            (_, false) => return Ok(None),
+        }
+        if self.not_applied {
+            return Ok(Some((Verdict::NotApplied, None)));
+        }
+        let mut headers = Vec::with_capacity(self.headers.len());
+        for header in &self.headers {
+            let (name, value) = header
+                .split_once(':')
+                .with_context(|| format!("--header {header:?}: give NAME:VALUE"))?;
+            headers.push((name.trim().to_string(), value.trim().to_string()));
+        }
+        let body = match &self.body_file {
+            Some(path) => std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?,
+            None => Vec::new(),
+        };
+        use base64::Engine as _;
+        let response = RecordedResponse {
+            status: self.status.context("--applied needs --status")?,
+            headers,
+            body: base64::engine::general_purpose::STANDARD.encode(body),
+        };
+        Ok(Some((Verdict::Applied, Some(response))))
+    }
 }
 
 /// Exit statuses of `records` that scripts can tell apart.
@@ -83,15 +147,19 @@ fn main() -> ExitCode {
             key,
             scopes,
             json,
+            resolve,
             config,
         } => {
-            let call = RecordsCall {
+            let claim = resolve.claim.clone();
+            let call = resolve.verdict(action).map(|verdict| RecordsCall {
                 action,
                 route,
                 key,
                 scopes,
-            };
-            match records(&config, &call, json) {
+                verdict,
+                claim,
+            });
+            match call.and_then(|call| records(&config, &call, json)) {
                 Ok(code) => return code,
                 Err(error) => Err(error),
             }
@@ -158,6 +226,16 @@ fn records(path: &std::path::Path, call: &RecordsCall, json: bool) -> anyhow::Re
         Answer::Shown(view) => print!("{view}"),
         Answer::Purged => println!("purged: the next request with this key runs"),
         Answer::Released(_) => println!("released: the next request with this key runs"),
+        Answer::Resolved(resolved) => match resolved.resolved {
+            Verdict::Applied => println!(
+                "resolved as applied: retries replay the recorded response (operation {})",
+                resolved.operation
+            ),
+            Verdict::NotApplied => println!(
+                "resolved as not applied: the next request with this key runs (operation {})",
+                resolved.operation
+            ),
+        },
     }
     Ok(ExitCode::SUCCESS)
 }

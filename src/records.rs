@@ -27,10 +27,18 @@ pub enum RecordsAction {
     /// Free a key whose outcome is unknown, after checking with the upstream that the
     /// request did not take effect: the next request with the key runs.
     Release,
+    /// Settle a key whose outcome is unknown with what the upstream says: applied
+    /// (record the response it gave; retries replay it) or not applied (free the key).
+    Resolve,
 }
 
 impl RecordsAction {
-    const ALL: [RecordsAction; 3] = [RecordsAction::Show, RecordsAction::Purge, RecordsAction::Release];
+    const ALL: [RecordsAction; 4] = [
+        RecordsAction::Show,
+        RecordsAction::Purge,
+        RecordsAction::Release,
+        RecordsAction::Resolve,
+    ];
 
     /// How the access log and the admin's log line name it.
     pub fn as_str(self) -> &'static str {
@@ -38,6 +46,7 @@ impl RecordsAction {
             RecordsAction::Show => "show",
             RecordsAction::Purge => "purge",
             RecordsAction::Release => "release",
+            RecordsAction::Resolve => "resolve",
         }
     }
 
@@ -45,7 +54,7 @@ impl RecordsAction {
         match self {
             RecordsAction::Show => Method::GET,
             RecordsAction::Purge => Method::DELETE,
-            RecordsAction::Release => Method::POST,
+            RecordsAction::Release | RecordsAction::Resolve => Method::POST,
         }
     }
 
@@ -54,6 +63,7 @@ impl RecordsAction {
         match self {
             RecordsAction::Show | RecordsAction::Purge => "",
             RecordsAction::Release => "/release",
+            RecordsAction::Resolve => "/resolve",
         }
     }
 
@@ -119,6 +129,9 @@ pub struct RecordView {
     /// `outcome-unknown` names and `upstream_key = "derived"` sends the upstream.
     pub operation: String,
     pub state: ViewState,
+    /// Unknown: the claim whose outcome is unknown (32 hex digits), to fence a
+    /// `resolve` or `release` on with `claim=` (`--claim`).
+    pub claim: Option<String>,
     pub ttl_ms: u64,
     /// In flight: what is left of its lease; 0 once it has run out (then `unknown`).
     pub lease_remaining_ms: Option<u64>,
@@ -142,6 +155,7 @@ impl RecordView {
             record: record.short_hash().to_string(),
             operation: record.operation_id(),
             state: ViewState::Unknown,
+            claim: summary.claim.map(crate::store::OwnerToken::to_hex),
             ttl_ms: millis(summary.ttl),
             lease_remaining_ms: None,
             status: None,
@@ -182,6 +196,9 @@ impl std::fmt::Display for RecordView {
         if let Some(reason) = &self.reason {
             writeln!(f, "reason       {reason}")?;
         }
+        if let Some(claim) = &self.claim {
+            writeln!(f, "claim        {claim}")?;
+        }
         if let Some(bytes) = self.response_bytes {
             writeln!(f, "response     {bytes} bytes")?;
         }
@@ -203,6 +220,54 @@ pub struct Released {
     pub released: bool,
 }
 
+/// The response an operator records when resolving an unknown record as applied: what
+/// the upstream answered the operation, as the body of `POST
+/// /records/{route}/resolve?as=applied`. `body` is base64 (standard, padded).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecordedResponse {
+    pub status: u16,
+    /// Name and value pairs, in order.
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    #[serde(default)]
+    pub body: String,
+}
+
+/// What a resolution decided: the `as=` of the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Verdict {
+    Applied,
+    NotApplied,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Applied => "applied",
+            Verdict::NotApplied => "not-applied",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Verdict> {
+        match text {
+            "applied" => Some(Verdict::Applied),
+            "not-applied" => Some(Verdict::NotApplied),
+            _ => None,
+        }
+    }
+}
+
+/// The answer to a resolution: the record named, and how it was resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolvedView {
+    pub route: String,
+    pub record: String,
+    pub operation: String,
+    pub resolved: Verdict,
+}
+
 /// Any refusal of the records API: a sentence for the operator.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordsError {
@@ -219,6 +284,10 @@ pub struct RecordsCall {
     pub key: String,
     /// `NAME:VALUE`, as the route's scope would have produced them.
     pub scopes: Vec<String>,
+    /// For `resolve`: the verdict, and with `applied` the response to record.
+    pub verdict: Option<(Verdict, Option<RecordedResponse>)>,
+    /// For `resolve` and `release`: the claim to fence on, as `show` gave it.
+    pub claim: Option<String>,
 }
 
 /// What the admin listener answered, decoded.
@@ -227,6 +296,7 @@ pub enum Answer {
     Shown(RecordView),
     Purged,
     Released(Released),
+    Resolved(ResolvedView),
     /// 404: no such record (or route).
     NotFound(String),
     /// 409: the record is not in the state the action needs.
@@ -276,13 +346,24 @@ pub async fn call(config: &Config, call: &RecordsCall) -> Result<Reply, CallErro
     for scope in &call.scopes {
         query.append_pair("scope", scope);
     }
+    let mut body = Bytes::new();
+    if let Some(claim) = &call.claim {
+        query.append_pair("claim", claim);
+    }
+    if let Some((verdict, response)) = &call.verdict {
+        query.append_pair("as", verdict.as_str());
+        if let Some(response) = response {
+            body = Bytes::from(serde_json::to_vec(response).unwrap_or_default());
+        }
+    }
     let addr = reachable(admin.listen);
     let request = Request::builder()
         .method(call.action.method())
         .uri(format!("{}?{}", call.action.path(&call.route), query.finish()))
         .header(http::header::HOST, addr.to_string())
         .header(http::header::AUTHORIZATION, format!("Bearer {}", secret.trim()))
-        .body(Full::new(Bytes::new()))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
         .map_err(CallError::Request)?;
     let (status, body) = tokio::time::timeout(TIMEOUT, exchange(addr, request))
         .await
@@ -321,6 +402,9 @@ fn decode(action: RecordsAction, status: StatusCode, body: &[u8]) -> Result<Answ
         (StatusCode::NO_CONTENT, RecordsAction::Purge) => Answer::Purged,
         (StatusCode::OK, RecordsAction::Release) => {
             Answer::Released(serde_json::from_slice(body).map_err(|_| unexpected())?)
+        }
+        (StatusCode::OK, RecordsAction::Resolve) => {
+            Answer::Resolved(serde_json::from_slice(body).map_err(|_| unexpected())?)
         }
         (StatusCode::NOT_FOUND, _) => Answer::NotFound(error()?),
         (StatusCode::CONFLICT, _) => Answer::Refused(error()?),
@@ -371,6 +455,7 @@ mod tests {
             record: "abcdefabcdef".into(),
             operation: "0123456789abcdef".repeat(2),
             state: ViewState::Completed,
+            claim: None,
             ttl_ms: 3_540_500,
             lease_remaining_ms: None,
             status: Some(201),

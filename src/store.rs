@@ -115,6 +115,10 @@ impl OwnerToken {
     pub fn to_hex(self) -> String {
         const_hex::encode(self.0)
     }
+
+    pub fn from_hex(text: &[u8]) -> Option<OwnerToken> {
+        const_hex::decode_to_array(text).ok().map(OwnerToken)
+    }
 }
 
 impl fmt::Debug for OwnerToken {
@@ -230,6 +234,10 @@ pub struct RecordSummary {
     /// How long until the whole record expires.
     pub ttl: Duration,
     pub state: SummaryState,
+    /// The claim whose outcome is unknown (its owner token), for a resolution to be
+    /// fenced on: set on an unknown record, and on one in flight past its lease. `None`
+    /// on other states, and on an unknown record written before claims were kept.
+    pub claim: Option<OwnerToken>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,13 +254,26 @@ pub enum SummaryState {
     Unknown(UnknownReason),
 }
 
-/// What an operator's release of an unknown record did.
+/// What was learned of an operation whose outcome was unknown: by an operator who
+/// checked with the upstream, or by the route's probe.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// It took effect: this response becomes the record's, and retries replay it.
+    Applied(StoredResponse),
+    /// It did not: the record is removed, and the next retry runs.
+    NotApplied,
+}
+
+/// What a resolution did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Forget {
-    /// The record was unknown (or its lease had run out) and is gone: the next retry runs.
-    Released,
+pub enum Resolved {
+    /// The record was unknown (or its lease had run out) and is resolved.
+    Resolved,
     /// The record is completed, or in flight with its lease running: left as it is.
     NotUnknown,
+    /// The record is unknown, but for another claim than the one named: what was
+    /// learned is about an operation that is no longer this record's. Left as it is.
+    OtherClaim,
     Absent,
 }
 
@@ -297,9 +318,18 @@ pub trait RecordStore: Send + Sync + 'static {
     /// What the record holds, without its body: an operator's view.
     fn inspect(&self, key: &StoreKey) -> impl Future<Output = Result<Option<RecordSummary>, StoreError>> + Send;
 
-    /// Removes the record only if it reads as unknown (marked so, or in flight with
-    /// its lease run out): an operator's release after checking with the upstream.
-    fn forget_unknown(&self, key: &StoreKey) -> impl Future<Output = Result<Forget, StoreError>> + Send;
+    /// `unknown` -> `completed` with the resolution's response, or -> gone: only if
+    /// the record reads as unknown (marked so, or in flight with its lease run out)
+    /// for `claim` (`None`: an unknown record written before claims were kept). A
+    /// compare-and-set, so that two resolutions (a probe's and an operator's) never
+    /// both win, no resolution replaces a recorded response or a live claim, and none
+    /// lands on a later claim of the same key whose outcome is unknown in turn.
+    fn resolve(
+        &self,
+        key: &StoreKey,
+        claim: Option<OwnerToken>,
+        resolution: &Resolution,
+    ) -> impl Future<Output = Result<Resolved, StoreError>> + Send;
 
     /// Answers when the store is reachable.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -381,8 +411,13 @@ impl RecordStore for AnyStore {
         delegate!(self, store => store.inspect(key))
     }
 
-    async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
-        delegate!(self, store => store.forget_unknown(key))
+    async fn resolve(
+        &self,
+        key: &StoreKey,
+        claim: Option<OwnerToken>,
+        resolution: &Resolution,
+    ) -> Result<Resolved, StoreError> {
+        delegate!(self, store => store.resolve(key, claim, resolution))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -60,6 +60,13 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// Whether `name` frames a message or names a hop (`Content-Length` and the
+/// hop-by-hop fields): what a recorded response never holds, since every replay is
+/// framed anew.
+pub(crate) fn is_framing_or_hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONTENT_LENGTH || HOP_BY_HOP.contains(name)
+}
+
 /// Removes the hop-by-hop fields and every field named in `Connection`. A message
 /// that came with `Transfer-Encoding` also loses any `Content-Length`, which the
 /// transfer coding overrode (RFC 9112 §6.3): passing it on would give the next hop a

@@ -29,7 +29,7 @@ use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::{ClaimPlant, ScriptName};
 use idemproxy::store::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
-    StoreKey, StoredResponse, UnknownReason, Write,
+    Resolution, Resolved, StoreKey, StoredResponse, UnknownReason, Write,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
@@ -56,6 +56,15 @@ fn response(owner: u8) -> StoredResponse {
         status: StatusCode::from_u16(200 + u16::from(owner)).expect("status"),
         headers: vec![(HeaderName::from_static("x-owner"), HeaderValue::from(u16::from(owner)))],
         body: Bytes::from(format!("from owner {owner}")),
+    }
+}
+
+/// What every resolution as applied records: no owner's response.
+fn learned() -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::ACCEPTED,
+        headers: vec![(HeaderName::from_static("x-learned"), HeaderValue::from_static("yes"))],
+        body: Bytes::from_static(b"learned from the upstream"),
     }
 }
 
@@ -90,11 +99,19 @@ fn observed_claim(outcome: ClaimOutcome) -> Result<Reply, String> {
             lease_valid: false,
         },
         RecordState::Completed(stored) if stored == response(owner) => Record::Completed { owner },
+        RecordState::Completed(stored) if stored == learned() => Record::Reconciled { owner },
         RecordState::Completed(stored) => return Err(format!("owner {owner}'s record holds {stored:?}")),
         RecordState::Unknown(why) if why == reason(owner) => Record::Unknown { owner },
         RecordState::Unknown(why) => return Err(format!("owner {owner}'s record is unknown for {why:?}")),
     };
     Ok(Reply::Existing(record))
+}
+
+fn observed_resolution(resolved: Resolved) -> Reply {
+    match resolved {
+        Resolved::Resolved => Reply::Applied,
+        Resolved::NotUnknown | Resolved::OtherClaim | Resolved::Absent => Reply::Fenced,
+    }
 }
 
 fn observed_write(write: Write) -> Reply {
@@ -160,6 +177,19 @@ impl<S: RecordStore> Subject<S> {
             Op::Release => Ok(observed_write(
                 self.store.release(&self.key, token).await.map_err(failed)?,
             )),
+            Op::ResolveApplied | Op::ResolveNotApplied => {
+                let resolution = match op {
+                    Op::ResolveApplied => Resolution::Applied(learned()),
+                    _ => Resolution::NotApplied,
+                };
+                // Fenced on the claim of `owner`, as an operator names the one it checked.
+                let resolved = self
+                    .store
+                    .resolve(&self.key, Some(token), &resolution)
+                    .await
+                    .map_err(failed)?;
+                Ok(observed_resolution(resolved))
+            }
         }
     }
 }
@@ -299,6 +329,8 @@ fn events() -> impl Strategy<Value = Vec<Event>> {
         4 => Just(Op::Complete),
         3 => Just(Op::MarkUnknown),
         3 => Just(Op::Release),
+        2 => Just(Op::ResolveApplied),
+        2 => Just(Op::ResolveNotApplied),
     ];
     let event = prop_oneof![
         17 => (0..OWNERS, op).prop_map(|(owner, op)| Event::Apply { owner, op }),
@@ -486,6 +518,7 @@ enum RedisPlantSpec {
 const COMPLETE_LUA: &str = include_str!("../src/store/scripts/complete.lua");
 const MARK_UNKNOWN_LUA: &str = include_str!("../src/store/scripts/mark_unknown.lua");
 const RELEASE_LUA: &str = include_str!("../src/store/scripts/release.lua");
+const RESOLVE_LUA: &str = include_str!("../src/store/scripts/resolve.lua");
 
 /// `lua` with `from` replaced by `to`, which must occur exactly once: a plant that no
 /// longer applies to the script must fail loudly, not test the correct script.
@@ -533,6 +566,24 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
             ),
         ),
         (
+            "resolve without compare-and-set from unknown",
+            RedisPlantSpec::Script(
+                ScriptName::Resolve,
+                plant(
+                    RESOLVE_LUA,
+                    "if not (tag == '2U' or (tag == '2F' and redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)))) then",
+                    "if false then",
+                ),
+            ),
+        ),
+        (
+            "resolve that takes a live lease for unknown",
+            RedisPlantSpec::Script(
+                ScriptName::Resolve,
+                plant(RESOLVE_LUA, "(tag == '2F' and redis.call", "(tag == '2F' or redis.call"),
+            ),
+        ),
+        (
             "claim takes over an expired lease",
             RedisPlantSpec::Claim(ClaimPlant::TakesOverExpiredLeases),
         ),
@@ -564,6 +615,7 @@ fn bugs_planted_in_the_memory_store_are_caught() {
         Plant::OwnerCheckDropped,
         Plant::LeaseCheckDropped,
         Plant::ExpiredLeaseTakenOver,
+        Plant::ResolveCheckDropped,
     ] {
         let (coverage, result) = run(&runtime, &traces, 512, |n| memory_driver(&runtime, Some(plant), n));
         let caught = result.expect_err(&format!("a planted bug went unnoticed: {plant:?}"));

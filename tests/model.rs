@@ -4,8 +4,10 @@
 //! same function the conformance test holds the real stores to).
 //!
 //! Invariants: the upstream runs the key at most once, and a completed record is
-//! never overwritten. Two negative controls must each find a counterexample: writes
-//! without compare-and-set, and takeover of records whose lease expired.
+//! never overwritten. An operator (or probe) resolves an unknown outcome once,
+//! truthfully. Three negative controls must each find a counterexample: writes
+//! without compare-and-set, takeover of records whose lease expired, and a resolution
+//! that is not fenced on the claim it learned about.
 
 // A test that cannot set itself up should fail loudly, with the reason.
 #![allow(clippy::expect_used)]
@@ -56,6 +58,24 @@ fn taking_over_expired_leases_gives_a_counterexample() {
     assert_eq!(violation, "the upstream ran the key twice");
     println!(
         "negative control (lease takeover), {} states: {violation}: {}",
+        outcome.states,
+        one_line(&trace)
+    );
+}
+
+#[test]
+fn a_resolution_not_fenced_on_its_claim_gives_a_counterexample() {
+    let variant = Variant {
+        resolutions_fenced_on_their_claim: false,
+        ..CORRECT
+    };
+    let outcome = explore(3, variant);
+    let (violation, trace) = outcome
+        .counterexample
+        .expect("a resolution that lands on a later claim must break the protocol");
+    assert_eq!(violation, "the upstream ran the key twice");
+    println!(
+        "negative control (resolution not fenced on its claim), {} states: {violation}: {}",
         outcome.states,
         one_line(&trace)
     );

@@ -364,3 +364,166 @@ async fn the_cli_shows_purges_and_releases_with_exit_codes_scripts_can_use() {
     );
     assert!(!text.contains(key), "the raw key reached the log:\n{text}");
 }
+
+/// An admin call with a body.
+async fn admin_with(admin: SocketAddr, path: &str, body: &str) -> TestResponse {
+    let bearer = format!("Bearer {TOKEN}");
+    send(
+        admin,
+        "POST",
+        path,
+        &[("authorization", &bearer), ("content-type", "application/json")],
+        body,
+    )
+    .await
+}
+
+/// Resolve on both stores: an unknown record resolved as applied replays the
+/// recorded response, marked reconciled, and the upstream ran once; a second
+/// resolution is refused (only one ever wins); one resolved as not applied runs again;
+/// a completed or in-flight record, a bad verdict or a bad response is refused.
+async fn resolutions(store: StoreKind) {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(store, &upstream);
+    let proxy = config.start().await;
+    let (addr, at) = (proxy.addr(), proxy.admin());
+    let path = |key: &str, verdict: &str| {
+        format!("/records/payments/resolve?key={key}&scope=authorization:Bearer%20alice&as={verdict}")
+    };
+    let recorded = r#"{"status":201,"headers":[["content-type","application/json"],["x-charge","ch_9"]],"body":"eyJwYWlkIjp0cnVlfQ=="}"#;
+
+    let first = post(addr, "applied", &[("x-test-hold", "applied")]).await;
+    assert_eq!(first.status, 504, "{first:?}");
+    upstream.release("applied");
+    let resolved = admin_with(at, &path("applied", "applied"), recorded).await;
+    assert_eq!(resolved.status, 200, "{resolved:?}");
+    let body = json(&resolved);
+    assert_eq!(body["resolved"], "applied", "{body}");
+    assert_eq!(body["operation"].as_str().map(str::len), Some(32), "{body}");
+    let replay = post(addr, "applied", &[]).await;
+    assert_eq!(replay.status, 201, "{replay:?}");
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.header("idempotency-reconciled"), Some("true"), "{replay:?}");
+    assert_eq!(replay.header("x-charge"), Some("ch_9"));
+    assert_eq!(&replay.body[..], b"{\"paid\":true}");
+    assert_eq!(upstream.executions("applied"), 1, "the upstream ran it again");
+    // Already resolved: neither verdict wins a second time.
+    assert_eq!(admin_with(at, &path("applied", "applied"), recorded).await.status, 409);
+    assert_eq!(admin_with(at, &path("applied", "not-applied"), "").await.status, 409);
+
+    let first = post(addr, "not-applied", &[("x-test-hold", "not-applied")]).await;
+    assert_eq!(first.status, 504);
+    upstream.release("not-applied");
+    let resolved = admin_with(at, &path("not-applied", "not-applied"), "").await;
+    assert_eq!(
+        (resolved.status.as_u16(), json(&resolved)["resolved"].as_str()),
+        (200, Some("not-applied"))
+    );
+    let retry = post(addr, "not-applied", &[]).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false));
+    assert_eq!(upstream.executions("not-applied"), 2);
+
+    // Refusals, each with its reason.
+    assert_eq!(admin_with(at, &path("never", "applied"), recorded).await.status, 404);
+    for (path, body, why) in [
+        (path("x", "maybe"), "", "as must be applied or not-applied"),
+        (
+            "/records/payments/resolve?key=x&scope=authorization:Bearer%20alice".to_string(),
+            "",
+            "resolve needs as=applied",
+        ),
+        (path("x", "applied"), "{\"status\":99}", "a final status"),
+        (path("x", "applied"), "{\"status\":201,\"body\":\"%%%\"}", "not base64"),
+        (
+            path("x", "applied"),
+            "{\"status\":201,\"headers\":[[\"content-length\",\"3\"]]}",
+            "set by the proxy",
+        ),
+        (path("x", "not-applied"), "{}", "takes no body"),
+    ] {
+        let refused = admin_with(at, &path, body).await;
+        assert_eq!(refused.status, 400, "{path} {body}: {refused:?}");
+        let error = json(&refused)["error"].as_str().unwrap_or_default().to_string();
+        assert!(error.contains(why), "{path} {body}: {error}");
+    }
+}
+
+#[tokio::test]
+async fn resolve_settles_an_unknown_record_once_with_the_memory_store() {
+    resolutions(StoreKind::Memory).await;
+}
+
+#[tokio::test]
+async fn resolve_settles_an_unknown_record_once_with_redis() {
+    let redis = RedisServer::start();
+    resolutions(StoreKind::Redis(redis.url())).await;
+}
+
+#[tokio::test]
+async fn the_cli_resolves_as_applied_or_not_applied() {
+    let upstream = Upstream::start().await;
+    let (config, dir) = config(StoreKind::Memory, &upstream);
+    let proxy = ChildProxy::start_via(&config, &[], None).await;
+    let file = proxy.config_path();
+    let args = |key: &'static str, rest: &[&'static str]| -> Vec<&'static str> {
+        let mut args = vec![
+            "resolve",
+            "--route",
+            "payments",
+            "--key",
+            key,
+            "--scope",
+            "authorization:Bearer alice",
+        ];
+        args.extend_from_slice(rest);
+        args
+    };
+    let body_file = dir.path().join("body.json");
+    std::fs::write(&body_file, "{\"paid\":true}").expect("write");
+    let body_path: &'static str = Box::leak(body_file.display().to_string().into_boxed_str());
+
+    assert_eq!(post(proxy.addr, "cli-a", &[("x-test-hold", "cli-a")]).await.status, 504);
+    upstream.release("cli-a");
+    let (code, stdout, stderr) = cli(
+        file,
+        &args(
+            "cli-a",
+            &[
+                "--applied",
+                "--status",
+                "201",
+                "--header",
+                "content-type: application/json",
+                "--body-file",
+                body_path,
+            ],
+        ),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("resolved as applied"), "{stdout}");
+    let replay = post(proxy.addr, "cli-a", &[]).await;
+    assert_eq!((replay.status.as_u16(), replay.replayed()), (201, true));
+    assert_eq!(replay.header("content-type"), Some("application/json"));
+    assert_eq!(&replay.body[..], b"{\"paid\":true}");
+    let (code, _, stderr) = cli(file, &args("cli-a", &["--not-applied"]));
+    assert_eq!(code, 4, "a resolved record is not unknown: {stderr}");
+
+    assert_eq!(post(proxy.addr, "cli-b", &[("x-test-hold", "cli-b")]).await.status, 504);
+    upstream.release("cli-b");
+    let (code, stdout, stderr) = cli(file, &args("cli-b", &["--not-applied"]));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("resolved as not applied"), "{stdout}");
+    assert!(
+        !post(proxy.addr, "cli-b", &[]).await.replayed(),
+        "the retry after not-applied must run"
+    );
+    assert_eq!(upstream.executions("cli-b"), 2);
+
+    // Arguments that do not fit: exit 1 with a reason, nothing sent.
+    let (code, _, stderr) = cli(file, &args("cli-c", &[]));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("resolve needs --applied"), "{stderr}");
+    let (code, _, stderr) = cli(file, &["show", "--route", "payments", "--key", "k", "--not-applied"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("are for resolve"), "{stderr}");
+}

@@ -16,8 +16,9 @@ use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken,
-    RecordState, RecordStore, RedisStore, ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken, RecordState,
+    RecordStore, RedisStore, Resolution, Resolved, ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason,
+    Write,
 };
 use support::RedisServer;
 use support::pki::Pki;
@@ -356,14 +357,26 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     let live = key("op-live");
     let live_owner = new_owner();
     store.claim(&claim(&live, live_owner, LONG)).await.expect("claim");
-    assert_eq!(store.forget_unknown(&live).await.expect("forget"), Forget::NotUnknown);
+    assert_eq!(
+        store
+            .resolve(&live, Some(live_owner), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::NotUnknown
+    );
     assert!(matches!(state_of(store, &live).await, RecordState::InFlight { .. }));
 
     let done = key("op-done");
     let owner = new_owner();
     store.claim(&claim(&done, owner, LONG)).await.expect("claim");
     store.complete(&done, owner, &response("x")).await.expect("complete");
-    assert_eq!(store.forget_unknown(&done).await.expect("forget"), Forget::NotUnknown);
+    assert_eq!(
+        store
+            .resolve(&done, Some(owner), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::NotUnknown
+    );
     assert_eq!(state_of(store, &done).await, RecordState::Completed(response("x")));
 
     let unknown = key("op-unknown");
@@ -373,12 +386,93 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
         .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout)
         .await
         .expect("mark");
-    assert_eq!(store.forget_unknown(&unknown).await.expect("forget"), Forget::Released);
-    assert_eq!(store.forget_unknown(&unknown).await.expect("forget"), Forget::Absent);
+    // Fenced on the claim: the unknown outcome is this owner's, and what was learned
+    // about another claim (or about none) does not resolve it.
+    assert_eq!(
+        store
+            .resolve(&unknown, Some(new_owner()), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::OtherClaim
+    );
+    assert_eq!(
+        store
+            .resolve(&unknown, None, &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::OtherClaim
+    );
+    let shown = store.inspect(&unknown).await.expect("inspect").expect("a record");
+    assert_eq!(shown.claim, Some(owner), "show names the claim to fence on");
+    assert_eq!(
+        store
+            .resolve(&unknown, Some(owner), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::Resolved
+    );
+    assert_eq!(
+        store
+            .resolve(&unknown, Some(owner), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::Absent
+    );
     // The next request with the key runs.
     assert_eq!(
         store.claim(&claim(&unknown, new_owner(), LONG)).await.expect("claim"),
         ClaimOutcome::Acquired(())
+    );
+
+    // Resolved as applied: the response becomes the record's, under the first
+    // request's fingerprint and expiry; a second resolution (a probe's after an
+    // operator's) finds nothing unknown, and the owner's late write is fenced.
+    let applied = key("op-applied");
+    let owner = new_owner();
+    store.claim(&claim(&applied, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&applied, owner, UnknownReason::UpstreamFailed)
+        .await
+        .expect("mark");
+    let ttl_before = store.inspect(&applied).await.expect("inspect").expect("a record").ttl;
+    let learned = Resolution::Applied(response("learned"));
+    assert_eq!(
+        store.resolve(&applied, Some(owner), &learned).await.expect("resolve"),
+        Resolved::Resolved
+    );
+    assert_eq!(
+        state_of(store, &applied).await,
+        RecordState::Completed(response("learned"))
+    );
+    let ttl_after = store.inspect(&applied).await.expect("inspect").expect("a record").ttl;
+    assert!(
+        ttl_after <= ttl_before,
+        "the expiry moved: {ttl_before:?} -> {ttl_after:?}"
+    );
+    assert_eq!(
+        store
+            .resolve(&applied, Some(owner), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::NotUnknown
+    );
+    assert_eq!(
+        store
+            .resolve(&applied, Some(owner), &Resolution::Applied(response("other")))
+            .await
+            .expect("resolve"),
+        Resolved::NotUnknown
+    );
+    assert_eq!(
+        state_of(store, &applied).await,
+        RecordState::Completed(response("learned"))
+    );
+    assert_eq!(
+        store
+            .complete(&applied, owner, &response("late"))
+            .await
+            .expect("complete"),
+        Write::Fenced
     );
 
     let expired = key("op-expired");
@@ -388,7 +482,13 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
         .await
         .expect("claim");
     until_lease_expires(store, &expired).await;
-    assert_eq!(store.forget_unknown(&expired).await.expect("forget"), Forget::Released);
+    assert_eq!(
+        store
+            .resolve(&expired, Some(expired_owner), &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::Resolved
+    );
     // Its old owner's late write finds nothing of its own.
     assert_eq!(
         store

@@ -13,9 +13,9 @@ use crate::config::{Config, IdempotencyPolicy};
 use crate::error::DisplayChain;
 use crate::idempotency::{self, IdempotencyKey};
 use crate::jwt::{self, ScopeClaim};
-use crate::records::{RecordView, RecordsAction, RecordsError, Released};
+use crate::records::{RecordView, RecordedResponse, RecordsAction, RecordsError, Released, ResolvedView, Verdict};
 use crate::scope;
-use crate::store::{AnyStore, Forget, RecordStore, StoreKey};
+use crate::store::{AnyStore, OwnerToken, RecordStore, Resolution, Resolved, StoreKey, StoredResponse};
 
 /// Serves `/records/...`; `None` when the records API is off, so that the caller
 /// answers 404 as for any unknown path.
@@ -26,6 +26,7 @@ pub(crate) async fn handle(
     path: &str,
     query: Option<&str>,
     headers: &HeaderMap,
+    body: &[u8],
 ) -> Option<Response<ProxyBody>> {
     let token = config.admin.as_ref()?.token.as_ref()?;
     // The scheme in any case (RFC 9110 §11.1), as `scope_jwt` reads it.
@@ -52,11 +53,15 @@ pub(crate) async fn handle(
             "the route guards nothing: it has no records",
         ));
     };
-    let record = match record_key(config, &route.name, policy, query.unwrap_or("")) {
-        Ok(record) => record,
+    let Named { record, verdict, claim } = match record_key(config, &route.name, policy, query.unwrap_or(""), action) {
+        Ok(named) => named,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
-    let response = run(store, action, &route.name, &record).await;
+    let resolution = match verdict.map(|verdict| resolution(verdict, body)).transpose() {
+        Ok(resolution) => resolution,
+        Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
+    };
+    let response = run(store, action, &route.name, &record, claim, resolution).await;
     tracing::info!(
         route = %route.name,
         record = %record.short_hash(),
@@ -67,9 +72,27 @@ pub(crate) async fn handle(
     Some(response)
 }
 
+/// What a records call's query names: the record, and for `release` and `resolve` the
+/// claim it is fenced on (`claim=`, as `show` gives it; else the one the record holds
+/// when the call reads it), and `resolve`'s verdict.
+struct Named {
+    record: StoreKey,
+    verdict: Option<Verdict>,
+    claim: Option<OwnerToken>,
+}
+
 /// The store key the query names: `key=K` and any number of `scope=NAME:VALUE`, where
-/// NAME is one of the route's `scope_headers`, or `jwt.CLAIM` for its `scope_jwt`.
-fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &str) -> Result<StoreKey, String> {
+/// NAME is one of the route's `scope_headers`, or `jwt.CLAIM` for its `scope_jwt`; for
+/// `resolve`, its `as=applied|not-applied`; for `release` and `resolve`, `claim=`.
+fn record_key(
+    config: &Config,
+    route: &str,
+    policy: &IdempotencyPolicy,
+    query: &str,
+    action: RecordsAction,
+) -> Result<Named, String> {
+    let mut verdict: Option<Verdict> = None;
+    let mut fence: Option<OwnerToken> = None;
     let mut key: Option<IdempotencyKey> = None;
     let mut headers = HeaderMap::new();
     let mut claim: Option<ScopeClaim> = None;
@@ -78,6 +101,19 @@ fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &
     for (name, value) in form_urlencoded::parse(query.as_bytes()) {
         match name.as_ref() {
             "key" if key.is_some() => return Err("key is given twice".into()),
+            "claim" if matches!(action, RecordsAction::Release | RecordsAction::Resolve) => {
+                let given =
+                    OwnerToken::from_hex(value.as_bytes()).ok_or("claim must be 32 hex digits, as show gives it")?;
+                if fence.replace(given).is_some() {
+                    return Err("claim is given twice".into());
+                }
+            }
+            "as" if action == RecordsAction::Resolve => {
+                let given = Verdict::parse(&value).ok_or("as must be applied or not-applied")?;
+                if verdict.replace(given).is_some() {
+                    return Err("as is given twice".into());
+                }
+            }
             "key" => {
                 key = Some(idempotency::parse_key_value(value.as_bytes()).map_err(|error| format!("key: {error}"))?);
             }
@@ -108,6 +144,16 @@ fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &
                 headers.append(header, value);
                 named.push(scope_name);
             }
+            other if action == RecordsAction::Resolve => {
+                return Err(format!(
+                    "unknown parameter {other:?}: the query takes key, scope, claim and as"
+                ));
+            }
+            other if action == RecordsAction::Release => {
+                return Err(format!(
+                    "unknown parameter {other:?}: the query takes key, scope and claim"
+                ));
+            }
             other => return Err(format!("unknown parameter {other:?}: the query takes key and scope")),
         }
     }
@@ -117,9 +163,58 @@ fn record_key(config: &Config, route: &str, policy: &IdempotencyPolicy, query: &
             "the route scopes records by a verified token: give scope={name}:VALUE (a string claim) or scope={name}=NUMBER"
         ));
     }
+    if action == RecordsAction::Resolve && verdict.is_none() {
+        return Err("resolve needs as=applied or as=not-applied".into());
+    }
     let scope = scope::values(&headers, &policy.scope_headers, claim.as_ref());
-    Ok(idempotency::store_key(&config.store.key_prefix, route, &scope, &key))
+    Ok(Named {
+        record: idempotency::store_key(&config.store.key_prefix, route, &scope, &key),
+        verdict,
+        claim: fence,
+    })
 }
+
+/// The resolution `verdict` and the request's `body` make: for `applied`, the
+/// response to record, as JSON (`RecordedResponse`), marked `Idempotency-Reconciled:
+/// true` so that every replay of it says how it was learned.
+fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
+    if verdict == Verdict::NotApplied {
+        return match body {
+            [] => Ok(Resolution::NotApplied),
+            _ => Err("as=not-applied takes no body".into()),
+        };
+    }
+    let given: RecordedResponse = serde_json::from_slice(body).map_err(|error| {
+        format!("as=applied needs the response as JSON {{\"status\", \"headers\": [[name, value]], \"body\": base64}}: {error}")
+    })?;
+    let status = StatusCode::from_u16(given.status)
+        .ok()
+        .filter(|status| (200..600).contains(&status.as_u16()))
+        .ok_or_else(|| format!("status {}: a final status, 200 to 599", given.status))?;
+    let mut headers = Vec::with_capacity(given.headers.len() + 1);
+    for (name, value) in &given.headers {
+        let header =
+            HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("header {name:?}: not a field name"))?;
+        if crate::upstream::is_framing_or_hop_by_hop(&header) {
+            return Err(format!("header {name}: set by the proxy when it replays, not recorded"));
+        }
+        let value = HeaderValue::from_str(value).map_err(|_| format!("header {name}: not a field value"))?;
+        headers.push((header, value));
+    }
+    headers.push((HeaderName::from_static(RECONCILED), HeaderValue::from_static("true")));
+    use base64::Engine as _;
+    let body = base64::engine::general_purpose::STANDARD
+        .decode(given.body.as_bytes())
+        .map_err(|_| "body: not base64".to_string())?;
+    Ok(Resolution::Applied(StoredResponse {
+        status,
+        headers,
+        body: body.into(),
+    }))
+}
+
+/// The field every replay of a resolved record carries.
+pub(crate) const RECONCILED: &str = "idempotency-reconciled";
 
 /// The claim `value` gives when it names the route's claim `jwt` (`jwt.CLAIM`):
 /// `jwt.CLAIM:VALUE` a string, `jwt.CLAIM=NUMBER` a JSON number.
@@ -150,7 +245,36 @@ fn scope_names(policy: &IdempotencyPolicy, jwt: Option<&str>, given: &str) -> St
     }
 }
 
-async fn run(store: &AnyStore, action: RecordsAction, route: &str, record: &StoreKey) -> Response<ProxyBody> {
+async fn run(
+    store: &AnyStore,
+    action: RecordsAction,
+    route: &str,
+    record: &StoreKey,
+    claim: Option<OwnerToken>,
+    resolution: Option<Resolution>,
+) -> Response<ProxyBody> {
+    let not_unknown = || {
+        error(
+            StatusCode::CONFLICT,
+            "the record is not unknown (completed, or in flight with its lease running): nothing was changed",
+        )
+    };
+    let other_claim = || {
+        error(
+            StatusCode::CONFLICT,
+            "the record is unknown for another request than the claim named: check that one with the upstream; nothing was changed",
+        )
+    };
+    // Unnamed, the claim is the one the record holds as this call reads it.
+    let fence = || async move {
+        match claim {
+            Some(claim) => Ok(Some(Some(claim))),
+            None => store
+                .inspect(record)
+                .await
+                .map(|found| found.map(|summary| summary.claim)),
+        }
+    };
     let absent = || error(StatusCode::NOT_FOUND, "no record for this key");
     match action {
         RecordsAction::Show => match store.inspect(record).await {
@@ -167,8 +291,8 @@ async fn run(store: &AnyStore, action: RecordsAction, route: &str, record: &Stor
             Ok(false) => absent(),
             Err(failure) => store_failed(&failure),
         },
-        RecordsAction::Release => match store.forget_unknown(record).await {
-            Ok(Forget::Released) => {
+        RecordsAction::Release => match resolve(store, record, fence().await, &Resolution::NotApplied).await {
+            Ok(Resolved::Resolved) => {
                 let released = Released {
                     route: route.to_string(),
                     record: record.short_hash().to_string(),
@@ -176,13 +300,48 @@ async fn run(store: &AnyStore, action: RecordsAction, route: &str, record: &Stor
                 };
                 json_response(StatusCode::OK, &released)
             }
-            Ok(Forget::NotUnknown) => error(
-                StatusCode::CONFLICT,
-                "the record is not unknown (completed, or in flight with its lease running): nothing was changed",
-            ),
-            Ok(Forget::Absent) => absent(),
+            Ok(Resolved::NotUnknown) => not_unknown(),
+            Ok(Resolved::OtherClaim) => other_claim(),
+            Ok(Resolved::Absent) => absent(),
             Err(failure) => store_failed(&failure),
         },
+        RecordsAction::Resolve => {
+            let Some(resolution) = resolution else {
+                return error(StatusCode::BAD_REQUEST, "resolve needs as=applied or as=not-applied");
+            };
+            let verdict = match resolution {
+                Resolution::Applied(_) => Verdict::Applied,
+                Resolution::NotApplied => Verdict::NotApplied,
+            };
+            match resolve(store, record, fence().await, &resolution).await {
+                Ok(Resolved::Resolved) => {
+                    let resolved = ResolvedView {
+                        route: route.to_string(),
+                        record: record.short_hash().to_string(),
+                        operation: record.operation_id(),
+                        resolved: verdict,
+                    };
+                    json_response(StatusCode::OK, &resolved)
+                }
+                Ok(Resolved::NotUnknown) => not_unknown(),
+                Ok(Resolved::OtherClaim) => other_claim(),
+                Ok(Resolved::Absent) => absent(),
+                Err(failure) => store_failed(&failure),
+            }
+        }
+    }
+}
+
+/// `resolution` fenced on the claim `fenced` read: absent when there was no record.
+async fn resolve(
+    store: &AnyStore,
+    record: &StoreKey,
+    fenced: Result<Option<Option<OwnerToken>>, crate::error::StoreError>,
+    resolution: &Resolution,
+) -> Result<Resolved, crate::error::StoreError> {
+    match fenced? {
+        None => Ok(Resolved::Absent),
+        Some(claim) => store.resolve(record, claim, resolution).await,
     }
 }
 
@@ -191,7 +350,7 @@ fn store_failed(failure: &crate::error::StoreError) -> Response<ProxyBody> {
     error(StatusCode::SERVICE_UNAVAILABLE, "the store failed; try again")
 }
 
-fn error(status: StatusCode, message: &str) -> Response<ProxyBody> {
+pub(super) fn error(status: StatusCode, message: &str) -> Response<ProxyBody> {
     json_response(
         status,
         &RecordsError {

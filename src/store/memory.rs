@@ -14,8 +14,8 @@ use tokio::time::Instant;
 
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, Forget, OwnerToken, RecordState, RecordStore, RecordSummary,
-    ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, RecordSummary, Resolution,
+    Resolved, ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -192,6 +192,8 @@ pub enum Plant {
     LeaseCheckDropped,
     /// A claim takes over a record whose lease has run out.
     ExpiredLeaseTakenOver,
+    /// A resolution changes a record that is not unknown.
+    ResolveCheckDropped,
 }
 
 #[cfg(feature = "test-util")]
@@ -227,7 +229,7 @@ impl Record {
     fn size(&self, key: &StoreKey) -> usize {
         let response = match &self.state {
             State::Completed(response) => response.size(),
-            State::InFlight { .. } | State::Unknown(_) => 0,
+            State::InFlight { .. } | State::Unknown { .. } => 0,
         };
         let scoped = self.scope.map_or(0, |_| SCOPE_OVERHEAD + key.as_str().len());
         RECORD_OVERHEAD + key.as_str().len() + scoped + response
@@ -236,9 +238,16 @@ impl Record {
 
 #[derive(Debug)]
 enum State {
-    InFlight { owner: OwnerToken, lease_until: Instant },
+    InFlight {
+        owner: OwnerToken,
+        lease_until: Instant,
+    },
     Completed(StoredResponse),
-    Unknown(UnknownReason),
+    /// Its claim is kept, for a resolution to be fenced on.
+    Unknown {
+        reason: UnknownReason,
+        owner: OwnerToken,
+    },
 }
 
 impl MemoryStore {
@@ -367,7 +376,7 @@ impl RecordStore for MemoryStore {
                     lease_remaining: *lease_until - now,
                 },
                 State::Completed(response) => RecordState::Completed(response.clone()),
-                State::Unknown(reason) => RecordState::Unknown(*reason),
+                State::Unknown { reason, .. } => RecordState::Unknown(*reason),
             };
             return Ok(ClaimOutcome::Existing(Existing {
                 fingerprint: record.fingerprint,
@@ -442,7 +451,7 @@ impl RecordStore for MemoryStore {
         let mut records = self.shared.lock();
         Ok(match self.owned(&records, key, owner, Instant::now()) {
             Some(_) => {
-                records.set_state(key, State::Unknown(reason));
+                records.set_state(key, State::Unknown { reason, owner });
                 self.shared.hub.wake(key.as_str());
                 Write::Applied
             }
@@ -481,29 +490,52 @@ impl RecordStore for MemoryStore {
                 status: response.status.as_u16(),
                 response_bytes: response.body.len() as u64,
             },
-            State::Unknown(reason) => SummaryState::Unknown(*reason),
+            State::Unknown { reason, .. } => SummaryState::Unknown(*reason),
+        };
+        let claim = match &record.state {
+            State::Unknown { owner, .. } => Some(*owner),
+            State::InFlight { owner, lease_until } if *lease_until <= now => Some(*owner),
+            State::InFlight { .. } | State::Completed(_) => None,
         };
         Ok(Some(RecordSummary {
             fingerprint: record.fingerprint,
             ttl: record.expires_at - now,
             state,
+            claim,
         }))
     }
 
-    async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
+    async fn resolve(
+        &self,
+        key: &StoreKey,
+        claim: Option<OwnerToken>,
+        resolution: &Resolution,
+    ) -> Result<Resolved, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
         let Some(record) = records.map.get(key).filter(|record| record.expires_at > now) else {
-            return Ok(Forget::Absent);
+            return Ok(Resolved::Absent);
         };
-        match record.state {
-            State::Unknown(_) => {}
-            State::InFlight { lease_until, .. } if lease_until <= now => {}
-            State::InFlight { .. } | State::Completed(_) => return Ok(Forget::NotUnknown),
+        let unknown_for = match record.state {
+            State::Unknown { owner, .. } => owner,
+            State::InFlight { lease_until, owner } if lease_until <= now => owner,
+            State::InFlight { .. } | State::Completed(_) if !planted!(self, ResolveCheckDropped) => {
+                return Ok(Resolved::NotUnknown);
+            }
+            State::InFlight { owner, .. } => owner,
+            State::Completed(_) => OwnerToken([0; 16]),
+        };
+        if claim != Some(unknown_for) && !planted!(self, ResolveCheckDropped) {
+            return Ok(Resolved::OtherClaim);
         }
-        records.remove(key);
+        match resolution {
+            Resolution::Applied(response) => records.set_state(key, State::Completed(response.clone())),
+            Resolution::NotApplied => {
+                records.remove(key);
+            }
+        }
         self.shared.hub.wake(key.as_str());
-        Ok(Forget::Released)
+        Ok(Resolved::Resolved)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

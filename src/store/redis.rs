@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use self::topology::{Connection, Unready, is_refused, is_transient};
 use super::{
-    ClaimOutcome, ClaimRequest, Forget, OwnerToken, RecordStore, RecordSummary, StoreKey, StoredResponse,
+    ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, RecordSummary, Resolution, Resolved, StoreKey, StoredResponse,
     UnknownReason, Write,
 };
 use crate::config::{RedisConfig, RedisTopology};
@@ -49,12 +49,12 @@ static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
         complete: Script::new(include_str!("scripts/complete.lua")),
         mark_unknown: Script::new(include_str!("scripts/mark_unknown.lua")),
         release: Script::new(include_str!("scripts/release.lua")),
-        forget: Script::new(include_str!("scripts/forget.lua")),
+        resolve: Script::new(include_str!("scripts/resolve.lua")),
     })
 });
 
-/// The writes that must compare and set: three lifecycle scripts and the operator's
-/// release. (The claim is a native `SET … NX GET`; an operator's show is `GET`.)
+/// The writes that must compare and set: three lifecycle scripts and the resolution of
+/// an unknown record (an operator's, or a probe's). (The claim is a native `SET … NX GET`; an operator's show is `GET`.)
 /// Every store shares the ones in `scripts/`; tests may load a mutated one on the side
 /// to show that the suite catches it.
 #[derive(Clone)]
@@ -62,7 +62,7 @@ struct Scripts {
     complete: Script,
     mark_unknown: Script,
     release: Script,
-    forget: Script,
+    resolve: Script,
 }
 
 /// One of the lifecycle scripts, to swap in a test.
@@ -72,6 +72,7 @@ pub enum ScriptName {
     Complete,
     MarkUnknown,
     Release,
+    Resolve,
 }
 
 /// How many replicas must hold a claim before it counts, and how long to wait for them.
@@ -157,6 +158,7 @@ impl RedisStore {
             ScriptName::Complete => &mut scripts.complete,
             ScriptName::MarkUnknown => &mut scripts.mark_unknown,
             ScriptName::Release => &mut scripts.release,
+            ScriptName::Resolve => &mut scripts.resolve,
         };
         *slot = Script::new(lua);
         self.scripts = Arc::new(scripts);
@@ -191,7 +193,7 @@ impl RedisStore {
             &self.scripts.complete,
             &self.scripts.mark_unknown,
             &self.scripts.release,
-            &self.scripts.forget,
+            &self.scripts.resolve,
         ] {
             let mut connection = self.connection();
             let loaded = tokio::time::timeout(self.timeout, script.prepare_invoke().load_async(&mut connection)).await;
@@ -424,9 +426,18 @@ impl RecordStore for RedisStore {
         layout::summary(found, pttl)
     }
 
-    async fn forget_unknown(&self, key: &StoreKey) -> Result<Forget, StoreError> {
-        let mut invocation = self.scripts.forget.key(key.as_str());
+    async fn resolve(
+        &self,
+        key: &StoreKey,
+        claim: Option<OwnerToken>,
+        resolution: &Resolution,
+    ) -> Result<Resolved, StoreError> {
+        let mut invocation = self.scripts.resolve.key(key.as_str());
         invocation.arg(self.publish);
+        invocation.arg(claim.map(OwnerToken::to_hex).unwrap_or_default());
+        if let Resolution::Applied(response) = resolution {
+            invocation.arg(layout::completed_tail(response));
+        }
         let result: i64 = self
             .attempt(Retry::Refused, self.timeout, |mut connection| {
                 let invocation = &invocation;
@@ -434,9 +445,10 @@ impl RecordStore for RedisStore {
             })
             .await?;
         Ok(match result {
-            1 => Forget::Released,
-            0 => Forget::NotUnknown,
-            _ => Forget::Absent,
+            1 => Resolved::Resolved,
+            0 => Resolved::NotUnknown,
+            -2 => Resolved::OtherClaim,
+            _ => Resolved::Absent,
         })
     }
 

@@ -3,6 +3,10 @@
 //! the lease clock; client retries (each extra proxy is a retry); and store operations
 //! that are applied after their caller timed out, or whose reply is lost. A proxy that
 //! crashes is a proxy that never takes its next step, which the search already covers.
+//! An operator (or a probe: the same store operation) may resolve an unknown record
+//! once, truthfully: as applied when the upstream ran the key, as not applied when it
+//! did not, and only once the owner can no longer forward it (past its upstream
+//! timeout, which the lease outlasts).
 //! The store's answers come from `protocol::Record::apply`, which the conformance test
 //! holds the real stores to.
 
@@ -38,6 +42,8 @@ struct State {
     network: Vec<(u8, Op)>,
     executions: u8,
     completed_overwritten: bool,
+    /// Whether the operator has sent its resolution.
+    resolved: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -48,6 +54,8 @@ pub enum Action {
     Forward(u8),
     Refused(u8),
     Apply(u8, Op),
+    /// The operator resolves `claim`'s unknown outcome.
+    Resolve(u8, Op),
     LeaseExpires,
 }
 
@@ -61,6 +69,7 @@ impl fmt::Display for Action {
             Action::Forward(p) => write!(f, "{} forwards (upstream runs)", name(p)),
             Action::Refused(p) => write!(f, "{} is refused by the upstream", name(p)),
             Action::Apply(p, op) => write!(f, "store applies {}'s {op:?}", name(p)),
+            Action::Resolve(p, op) => write!(f, "the operator sends {op:?} for {}'s claim", name(p)),
             Action::LeaseExpires => write!(f, "the lease expires"),
         }
     }
@@ -80,6 +89,7 @@ impl State {
             network: Vec::new(),
             executions: 0,
             completed_overwritten: false,
+            resolved: false,
         }
     }
 
@@ -103,7 +113,7 @@ impl State {
     fn apply(&mut self, proxy: u8, op: Op, variant: Variant) -> Reply {
         let before = self.record;
         let reply = self.record.apply(proxy, op, variant);
-        if matches!(before, Record::Completed { .. }) && self.record != before {
+        if matches!(before, Record::Completed { .. } | Record::Reconciled { .. }) && self.record != before {
             self.completed_overwritten = true;
         }
         reply
@@ -190,6 +200,34 @@ impl State {
                 (Phase::Done, _) => {}
             }
         }
+        let unknown_claim = match self.record {
+            Record::Unknown { owner }
+            | Record::InFlight {
+                owner,
+                lease_valid: false,
+            } => Some(owner),
+            _ => None,
+        };
+        // A proxy that may still forward: one about to, or one whose claim answered
+        // Acquired. Resolving "not applied" before it cannot is a double execution
+        // (the search finds it); the real lease outlasts the claim's store timeout and
+        // the upstream timeout together, so an owner past its lease never forwards.
+        let could_forward = self.proxies.iter().any(|proxy| {
+            proxy.phase == Phase::Forwarding || (proxy.phase == Phase::Claiming && proxy.inbox == Some(Reply::Acquired))
+        });
+        if let Some(claim) = unknown_claim.filter(|_| !self.resolved && !could_forward) {
+            let op = if self.executions > 0 {
+                Op::ResolveApplied
+            } else {
+                Op::ResolveNotApplied
+            };
+            // Sent as the claim it learned about, and applied whenever the network
+            // delivers it: by then the key may hold a later claim.
+            let mut state = self.clone();
+            state.send(claim, op);
+            state.resolved = true;
+            next.push((Action::Resolve(claim, op), state));
+        }
         let mut seen = Vec::new();
         for (position, &(p, op)) in self.network.iter().enumerate() {
             if seen.contains(&(p, op)) {
@@ -199,16 +237,18 @@ impl State {
             let mut state = self.clone();
             state.network.remove(position);
             let reply = state.apply(p, op, variant);
-            // The reply reaches the proxy only if it still waits for that kind of answer.
-            let proxy = &mut state.proxies[usize::from(p)];
-            let waiting = matches!(
-                (proxy.phase, op),
-                (Phase::Claiming, Op::Claim)
-                    | (Phase::Completing(_), Op::Complete)
-                    | (Phase::Releasing(_), Op::Release)
-            );
-            if waiting {
-                proxy.inbox = Some(reply);
+            // The reply reaches the proxy only if it still waits for that kind of answer
+            // (the operator's is read off the record).
+            if let Some(proxy) = state.proxies.get_mut(usize::from(p)) {
+                let waiting = matches!(
+                    (proxy.phase, op),
+                    (Phase::Claiming, Op::Claim)
+                        | (Phase::Completing(_), Op::Complete)
+                        | (Phase::Releasing(_), Op::Release)
+                );
+                if waiting {
+                    proxy.inbox = Some(reply);
+                }
             }
             next.push((Action::Apply(p, op), state));
         }

@@ -10,9 +10,21 @@
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum Record {
     Free,
-    InFlight { owner: u8, lease_valid: bool },
-    Completed { owner: u8 },
-    Unknown { owner: u8 },
+    InFlight {
+        owner: u8,
+        lease_valid: bool,
+    },
+    Completed {
+        owner: u8,
+    },
+    Unknown {
+        owner: u8,
+    },
+    /// Completed by a resolution of its unknown outcome (an operator's or a probe's):
+    /// `owner`'s fingerprint, and the response the resolution recorded.
+    Reconciled {
+        owner: u8,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
@@ -21,6 +33,11 @@ pub enum Op {
     Complete,
     MarkUnknown,
     Release,
+    /// A resolution of an unknown outcome, by an operator or a probe, fenced on the
+    /// claim it learned about (the `owner` it is applied as): applied records the
+    /// learned response, not applied frees the key.
+    ResolveApplied,
+    ResolveNotApplied,
 }
 
 /// What the store answers.
@@ -41,11 +58,15 @@ pub enum Reply {
 pub struct Variant {
     pub compare_and_set: bool,
     pub takeover_expired_leases: bool,
+    /// Whether a resolution is fenced on the claim it learned about, or lands on
+    /// whatever unknown record the key holds when it arrives.
+    pub resolutions_fenced_on_their_claim: bool,
 }
 
 pub const CORRECT: Variant = Variant {
     compare_and_set: true,
     takeover_expired_leases: false,
+    resolutions_fenced_on_their_claim: true,
 };
 
 impl Record {
@@ -88,6 +109,36 @@ impl Record {
             }
             Op::MarkUnknown => write(owned_in_flight, self, Record::Unknown { owner }),
             Op::Release => write(owned_in_flight, self, Record::Free),
+            Op::ResolveApplied | Op::ResolveNotApplied => {
+                // Compare-and-set from "unknown": marked so, or in flight past its lease.
+                // Fenced on the claim it names, `owner`.
+                let first = match *self {
+                    Record::Unknown { owner: holder }
+                    | Record::InFlight {
+                        owner: holder,
+                        lease_valid: false,
+                    } if holder == owner || !variant.compare_and_set || !variant.resolutions_fenced_on_their_claim => {
+                        Some(holder)
+                    }
+                    Record::InFlight { owner, .. } | Record::Completed { owner } | Record::Reconciled { owner }
+                        if !variant.compare_and_set =>
+                    {
+                        Some(owner)
+                    }
+                    _ => None,
+                };
+                match (first, op) {
+                    (Some(owner), Op::ResolveApplied) => {
+                        *self = Record::Reconciled { owner };
+                        Reply::Applied
+                    }
+                    (Some(_), _) => {
+                        *self = Record::Free;
+                        Reply::Applied
+                    }
+                    (None, _) => Reply::Fenced,
+                }
+            }
         }
     }
 

@@ -1,13 +1,16 @@
 //! How a record is laid out in Redis: one string, so that a claim is one native
 //! `SET key value NX PX retention GET` instead of a script (and, only when it finds a
 //! record in flight, a `GET` + `PTTL` to read that record's lease). The scripts that must compare and set (complete, mark unknown, release,
-//! forget) read the same layout with `string.sub`.
+//! resolve) read the same layout with `string.sub`.
 //!
 //! ```text
 //! 2F<fingerprint: 64 hex><owner: 32 hex><rest: decimal ms>   in flight
 //! 2C<fingerprint: 64 hex><status: 3 digits><headers length: decimal>:<headers><body>
-//! 2U<fingerprint: 64 hex><reason>                             unknown
+//! 2U<fingerprint: 64 hex><owner: 32 hex><reason>              unknown
 //! ```
+//!
+//! An unknown record keeps its claim's owner, for a resolution to be fenced on; one
+//! written before it did (`2U<fingerprint><reason>`) still reads, without it.
 //!
 //! `2` is the format version. The expiry is set once, at the claim, to the retention,
 //! and never moved; the lease is not stored as a time but read off the store's own
@@ -77,7 +80,10 @@ enum Read {
         lease: Option<Duration>,
     },
     Completed(StoredResponse),
-    Unknown(UnknownReason),
+    Unknown {
+        reason: UnknownReason,
+        owner: Option<Vec<u8>>,
+    },
 }
 
 fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
@@ -127,12 +133,19 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 .ok_or(bad("a completed record that does not decode"))?;
             Read::Completed(response)
         }
-        Some(&UNKNOWN) => Read::Unknown(
-            value
-                .get(FINGERPRINT.end..)
+        Some(&UNKNOWN) => {
+            // The owner, when the record kept it: 32 hex digits, where no reason starts.
+            let owner = value
+                .get(OWNER)
+                .filter(|owner| owner.iter().all(u8::is_ascii_hexdigit))
+                .map(<[u8]>::to_vec);
+            let reason_at = if owner.is_some() { OWNER.end } else { FINGERPRINT.end };
+            let reason = value
+                .get(reason_at..)
                 .and_then(UnknownReason::parse)
-                .ok_or(bad("an unknown record with an unknown reason"))?,
-        ),
+                .ok_or(bad("an unknown record with an unknown reason"))?;
+            Read::Unknown { reason, owner }
+        }
         _ => return Err(bad("a record in an unknown state")),
     };
     Ok(Decoded { fingerprint, state })
@@ -160,7 +173,7 @@ pub(super) fn claim_outcome(
             ..
         } => RecordState::InFlight { lease_remaining },
         Read::Completed(response) => RecordState::Completed(response),
-        Read::Unknown(reason) => RecordState::Unknown(reason),
+        Read::Unknown { reason, .. } => RecordState::Unknown(reason),
     };
     Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
 }
@@ -172,6 +185,10 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
     };
     let Decoded { fingerprint, state } = decode(value, Some(pttl))?;
     let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
+    let claim = match &state {
+        Read::InFlight { lease: None, owner } | Read::Unknown { owner: Some(owner), .. } => OwnerToken::from_hex(owner),
+        Read::InFlight { .. } | Read::Completed(_) | Read::Unknown { owner: None, .. } => None,
+    };
     let state = match state {
         Read::InFlight { lease: None, .. } => SummaryState::LeaseExpired,
         Read::InFlight {
@@ -182,12 +199,13 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
             status: response.status.as_u16(),
             response_bytes: response.body.len() as u64,
         },
-        Read::Unknown(reason) => SummaryState::Unknown(reason),
+        Read::Unknown { reason, .. } => SummaryState::Unknown(reason),
     };
     Ok(Some(RecordSummary {
         fingerprint,
         ttl: millis(pttl),
         state,
+        claim,
     }))
 }
 
@@ -257,12 +275,31 @@ mod tests {
         unknown.extend_from_slice(b"upstream-timeout");
         assert!(!lease_depends_on_ttl(&unknown));
         assert!(matches!(
-            claim_outcome(Some(Bytes::from(unknown)), None, OWNER_TOKEN),
+            claim_outcome(Some(Bytes::from(unknown.clone())), None, OWNER_TOKEN),
             Ok(ClaimOutcome::Existing(Existing {
                 state: RecordState::Unknown(UnknownReason::UpstreamTimeout),
                 ..
             }))
         ));
+        // Written before unknown records kept their claim: read, with no claim to
+        // fence on. Written now: the claim is the in-flight record's owner.
+        let old = summary(Some(Bytes::from(unknown)), 1_000)
+            .expect("decodes")
+            .expect("a record");
+        assert_eq!(
+            (old.state, old.claim),
+            (SummaryState::Unknown(UnknownReason::UpstreamTimeout), None)
+        );
+        let mut kept = value.get(..98).expect("prefix").to_vec();
+        kept[1] = b'U';
+        kept.extend_from_slice(b"over-budget");
+        let new = summary(Some(Bytes::from(kept)), 1_000)
+            .expect("decodes")
+            .expect("a record");
+        assert_eq!(
+            (new.state, new.claim),
+            (SummaryState::Unknown(UnknownReason::OverBudget), Some(OWNER_TOKEN))
+        );
     }
 
     /// The scripts read and write this layout with `string.sub`: every tag they
@@ -274,7 +311,7 @@ mod tests {
             ("complete", include_str!("../scripts/complete.lua")),
             ("mark_unknown", include_str!("../scripts/mark_unknown.lua")),
             ("release", include_str!("../scripts/release.lua")),
-            ("forget", include_str!("../scripts/forget.lua")),
+            ("resolve", include_str!("../scripts/resolve.lua")),
         ];
         let tags: Vec<String> = [IN_FLIGHT, COMPLETED, UNKNOWN]
             .iter()
@@ -284,6 +321,8 @@ mod tests {
             "string.sub(record, 1, 2)".to_string(),
             format!("string.sub(record, {}, {})", FINGERPRINT.start + 1, FINGERPRINT.end),
             format!("string.sub(record, {}, {})", OWNER.start + 1, OWNER.end),
+            // The fingerprint and the owner together: what an unknown record keeps.
+            format!("string.sub(record, {}, {})", FINGERPRINT.start + 1, OWNER.end),
             format!("string.sub(record, {})", OWNER.end + 1),
         ];
         for (name, lua) in scripts {

@@ -10,12 +10,13 @@
 --
 -- Invariant: compare-and-set on the owner token and the in-flight state. The lease
 -- does not matter here: an expired lease already reads as unknown, and this only
--- says why. The expiry is kept.
+-- says why. The fingerprint, the owner (what a resolution is fenced on) and the
+-- expiry are kept.
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 2) ~= '2F' or string.sub(record, 67, 98) ~= ARGV[1] then
   return 0
 end
 
-redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 66) .. ARGV[2], 'KEEPTTL')
+redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. ARGV[2], 'KEEPTTL')
 redis.call(ARGV[3], KEYS[1] .. ':w', 'unknown')
 return 1

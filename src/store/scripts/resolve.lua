@@ -1,0 +1,49 @@
+-- resolve: a record whose outcome is unknown is settled by what was learned of it
+-- (an operator who checked with the upstream, or the route's probe): the operation
+-- took effect, and this response becomes the record's; or it did not, and the key is
+-- freed so that the next retry runs.
+--
+-- KEYS[1]  the record's store key (a string: see store/redis/layout.rs)
+-- ARGV[1]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
+--          channel, its key and ':w', is in the record's slot)
+-- ARGV[2]  the claim whose outcome was learned: its owner token (32 hex digits), or
+--          '' for an unknown record written before unknown records kept it
+-- ARGV[3]  applied: the response, as complete.lua takes it (status, headers' length,
+--          ':', headers, body); not applied: absent
+--
+-- Returns 1 when the record was resolved, 0 when it is not unknown (completed, or in
+-- flight with its lease running), -2 when it is unknown for another claim, -1 when
+-- there is no record.
+--
+-- Invariant: compare-and-set from "unknown": a record marked unknown, or in flight
+-- with its lease run out (which reads as unknown). A completed record, or one whose
+-- owner may still be writing, is never changed here, so a probe and an operator
+-- never both win; and it is fenced on the claim, so that what was learned about one
+-- request never lands on a later claim of the key. The fingerprint and the expiry are
+-- kept.
+local record = redis.call('GET', KEYS[1])
+if not record then
+  return -1
+end
+
+local tag = string.sub(record, 1, 2)
+if not (tag == '2U' or (tag == '2F' and redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)))) then
+  return 0
+end
+
+local owner = string.sub(record, 67, 98)
+if tag == '2U' and not string.find(owner, '^' .. string.rep('%x', 32) .. '$') then
+  owner = ''
+end
+if owner ~= ARGV[2] then
+  return -2
+end
+
+if ARGV[3] then
+  redis.call('SET', KEYS[1], '2C' .. string.sub(record, 3, 66) .. ARGV[3], 'KEEPTTL')
+  redis.call(ARGV[1], KEYS[1] .. ':w', 'completed')
+else
+  redis.call('DEL', KEYS[1])
+  redis.call(ARGV[1], KEYS[1] .. ':w', 'released')
+end
+return 1
