@@ -530,6 +530,13 @@ impl std::fmt::Display for Config {
                             ", duplicates wait {}",
                             humantime::format_duration(policy.wait_for_in_flight)
                         )
+                    } + &match policy.upstream_key {
+                        UpstreamKey::Client if policy.upstream_key_header == policy.header => String::new(),
+                        UpstreamKey::Client =>
+                            format!(", the client's key sent upstream as {}", policy.upstream_key_header),
+                        UpstreamKey::Derived =>
+                            format!(", the operation id sent upstream as {}", policy.upstream_key_header),
+                        UpstreamKey::None => ", no key sent upstream".to_string(),
                     }
                 ),
             };

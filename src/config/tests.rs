@@ -540,3 +540,29 @@ fn wait_for_in_flight_is_at_most_the_lease() {
         error(&format!("[server]\nmax_waiters = 0\n{ROUTE}")).contains("server.max_waiters: must be greater than 0")
     );
 }
+
+#[test]
+fn upstream_key_is_the_clients_unless_derived_or_none_is_asked_for() {
+    let with = |lines: &str| format!("{ROUTE}[route.idempotency]\n{lines}\n");
+    let policy = |config: &Config| config.routes[0].idempotency.clone().expect("guarded");
+    let default = parse(&with("")).expect("valid");
+    assert_eq!(policy(&default).upstream_key, UpstreamKey::Client);
+    assert_eq!(policy(&default).upstream_key_header, "idempotency-key");
+    assert!(!default.to_string().contains("sent upstream"), "{default}");
+    let derived = parse(&with(
+        "upstream_key = \"derived\"\nupstream_key_header = \"X-Operation\"",
+    ))
+    .expect("valid");
+    assert_eq!(policy(&derived).upstream_key, UpstreamKey::Derived);
+    assert_eq!(policy(&derived).upstream_key_header, "x-operation");
+    assert!(
+        derived
+            .to_string()
+            .contains("the operation id sent upstream as x-operation"),
+        "{derived}"
+    );
+    let none = parse(&with("upstream_key = \"none\"")).expect("valid");
+    assert!(none.to_string().contains("no key sent upstream"), "{none}");
+    assert!(error(&with("upstream_key = \"hashed\"")).contains("route[0].idempotency.upstream_key"));
+    assert!(error(&with("upstream_key_header = \"bad header\"")).contains("route[0].idempotency.upstream_key_header"));
+}
