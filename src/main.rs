@@ -83,8 +83,8 @@ struct ResolveArgs {
     #[arg(long, value_name = "FILE", requires = "applied")]
     body_file: Option<PathBuf>,
     /// resolve, release: the claim `show` printed, so that what you learned about that
-    /// request never lands on a later one of the key (without it: the claim the record
-    /// holds when the call reads it).
+    /// request never lands on a later one of the key (without it: whichever claim is
+    /// unknown when the store resolves it).
     #[arg(long, value_name = "HEX")]
     claim: Option<String>,
 }

@@ -319,11 +319,12 @@ pub trait RecordStore: Send + Sync + 'static {
     fn inspect(&self, key: &StoreKey) -> impl Future<Output = Result<Option<RecordSummary>, StoreError>> + Send;
 
     /// `unknown` -> `completed` with the resolution's response, or -> gone: only if
-    /// the record reads as unknown (marked so, or in flight with its lease run out)
-    /// for `claim` (`None`: an unknown record written before claims were kept). A
-    /// compare-and-set, so that two resolutions (a probe's and an operator's) never
-    /// both win, no resolution replaces a recorded response or a live claim, and none
-    /// lands on a later claim of the same key whose outcome is unknown in turn.
+    /// the record reads as unknown (marked so, or in flight with its lease run out),
+    /// and, when `claim` names one, for that claim (`None`: whichever claim is unknown
+    /// now, as for a call that names none). A compare-and-set in one step, so that two
+    /// resolutions (a probe's and an operator's) never both win, no resolution
+    /// replaces a recorded response or a live claim, and a named one never lands on a
+    /// later claim of the same key whose outcome is unknown in turn.
     fn resolve(
         &self,
         key: &StoreKey,

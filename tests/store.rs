@@ -387,17 +387,10 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
         .await
         .expect("mark");
     // Fenced on the claim: the unknown outcome is this owner's, and what was learned
-    // about another claim (or about none) does not resolve it.
+    // about another claim does not resolve it.
     assert_eq!(
         store
             .resolve(&unknown, Some(new_owner()), &Resolution::NotApplied)
-            .await
-            .expect("resolve"),
-        Resolved::OtherClaim
-    );
-    assert_eq!(
-        store
-            .resolve(&unknown, None, &Resolution::NotApplied)
             .await
             .expect("resolve"),
         Resolved::OtherClaim
@@ -421,6 +414,37 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     // The next request with the key runs.
     assert_eq!(
         store.claim(&claim(&unknown, new_owner(), LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+
+    // Naming no claim resolves whichever is unknown, and still nothing else: not a
+    // live claim, not a recorded response.
+    for (record, state) in [(&live, "live"), (&done, "completed")] {
+        assert_eq!(
+            store
+                .resolve(record, None, &Resolution::NotApplied)
+                .await
+                .expect("resolve"),
+            Resolved::NotUnknown,
+            "{state}"
+        );
+    }
+    let unnamed = key("op-unnamed");
+    let owner = new_owner();
+    store.claim(&claim(&unnamed, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&unnamed, owner, UnknownReason::UpstreamFailed)
+        .await
+        .expect("mark");
+    assert_eq!(
+        store
+            .resolve(&unnamed, None, &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::Resolved
+    );
+    assert_eq!(
+        store.claim(&claim(&unnamed, new_owner(), LONG)).await.expect("claim"),
         ClaimOutcome::Acquired(())
     );
 

@@ -73,8 +73,8 @@ pub(crate) async fn handle(
 }
 
 /// What a records call's query names: the record, and for `release` and `resolve` the
-/// claim it is fenced on (`claim=`, as `show` gives it; else the one the record holds
-/// when the call reads it), and `resolve`'s verdict.
+/// claim it is fenced on (`claim=`, as `show` gives it; none: whichever claim is
+/// unknown when the store resolves it), and `resolve`'s verdict.
 struct Named {
     record: StoreKey,
     verdict: Option<Verdict>,
@@ -253,28 +253,6 @@ async fn run(
     claim: Option<OwnerToken>,
     resolution: Option<Resolution>,
 ) -> Response<ProxyBody> {
-    let not_unknown = || {
-        error(
-            StatusCode::CONFLICT,
-            "the record is not unknown (completed, or in flight with its lease running): nothing was changed",
-        )
-    };
-    let other_claim = || {
-        error(
-            StatusCode::CONFLICT,
-            "the record is unknown for another request than the claim named: check that one with the upstream; nothing was changed",
-        )
-    };
-    // Unnamed, the claim is the one the record holds as this call reads it.
-    let fence = || async move {
-        match claim {
-            Some(claim) => Ok(Some(Some(claim))),
-            None => store
-                .inspect(record)
-                .await
-                .map(|found| found.map(|summary| summary.claim)),
-        }
-    };
     let absent = || error(StatusCode::NOT_FOUND, "no record for this key");
     match action {
         RecordsAction::Show => match store.inspect(record).await {
@@ -291,57 +269,46 @@ async fn run(
             Ok(false) => absent(),
             Err(failure) => store_failed(&failure),
         },
-        RecordsAction::Release => match resolve(store, record, fence().await, &Resolution::NotApplied).await {
-            Ok(Resolved::Resolved) => {
-                let released = Released {
-                    route: route.to_string(),
-                    record: record.short_hash().to_string(),
-                    released: true,
-                };
-                json_response(StatusCode::OK, &released)
-            }
-            Ok(Resolved::NotUnknown) => not_unknown(),
-            Ok(Resolved::OtherClaim) => other_claim(),
-            Ok(Resolved::Absent) => absent(),
-            Err(failure) => store_failed(&failure),
-        },
-        RecordsAction::Resolve => {
-            let Some(resolution) = resolution else {
-                return error(StatusCode::BAD_REQUEST, "resolve needs as=applied or as=not-applied");
+        // A release is a resolution as not applied that answers as it always did.
+        RecordsAction::Release | RecordsAction::Resolve => {
+            let resolution = match (action, resolution) {
+                (RecordsAction::Release, _) => Resolution::NotApplied,
+                (_, Some(resolution)) => resolution,
+                (_, None) => return error(StatusCode::BAD_REQUEST, "resolve needs as=applied or as=not-applied"),
             };
-            let verdict = match resolution {
-                Resolution::Applied(_) => Verdict::Applied,
-                Resolution::NotApplied => Verdict::NotApplied,
-            };
-            match resolve(store, record, fence().await, &resolution).await {
+            match store.resolve(record, claim, &resolution).await {
+                Ok(Resolved::Resolved) if action == RecordsAction::Release => {
+                    let released = Released {
+                        route: route.to_string(),
+                        record: record.short_hash().to_string(),
+                        released: true,
+                    };
+                    json_response(StatusCode::OK, &released)
+                }
                 Ok(Resolved::Resolved) => {
                     let resolved = ResolvedView {
                         route: route.to_string(),
                         record: record.short_hash().to_string(),
                         operation: record.operation_id(),
-                        resolved: verdict,
+                        resolved: match resolution {
+                            Resolution::Applied(_) => Verdict::Applied,
+                            Resolution::NotApplied => Verdict::NotApplied,
+                        },
                     };
                     json_response(StatusCode::OK, &resolved)
                 }
-                Ok(Resolved::NotUnknown) => not_unknown(),
-                Ok(Resolved::OtherClaim) => other_claim(),
+                Ok(Resolved::NotUnknown) => error(
+                    StatusCode::CONFLICT,
+                    "the record is not unknown (completed, or in flight with its lease running): nothing was changed",
+                ),
+                Ok(Resolved::OtherClaim) => error(
+                    StatusCode::CONFLICT,
+                    "the record is unknown for another request than the claim named: check that one with the upstream; nothing was changed",
+                ),
                 Ok(Resolved::Absent) => absent(),
                 Err(failure) => store_failed(&failure),
             }
         }
-    }
-}
-
-/// `resolution` fenced on the claim `fenced` read: absent when there was no record.
-async fn resolve(
-    store: &AnyStore,
-    record: &StoreKey,
-    fenced: Result<Option<Option<OwnerToken>>, crate::error::StoreError>,
-    resolution: &Resolution,
-) -> Result<Resolved, crate::error::StoreError> {
-    match fenced? {
-        None => Ok(Resolved::Absent),
-        Some(claim) => store.resolve(record, claim, resolution).await,
     }
 }
 

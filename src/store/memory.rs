@@ -517,15 +517,14 @@ impl RecordStore for MemoryStore {
             return Ok(Resolved::Absent);
         };
         let unknown_for = match record.state {
-            State::Unknown { owner, .. } => owner,
-            State::InFlight { lease_until, owner } if lease_until <= now => owner,
-            State::InFlight { .. } | State::Completed(_) if !planted!(self, ResolveCheckDropped) => {
-                return Ok(Resolved::NotUnknown);
-            }
-            State::InFlight { owner, .. } => owner,
-            State::Completed(_) => OwnerToken([0; 16]),
+            State::Unknown { owner, .. } => Some(owner),
+            State::InFlight { lease_until, owner } if lease_until <= now => Some(owner),
+            _ if planted!(self, ResolveCheckDropped) => None,
+            State::InFlight { .. } | State::Completed(_) => return Ok(Resolved::NotUnknown),
         };
-        if claim != Some(unknown_for) && !planted!(self, ResolveCheckDropped) {
+        if let (Some(named), Some(holder)) = (claim, unknown_for)
+            && named != holder
+        {
             return Ok(Resolved::OtherClaim);
         }
         match resolution {

@@ -7,7 +7,7 @@
 -- ARGV[1]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
 --          channel, its key and ':w', is in the record's slot)
 -- ARGV[2]  the claim whose outcome was learned: its owner token (32 hex digits), or
---          '' for an unknown record written before unknown records kept it
+--          '' for whichever claim is unknown now (a call that names none)
 -- ARGV[3]  applied: the response, as complete.lua takes it (status, headers' length,
 --          ':', headers, body); not applied: absent
 --
@@ -18,8 +18,8 @@
 -- Invariant: compare-and-set from "unknown": a record marked unknown, or in flight
 -- with its lease run out (which reads as unknown). A completed record, or one whose
 -- owner may still be writing, is never changed here, so a probe and an operator
--- never both win; and it is fenced on the claim, so that what was learned about one
--- request never lands on a later claim of the key. The fingerprint and the expiry are
+-- never both win; and, given a claim, it is fenced on it, so that what was learned
+-- about one request never lands on a later claim of the key. The fingerprint and the expiry are
 -- kept.
 local record = redis.call('GET', KEYS[1])
 if not record then
@@ -31,11 +31,9 @@ if not (tag == '2U' or (tag == '2F' and redis.call('PTTL', KEYS[1]) <= tonumber(
   return 0
 end
 
-local owner = string.sub(record, 67, 98)
-if tag == '2U' and not string.find(owner, '^' .. string.rep('%x', 32) .. '$') then
-  owner = ''
-end
-if owner ~= ARGV[2] then
+-- A record written before unknown records kept their owner has its reason there,
+-- which no named claim matches.
+if ARGV[2] ~= '' and string.sub(record, 67, 98) ~= ARGV[2] then
   return -2
 end
 
