@@ -88,7 +88,7 @@ pub(crate) async fn read_request_body(
         Peeked::Partial { cut: Cut::TooSlow, .. } => Err(Rejection::BodyTimeout(timeout)),
         Peeked::Partial {
             cut: Cut::OverBudget, ..
-        } => Err(Rejection::Overloaded(Bound::Bytes(max))),
+        } => Err(Rejection::Overloaded(Bound::Bytes)),
     }
 }
 

@@ -168,8 +168,10 @@ pub(crate) enum Rejection {
 pub(crate) enum Bound {
     #[error("guarded requests in flight ({0}, server.max_guarded_requests)")]
     Requests(usize),
-    #[error("buffered body bytes ({0}, server.max_buffered_bytes)")]
-    Bytes(u64),
+    /// The body reader knows the byte budget only through what it may take, so the
+    /// setting is named, not its value.
+    #[error("the bytes buffered bodies may hold (server.max_buffered_bytes)")]
+    Bytes,
 }
 
 /// Whose fault a rejection is, as pingora's `ErrorSource` says it. It decides the level
@@ -565,6 +567,16 @@ mod tests {
             (tracing::Level::WARN, Outcome::Rejected)
         );
         assert!(!problem.detail.contains("4321"), "{}", problem.detail);
+        // The log names the bound reached; a body over the budget was once logged
+        // with the request body limit as if it were the budget.
+        let bytes = Rejection::Overloaded(Bound::Bytes);
+        assert_eq!(bytes.problem().slug, "overloaded");
+        assert!(DisplayChain(&bytes).to_string().contains("server.max_buffered_bytes"));
+        assert!(
+            DisplayChain(&Rejection::Overloaded(Bound::Requests(4321)))
+                .to_string()
+                .contains("4321")
+        );
     }
 
     #[test]
