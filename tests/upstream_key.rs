@@ -168,3 +168,27 @@ async fn an_unknown_outcome_names_its_operation_as_the_records_api_and_the_upstr
     assert_eq!(missing.status, 400);
     assert!(json(&missing).get("operation").is_none(), "{missing:?}");
 }
+
+/// Shadow mode forwards every request as an unguarded route would, so the upstream
+/// gets the client's key as sent even where enforce would send the derived one (it
+/// once got the derived key on a shadow route's first request and the client's on
+/// its retries).
+#[tokio::test]
+async fn shadow_mode_forwards_the_clients_own_key() {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(
+        StoreKind::Memory,
+        &upstream,
+        "upstream_key = \"derived\"\nmode = \"shadow\"",
+    );
+    let proxy = config.start().await;
+    // The first request is claimed (to be recorded), the retry is not: both carry it.
+    for n in 0..2 {
+        assert_eq!(post(proxy.addr(), "alice", "k-shadow", &[]).await.status, 201);
+        assert_eq!(
+            seen(&upstream, n, "idempotency-key").as_deref(),
+            Some("k-shadow"),
+            "request {n}"
+        );
+    }
+}

@@ -14,7 +14,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
-use crate::config::{IdempotencyPolicy, UpstreamKey};
+use crate::config::IdempotencyPolicy;
 use crate::error::{Bound, KeyError, ProxyError, Rejection};
 use crate::idempotency;
 use crate::metrics::Metrics;
@@ -155,7 +155,7 @@ pub(super) struct Prepared {
 
 impl Prepared {
     /// Fingerprints the request read into `parts` and `body`, and names its claim.
-    pub(super) fn new(guarded: &Guarded, mut parts: request::Parts, body: Bytes) -> Result<Prepared, Rejection> {
+    pub(super) fn new(guarded: &Guarded, parts: request::Parts, body: Bytes) -> Result<Prepared, Rejection> {
         let policy = &guarded.policy;
         let fingerprint = idempotency::fingerprint(
             &parts.method,
@@ -173,7 +173,6 @@ impl Prepared {
             retention: policy.retention,
             lease: guarded.route.route.lease(),
         };
-        upstream_key(&mut parts.headers, policy, &guarded.record)?;
         Ok(Prepared {
             parts,
             body,
@@ -186,36 +185,6 @@ impl Prepared {
     pub(super) fn into_request(self) -> Request<ProxyBody> {
         Request::from_parts(self.parts, full(self.body))
     }
-}
-
-/// Puts the key the upstream is to see in `headers`, as the route's `upstream_key`
-/// says: the client's own (moved to `upstream_key_header` when that is another
-/// field), the record's operation id, or none. Whatever the client sent in
-/// `upstream_key_header` itself is replaced, so a client cannot choose the derived key.
-fn upstream_key(headers: &mut http::HeaderMap, policy: &IdempotencyPolicy, record: &StoreKey) -> Result<(), Rejection> {
-    let target = &policy.upstream_key_header;
-    match policy.upstream_key {
-        UpstreamKey::Client if *target == policy.header => {}
-        UpstreamKey::Client => match headers.remove(&policy.header) {
-            Some(key) => {
-                headers.insert(target.clone(), key);
-            }
-            None => {
-                headers.remove(target);
-            }
-        },
-        UpstreamKey::Derived => {
-            let id = http::HeaderValue::try_from(record.operation_id())
-                .map_err(|error| ProxyError::Rewrite(error.into()))?;
-            headers.remove(&policy.header);
-            headers.insert(target.clone(), id);
-        }
-        UpstreamKey::None => {
-            headers.remove(&policy.header);
-            headers.remove(target);
-        }
-    }
-    Ok(())
 }
 
 impl Proxy {

@@ -12,10 +12,11 @@ use tracing::Instrument;
 use super::claim::OwnedClaim;
 use super::{Answer, Ended, Guarded, Prepared, Proxy, Refusal};
 use crate::body::{self, Buffered, ProxyBody, StreamedBody, full};
+use crate::config::{IdempotencyPolicy, Mode, UpstreamKey};
 use crate::error::{ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, Recording};
 use crate::router::RouteState;
-use crate::store::{StoredResponse, UnknownReason};
+use crate::store::{StoreKey, StoredResponse, UnknownReason};
 use crate::upstream::{self, Clock};
 
 /// Sends `request` on `route`'s upstream within its timeout, and times the response
@@ -36,9 +37,13 @@ impl Proxy {
     /// the record is updated, so that a retry that follows it sees the record.
     pub(super) async fn forward(&self, guarded: Guarded, claim: OwnedClaim, prepared: Prepared) -> Ended {
         let mut request = prepared.into_request();
-        if let Err(error) = upstream::prepare_request(&mut request, &guarded.route.route.upstream, &guarded.client) {
+        let rewritten = upstream_key(request.headers_mut(), &guarded.policy, &guarded.record).and_then(|()| {
+            upstream::prepare_request(&mut request, &guarded.route.route.upstream, &guarded.client)
+                .map_err(|error| ProxyError::Rewrite(error).into())
+        });
+        if let Err(rejection) = rewritten {
             claim.release_in_background();
-            return Err(ProxyError::Rewrite(error).into());
+            return Err(rejection.into());
         }
         let (sender, receiver) = oneshot::channel();
         let proxy = self.clone();
@@ -120,4 +125,41 @@ impl Proxy {
         };
         Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed))
     }
+}
+
+/// Puts the key the upstream is to see in a claimed request's `headers`, as the
+/// route's `upstream_key` says: the client's own (moved to `upstream_key_header` when
+/// that is another field), the record's operation id, or none. Whatever the client
+/// sent in `upstream_key_header` itself is replaced, so a client cannot choose the
+/// derived key. Only a claimed request in enforce mode: shadow mode and
+/// `on_store_error = "forward"` send the request as an unguarded route would.
+fn upstream_key(headers: &mut http::HeaderMap, policy: &IdempotencyPolicy, record: &StoreKey) -> Result<(), Rejection> {
+    // Shadow mode forwards its retries unguarded, with the client's key: its first
+    // request, claimed to be recorded, must carry the same one.
+    if policy.mode == Mode::Shadow {
+        return Ok(());
+    }
+    let target = &policy.upstream_key_header;
+    match policy.upstream_key {
+        UpstreamKey::Client if *target == policy.header => {}
+        UpstreamKey::Client => match headers.remove(&policy.header) {
+            Some(key) => {
+                headers.insert(target.clone(), key);
+            }
+            None => {
+                headers.remove(target);
+            }
+        },
+        UpstreamKey::Derived => {
+            let id = http::HeaderValue::try_from(record.operation_id())
+                .map_err(|error| ProxyError::Rewrite(error.into()))?;
+            headers.remove(&policy.header);
+            headers.insert(target.clone(), id);
+        }
+        UpstreamKey::None => {
+            headers.remove(&policy.header);
+            headers.remove(target);
+        }
+    }
+    Ok(())
 }
