@@ -46,11 +46,7 @@ impl Proxy {
     pub(super) fn admit(&self, mut request: Request<Incoming>) -> Result<Admitted, NotAdmitted> {
         let router = self.shared.router.load();
         let authority = target::authority(request.version(), request.uri(), request.headers())?;
-        let canonical = match target::canonical_path(request.uri().path(), &router.paths)? {
-            Cow::Borrowed(_) => None,
-            Cow::Owned(path) => Some(path),
-        };
-        if let Some(path) = canonical {
+        if let Cow::Owned(path) = target::canonical_path(request.uri().path(), &router.paths)? {
             let uri =
                 target::with_path(request.uri(), &path).map_err(|error| Rejection::from(ProxyError::Rewrite(error)))?;
             *request.uri_mut() = uri;
