@@ -280,7 +280,11 @@ impl Proxy {
             Ok(decision) => decision,
             Err(error) if policy.on_store_error == OnStoreError::Forward => {
                 tracing::warn!(%error, "store unavailable; forwarding unguarded (on_store_error = forward)");
-                return self.pass(route, prepared.into_request(), &client).await;
+                // With the key the upstream always gets on this route, so that an
+                // upstream that deduplicates still can.
+                let mut request = prepared.into_request();
+                exchange::upstream_key(request.headers_mut(), policy, &guarded.record)?;
+                return self.pass(route, request, &client).await;
             }
             Err(error) => return Err(error.into()),
         };

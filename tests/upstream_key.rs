@@ -192,3 +192,25 @@ async fn shadow_mode_forwards_the_clients_own_key() {
         );
     }
 }
+
+/// In enforce mode every forward carries the route's upstream key: claimed, and
+/// unguarded with `on_store_error = "forward"` while the store is down, so that an
+/// upstream that deduplicates on it sees one key per operation either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_derived_key_goes_upstream_also_when_the_store_is_down_and_forward_is_chosen() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let lines = "upstream_key = \"derived\"\non_store_error = \"forward\"";
+    let (config, _dir) = config(StoreKind::Redis(redis.url()), &upstream, lines);
+    let proxy = config.start().await;
+    assert_eq!(post(proxy.addr(), "alice", "k-claimed", &[]).await.status, 201);
+    let claimed = seen(&upstream, 0, "idempotency-key").expect("the derived key");
+    assert_eq!(claimed, operation(proxy.admin(), "alice", "k-claimed").await);
+    redis.kill();
+    assert_eq!(post(proxy.addr(), "alice", "k-claimed", &[]).await.status, 201);
+    assert_eq!(
+        seen(&upstream, 1, "idempotency-key"),
+        Some(claimed),
+        "forwarded unguarded with another key"
+    );
+}

@@ -131,11 +131,17 @@ impl Proxy {
 /// route's `upstream_key` says: the client's own (moved to `upstream_key_header` when
 /// that is another field), the record's operation id, or none. Whatever the client
 /// sent in `upstream_key_header` itself is replaced, so a client cannot choose the
-/// derived key. Only a claimed request in enforce mode: shadow mode and
-/// `on_store_error = "forward"` send the request as an unguarded route would.
-fn upstream_key(headers: &mut http::HeaderMap, policy: &IdempotencyPolicy, record: &StoreKey) -> Result<(), Rejection> {
+/// derived key. Every request enforce mode forwards (claimed, or unguarded with
+/// `on_store_error = "forward"`) carries it, so that an upstream that deduplicates on
+/// it sees one key per operation; shadow mode sends every request as an unguarded
+/// route would, the client's key included.
+pub(super) fn upstream_key(
+    headers: &mut http::HeaderMap,
+    policy: &IdempotencyPolicy,
+    record: &StoreKey,
+) -> Result<(), Rejection> {
     // Shadow mode forwards its retries unguarded, with the client's key: its first
-    // request, claimed to be recorded, must carry the same one.
+    // request, claimed to be recorded, carries the same one.
     if policy.mode == Mode::Shadow {
         return Ok(());
     }
