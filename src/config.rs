@@ -282,6 +282,88 @@ pub struct IdempotencyPolicy {
     /// The key the upstream is sent with a guarded request, and the field it is in.
     pub upstream_key: UpstreamKey,
     pub upstream_key_header: HeaderName,
+    /// `[route.idempotency.reconcile]`: how to ask the upstream what became of a
+    /// request whose outcome is unknown.
+    pub reconcile: Option<Reconcile>,
+}
+
+/// A route's reconciliation probe (DESIGN §14): a read-only request to the route's
+/// upstream that says whether an operation whose outcome is unknown took effect.
+#[derive(Debug, Clone)]
+pub struct Reconcile {
+    /// `GET` or `HEAD`: a probe never runs the operation.
+    pub method: Method,
+    pub path: ProbePath,
+    /// Took effect: this answer becomes the record's response.
+    pub applied: Vec<http::StatusCode>,
+    /// Did not: the key is released.
+    pub not_applied: Vec<http::StatusCode>,
+    pub first_after: Duration,
+    pub every: Duration,
+    pub give_up_after: Duration,
+    /// How long one probe may take, its body included.
+    pub timeout: Duration,
+    /// How many probes of this route may run at once in one process.
+    pub max_concurrent: usize,
+}
+
+impl Reconcile {
+    /// How long one probe holds the record's probe lease: its timeout, and a second
+    /// beyond it for the store round trips around it.
+    pub fn lease(&self) -> Duration {
+        self.timeout + LEASE_GRACE
+    }
+}
+
+/// A probe's path and query, with `{key}` (the key as forwarded upstream,
+/// percent-encoded) and `{record}` (the record's operation id) to fill in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbePath(pub(crate) Vec<ProbePiece>);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum ProbePiece {
+    Literal(String),
+    Key,
+    Record,
+}
+
+impl ProbePath {
+    /// The path with `key` and `record` in their places. A key is visible ASCII; every
+    /// byte of it but the unreserved ones is percent-encoded, so that it stays one
+    /// path segment (or one query value).
+    pub fn render(&self, key: &str, record: &str) -> String {
+        const ENCODED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+            .remove(b'-')
+            .remove(b'.')
+            .remove(b'_')
+            .remove(b'~');
+        let mut path = String::new();
+        for piece in &self.0 {
+            match piece {
+                ProbePiece::Literal(text) => path.push_str(text),
+                ProbePiece::Key => path.extend(percent_encoding::utf8_percent_encode(key, ENCODED)),
+                ProbePiece::Record => path.push_str(record),
+            }
+        }
+        path
+    }
+
+    /// Whether the path names the key as forwarded upstream.
+    pub fn names_key(&self) -> bool {
+        self.0.contains(&ProbePiece::Key)
+    }
+
+    /// The template as configured, for logs: never a key.
+    pub fn template(&self) -> String {
+        self.0
+            .iter()
+            .map(|piece| match piece {
+                ProbePiece::Literal(text) => text.as_str(),
+                ProbePiece::Key => "{key}",
+                ProbePiece::Record => "{record}",
+            })
+            .collect()
+    }
 }
 
 /// `upstream_key`: which idempotency key a guarded request carries to the upstream.
@@ -340,6 +422,15 @@ impl Route {
         self.idempotency
             .as_ref()
             .is_some_and(|policy| policy.mode == Mode::Shadow)
+    }
+
+    /// The route's probe, when it is guarded in enforce mode and has one: shadow mode
+    /// forwards every retry anyway, so it never probes.
+    pub fn reconcile(&self) -> Option<&Reconcile> {
+        self.idempotency
+            .as_ref()
+            .filter(|policy| policy.mode == Mode::Enforce)
+            .and_then(|policy| policy.reconcile.as_ref())
     }
 
     /// How long a claim's owner may hold it before the record reads as unknown.
@@ -537,6 +628,17 @@ impl std::fmt::Display for Config {
                         UpstreamKey::Derived =>
                             format!(", the operation id sent upstream as {}", policy.upstream_key_header),
                         UpstreamKey::None => ", no key sent upstream".to_string(),
+                    } + &match (&policy.reconcile, policy.mode) {
+                        (Some(reconcile), Mode::Enforce) => format!(
+                            ", unknown outcomes probed by {} {} after {}, every {} for {}",
+                            reconcile.method,
+                            reconcile.path.template(),
+                            humantime::format_duration(reconcile.first_after),
+                            humantime::format_duration(reconcile.every),
+                            humantime::format_duration(reconcile.give_up_after),
+                        ),
+                        (Some(_), Mode::Shadow) => ", its probe idle in shadow mode".to_string(),
+                        (None, _) => String::new(),
                     }
                 ),
             };

@@ -152,7 +152,11 @@ pub(crate) enum Rejection {
         lease_remaining: Duration,
     },
     #[error("the outcome of the first request with this key is unknown")]
-    OutcomeUnknown,
+    OutcomeUnknown {
+        /// Being reconciled by the route's probe: the next probe begins in this long.
+        /// `None`: the route has no probe, or it gave up; an operator must resolve it.
+        reconciling: Option<Duration>,
+    },
     #[error("the proxy is at its bound on {0}")]
     Overloaded(Bound),
     #[error(transparent)]
@@ -236,6 +240,8 @@ pub(crate) struct Problem {
     pub(crate) authenticate: Option<&'static str>,
     /// The record's operation id, on a 409 `outcome-unknown`.
     pub(crate) operation: Option<String>,
+    /// On a 409 `outcome-unknown`: whether the route's probe is reconciling it.
+    pub(crate) reconciling: Option<bool>,
     pub(crate) fault: Fault,
     pub(crate) outcome: Outcome,
 }
@@ -343,7 +349,7 @@ impl Rejection {
                 Client,
                 Outcome::Conflict,
             ),
-            Rejection::OutcomeUnknown => (
+            Rejection::OutcomeUnknown { .. } => (
                 StatusCode::CONFLICT,
                 "outcome-unknown",
                 "Outcome unknown",
@@ -426,6 +432,14 @@ impl Rejection {
                 Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0))
             }
             Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
+            // The next probe, in whole seconds rounded up: a retry then may find it settled.
+            Rejection::OutcomeUnknown {
+                reconciling: Some(next),
+            } => Some((next.as_secs() + u64::from(next.subsec_nanos() > 0)).max(1)),
+            _ => None,
+        };
+        let reconciling = match self {
+            Rejection::OutcomeUnknown { reconciling } => Some(reconciling.is_some()),
             _ => None,
         };
         Problem {
@@ -436,6 +450,7 @@ impl Rejection {
             retry_after,
             authenticate,
             operation: None,
+            reconciling,
             fault,
             outcome,
         }
@@ -456,7 +471,7 @@ impl Rejection {
             | Rejection::KeyReused
             | Rejection::UnverifiedScope(_)
             | Rejection::InProgress { .. }
-            | Rejection::OutcomeUnknown => self.to_string(),
+            | Rejection::OutcomeUnknown { .. } => self.to_string(),
             Rejection::Overloaded(_) => {
                 "the proxy is at its bound on guarded requests in flight or the bytes they hold; nothing was forwarded"
                     .into()
@@ -501,6 +516,9 @@ impl Problem {
         });
         if let Some(operation) = self.operation {
             body["operation"] = serde_json::Value::String(operation);
+        }
+        if let Some(reconciling) = self.reconciling {
+            body["reconciling"] = serde_json::Value::Bool(reconciling);
         }
         let mut response = Response::new(Bytes::from(body.to_string()));
         *response.status_mut() = self.status;
@@ -577,6 +595,28 @@ mod tests {
                 .to_string()
                 .contains("4321")
         );
+    }
+
+    #[test]
+    fn an_unknown_outcome_says_whether_it_is_being_reconciled_and_when_to_retry() {
+        let reconciling = Rejection::OutcomeUnknown {
+            reconciling: Some(Duration::from_millis(4_200)),
+        }
+        .problem();
+        assert_eq!(
+            (reconciling.retry_after, reconciling.reconciling),
+            (Some(5), Some(true))
+        );
+        let due = Rejection::OutcomeUnknown {
+            reconciling: Some(Duration::ZERO),
+        }
+        .problem();
+        assert_eq!(due.retry_after, Some(1));
+        let left = Rejection::OutcomeUnknown { reconciling: None }.problem();
+        assert_eq!((left.retry_after, left.reconciling), (None, Some(false)));
+        let body: serde_json::Value = serde_json::from_slice(left.into_response().body()).expect("a JSON problem");
+        assert_eq!(body["reconciling"], serde_json::Value::Bool(false));
+        assert_eq!(Rejection::KeyReused.problem().reconciling, None);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use ring::digest;
 use crate::canonical_json;
 use crate::config::{FingerprintBody, OnServerError};
 use crate::error::{KeyError, Rejection};
-use crate::store::{ClaimOutcome, Existing, Fingerprint, RecordState, ScopeId, StoreKey, StoredResponse};
+use crate::store::{ClaimOutcome, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse};
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -235,6 +235,9 @@ pub(crate) enum Decision<C = ()> {
     Replay(StoredResponse),
     /// Answer with a problem and forward nothing.
     Reject(Rejection),
+    /// The first request's outcome is unknown: forward nothing, and answer 409
+    /// `outcome-unknown`, reconciling as the route's probe and the record say.
+    Unknown(Probe),
 }
 
 /// Turns a claim's outcome into a decision for a request with `fingerprint`.
@@ -253,7 +256,8 @@ pub(crate) fn decide<C>(outcome: ClaimOutcome<C>, fingerprint: Fingerprint) -> D
             retry_after: lease_remaining.clamp(Duration::from_millis(1), IN_PROGRESS_RETRY_AFTER),
             lease_remaining,
         }),
-        RecordState::LeaseExpired | RecordState::Unknown(_) => Decision::Reject(Rejection::OutcomeUnknown),
+        RecordState::LeaseExpired => Decision::Unknown(Probe::Unscheduled),
+        RecordState::Unknown { probe, .. } => Decision::Unknown(probe),
     }
 }
 

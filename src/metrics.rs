@@ -26,6 +26,9 @@ label_values! {
         Complete => "complete",
         MarkUnknown => "mark_unknown",
         Release => "release",
+        Resolve => "resolve",
+        BeginProbe => "begin_probe",
+        DeferProbe => "defer_probe",
         Ping => "ping",
     }
 }
@@ -88,6 +91,30 @@ label_values! {
         /// Anything else: a mismatch, the store failing.
         Other => "other",
     }
+}
+
+label_values! {
+    /// How one probe of an unknown record ended
+    /// (`idemproxy_reconciliations_total{route, result}`).
+    pub(crate) enum Reconciliation {
+        /// The upstream says it took effect: its answer is the record's response.
+        Applied => "applied",
+        /// The upstream says it did not: the key is released.
+        NotApplied => "not_applied",
+        /// The probe learned nothing (another status, a timeout, a refused connection,
+        /// the store failing): another is scheduled.
+        Retry => "retry",
+        /// Past `give_up_after`: the record stays unknown, for an operator.
+        GaveUp => "gave_up",
+        /// Someone else resolved the record first (an operator, or another probe).
+        LostRace => "lost_race",
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReconcileLabels {
+    route: String,
+    result: &'static str,
 }
 
 label_values! {
@@ -159,6 +186,8 @@ pub(crate) struct Metrics {
     waiters: Gauge,
     waits: [Counter; WaitEnd::ALL.len()],
     wait_seconds: Histogram,
+    reconciliations: Family<ReconcileLabels, Counter>,
+    probe_latency: Family<RouteLabels, Histogram>,
     config_info: Family<ConfigLabels, Gauge>,
 }
 
@@ -169,6 +198,8 @@ pub(crate) struct RouteMetrics {
     /// For a shadow-mode route: what enforce would have done.
     shadow: Option<[Counter; Would::ALL.len()]>,
     upstream_latency: Histogram,
+    /// For a route with a probe: how its probes ended, and how long they took.
+    reconcile: Option<([Counter; Reconciliation::ALL.len()], Histogram)>,
 }
 
 impl RouteMetrics {
@@ -183,6 +214,18 @@ impl RouteMetrics {
     pub(crate) fn shadow(&self, would: Would) {
         if let Some(counters) = &self.shadow {
             counters[would as usize].inc();
+        }
+    }
+
+    pub(crate) fn reconciled(&self, result: Reconciliation) {
+        if let Some((counters, _)) = &self.reconcile {
+            counters[result as usize].inc();
+        }
+    }
+
+    pub(crate) fn probe(&self, elapsed: Duration) {
+        if let Some((_, latency)) = &self.reconcile {
+            latency.observe(elapsed.as_secs_f64());
         }
     }
 }
@@ -342,6 +385,20 @@ impl Metrics {
                 "How long duplicates waited for their first request, from the wait's start to its end",
                 Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             ),
+            reconciliations: register(
+                r,
+                "reconciliations",
+                "Probes of records whose outcome was unknown, by route and result: applied, not_applied, retry, gave_up, lost_race",
+                Family::default(),
+            ),
+            probe_latency: register(
+                r,
+                "probe_seconds",
+                "Latency of reconciliation probes to the upstream, by route, to the end of the answer's body",
+                Family::<RouteLabels, Histogram>::new_with_constructor(|| {
+                    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+                }),
+            ),
             config_info: register(
                 r,
                 "config_info",
@@ -354,8 +411,25 @@ impl Metrics {
 
     /// The handles for one route (with shadow decisions for a shadow-mode route).
     /// Every outcome shows in the exposition from the start, at zero.
-    pub(crate) fn route(&self, route: &str, shadow: bool) -> RouteMetrics {
+    pub(crate) fn route(&self, route: &str, shadow: bool, reconcile: bool) -> RouteMetrics {
         RouteMetrics {
+            reconcile: reconcile.then(|| {
+                let counters = Reconciliation::ALL.map(|result| {
+                    self.reconciliations
+                        .get_or_create(&ReconcileLabels {
+                            route: route.to_string(),
+                            result: result.as_str(),
+                        })
+                        .clone()
+                });
+                let latency = self
+                    .probe_latency
+                    .get_or_create(&RouteLabels {
+                        route: route.to_string(),
+                    })
+                    .clone();
+                (counters, latency)
+            }),
             shadow: shadow.then(|| {
                 Would::ALL.map(|would| {
                     self.shadow_decisions

@@ -35,11 +35,13 @@ mod admit;
 mod claim;
 mod context;
 mod exchange;
+mod reconcile;
 mod shadow;
 mod wait;
 
 pub(crate) use self::context::GuardedRequests;
 use self::context::{Guarded, Named, Prepared};
+pub(crate) use self::reconcile::Probes;
 pub(crate) use self::wait::Waiting;
 
 /// A cheap-to-clone handle on everything a request needs.
@@ -64,6 +66,8 @@ struct Shared {
     access_log: AtomicBool,
     /// Exchanges and background store work, so shutdown can wait for them.
     tasks: TaskTracker,
+    /// What this process's reconciliation probes share across its workers.
+    probes: Probes,
 }
 
 /// How a request's steps end, for `finish`.
@@ -108,7 +112,7 @@ impl Refusal {
     /// `rejection` of a request that named `record`: an `outcome-unknown` names the
     /// record's operation, so that client and operator speak of the same one.
     fn about(rejection: Rejection, record: &StoreKey) -> Refusal {
-        let operation = matches!(rejection, Rejection::OutcomeUnknown).then(|| record.operation_id());
+        let operation = matches!(rejection, Rejection::OutcomeUnknown { .. }).then(|| record.operation_id());
         Refusal {
             rejection,
             upstream: None,
@@ -127,9 +131,9 @@ impl<E: Into<Rejection>> From<E> for Refusal {
     }
 }
 
-/// The routes of `config`, each with its metric handles and its upstream's client:
-/// `client` unless it has roots of its own.
-fn routes(config: &Config, metrics: &Metrics, client: &HttpClient) -> Result<Router, rustls::Error> {
+/// The routes of `config`, each with its metric handles, its upstream's client
+/// (`client` unless it has roots of its own) and the permits of its probes.
+fn routes(config: &Config, metrics: &Metrics, client: &HttpClient, probes: &Probes) -> Result<Router, rustls::Error> {
     let body = BodyLimits {
         max_bytes: config.server.max_request_body_bytes,
         timeout: config.server.request_body_timeout,
@@ -140,7 +144,11 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient) -> Result<Rou
             None => client.clone(),
             Some(tls) => upstream::client(Some(tls.clone()))?,
         };
-        routes.push(RouteState::new(route, metrics, client, body));
+        let mut state = RouteState::new(route, metrics, client, body);
+        state.probes = route
+            .reconcile()
+            .map(|reconcile| probes.permits(&route.name, reconcile.max_concurrent));
+        routes.push(state);
     }
     Ok(Router::new(routes, config.server.paths))
 }
@@ -152,10 +160,11 @@ impl Proxy {
         metrics: Arc<Metrics>,
         guarded: GuardedRequests,
         waiting: Waiting,
+        probes: Probes,
         tasks: TaskTracker,
     ) -> Result<Proxy, rustls::Error> {
         let client = upstream::client(None)?;
-        let router = routes(config, &metrics, &client)?;
+        let router = routes(config, &metrics, &client, &probes)?;
         Ok(Proxy {
             shared: Arc::new(Shared {
                 router: ArcSwap::from_pointee(router),
@@ -167,6 +176,7 @@ impl Proxy {
                 waiting,
                 access_log: AtomicBool::new(config.server.access_log),
                 tasks,
+                probes,
             }),
         })
     }
@@ -175,7 +185,7 @@ impl Proxy {
     /// upstreams, body limits and access log; requests in flight keep what they have.
     /// The store, its key prefix and the guarded-request bound do not change here.
     pub(crate) fn reload(&self, config: &Config) -> Result<(), rustls::Error> {
-        let router = routes(config, &self.shared.metrics, &self.shared.client)?;
+        let router = routes(config, &self.shared.metrics, &self.shared.client, &self.shared.probes)?;
         self.shared.router.store(Arc::new(router));
         self.shared
             .access_log
@@ -295,7 +305,15 @@ impl Proxy {
                 self.wait(guarded, prepared, first).await
             }
             Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
+            Decision::Unknown(probe) => Err(self.unknown(&guarded, probe)),
         }
+    }
+
+    /// The 409 `outcome-unknown` of a request whose record's outcome is unknown: it
+    /// names the operation, and says whether the route's probe is reconciling it.
+    fn unknown(&self, guarded: &Guarded, probe: crate::store::Probe) -> Refusal {
+        let reconciling = self.reconciling(guarded, probe);
+        Refusal::about(Rejection::OutcomeUnknown { reconciling }, &guarded.record)
     }
 
     /// The step enforce mode, shadow mode and a waiter share: claims the record, and

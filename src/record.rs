@@ -12,6 +12,10 @@ use crate::body::{ProxyBody, full};
 /// Set on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// Recorded with every response a resolution of an unknown outcome wrote (an
+/// operator's or a probe's), so every replay of it says so.
+pub const IDEMPOTENCY_RECONCILED: HeaderName = HeaderName::from_static("idempotency-reconciled");
+
 /// An upstream response as recorded for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {

@@ -15,7 +15,7 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
-use crate::store::{RecordSummary, StoreKey, SummaryState};
+use crate::store::{Probe, RecordSummary, StoreKey, SummaryState};
 
 /// What an operator does to one record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -140,6 +140,11 @@ pub struct RecordView {
     /// Unknown: why (`upstream-timeout`, `upstream-failed`, `response-too-large`,
     /// `lease-expired`).
     pub reason: Option<String>,
+    /// Unknown: whether the route's probe is reconciling it (`false`: none was
+    /// scheduled, or it gave up; an operator must resolve it).
+    pub reconciling: Option<bool>,
+    /// Reconciling: how long until the next probe may begin (0: due now).
+    pub next_probe_ms: Option<u64>,
     /// Completed: the recorded body's size.
     pub response_bytes: Option<u64>,
     /// The first request's fingerprint, hex.
@@ -160,6 +165,8 @@ impl RecordView {
             lease_remaining_ms: None,
             status: None,
             reason: None,
+            reconciling: None,
+            next_probe_ms: None,
             response_bytes: None,
             fingerprint: summary.fingerprint.to_hex(),
         };
@@ -177,7 +184,13 @@ impl RecordView {
                 view.status = Some(status);
                 view.response_bytes = Some(response_bytes);
             }
-            SummaryState::Unknown(reason) => view.reason = Some(reason.as_str().into()),
+            SummaryState::Unknown { reason, probe } => {
+                view.reason = Some(reason.as_str().into());
+                view.reconciling = Some(matches!(probe, Probe::Next(_)));
+                if let Probe::Next(next) = probe {
+                    view.next_probe_ms = Some(millis(next));
+                }
+            }
         }
         view
     }
@@ -198,6 +211,17 @@ impl std::fmt::Display for RecordView {
         }
         if let Some(claim) = &self.claim {
             writeln!(f, "claim        {claim}")?;
+        }
+        match (self.reconciling, self.next_probe_ms) {
+            (Some(true), Some(next)) => {
+                let next = humantime::format_duration(Duration::from_millis(next));
+                writeln!(f, "reconciling  next probe in {next}")?;
+            }
+            (Some(false), _) => writeln!(
+                f,
+                "reconciling  no: resolve it with `records resolve` or `records release`"
+            )?,
+            _ => {}
         }
         if let Some(bytes) = self.response_bytes {
             writeln!(f, "response     {bytes} bytes")?;
@@ -460,6 +484,8 @@ mod tests {
             lease_remaining_ms: None,
             status: Some(201),
             reason: None,
+            reconciling: None,
+            next_probe_ms: None,
             response_bytes: Some(81),
             fingerprint: "ab".repeat(32),
         };

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
+use tokio::sync::Semaphore;
 
 use crate::config::{PathPolicy, Route};
 use crate::metrics::{Metrics, RouteMetrics};
@@ -24,6 +25,9 @@ pub(crate) struct RouteState {
     pub(crate) client: HttpClient,
     /// The server's bounds on reading a guarded request's body.
     pub(crate) body: BodyLimits,
+    /// The permits of the route's probes in this process (its `max_concurrent`),
+    /// shared by every worker: set by the proxy for a route with a probe.
+    pub(crate) probes: Option<Arc<Semaphore>>,
 }
 
 /// `server.max_request_body_bytes` and `server.request_body_timeout`.
@@ -38,9 +42,10 @@ impl RouteState {
         RouteState {
             route: route.clone(),
             name: Arc::from(route.name.as_str()),
-            metrics: metrics.route(&route.name, route.shadow()),
+            metrics: metrics.route(&route.name, route.shadow(), route.reconcile().is_some()),
             client,
             body,
+            probes: None,
         }
     }
 }

@@ -37,7 +37,7 @@ use crate::body::ClientInfo;
 use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
-use crate::proxy::{GuardedRequests, Proxy, Waiting};
+use crate::proxy::{GuardedRequests, Probes, Proxy, Waiting};
 #[cfg(feature = "test-util")]
 use crate::store::AnyStore;
 use crate::store::notify::Watcher;
@@ -142,6 +142,7 @@ struct Process {
     connections: Arc<Semaphore>,
     guarded: GuardedRequests,
     waiting: Waiting,
+    probes: Probes,
     tls: Option<Arc<ArcSwap<rustls::ServerConfig>>>,
     /// The open-files limit before and after the start raised it.
     open_files: Option<limits::OpenFiles>,
@@ -173,6 +174,7 @@ impl Process {
             connections: Arc::new(Semaphore::new(capacity)),
             guarded: GuardedRequests::new(config.server.max_guarded_requests, config.server.max_buffered_bytes),
             waiting: Waiting::new(watcher, config.server.max_waiters),
+            probes: Probes::default(),
             tls: config
                 .server
                 .tls
@@ -390,6 +392,7 @@ impl Worker {
             process.metrics.clone(),
             process.guarded.clone(),
             process.waiting.clone(),
+            process.probes.clone(),
             tasks.clone(),
         )
         .map_err(StartError::UpstreamTls)?;

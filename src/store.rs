@@ -1,5 +1,6 @@
-//! The record store: claim, complete, mark unknown and release, each one atomic
-//! operation on one record under one store key. `redis` and `memory` implement the
+//! The record store: claim, complete, mark unknown and release, and the resolution and
+//! probe lease of an unknown record, each one atomic operation on one record under one
+//! store key. `redis` and `memory` implement the
 //! same trait with the same semantics, and one test suite runs against both. `open`
 //! picks the backend the config names, so that nothing outside this module names one.
 //! The store knows nothing of HTTP routing or of how store keys are derived.
@@ -155,6 +156,9 @@ pub enum UnknownReason {
     ResponseTooLarge,
     /// The byte budget could not hold the response while it was read for recording.
     OverBudget,
+    /// The claim's lease ran out with its owner gone (a proxy crashed or lost the
+    /// store mid-request): written when a probe takes the record over.
+    LeaseExpired,
 }
 
 impl UnknownReason {
@@ -164,6 +168,7 @@ impl UnknownReason {
             UnknownReason::UpstreamFailed => "upstream-failed",
             UnknownReason::ResponseTooLarge => "response-too-large",
             UnknownReason::OverBudget => "over-budget",
+            UnknownReason::LeaseExpired => "lease-expired",
         }
     }
 
@@ -173,6 +178,7 @@ impl UnknownReason {
             b"upstream-failed" => Some(UnknownReason::UpstreamFailed),
             b"response-too-large" => Some(UnknownReason::ResponseTooLarge),
             b"over-budget" => Some(UnknownReason::OverBudget),
+            b"lease-expired" => Some(UnknownReason::LeaseExpired),
             _ => None,
         }
     }
@@ -224,7 +230,61 @@ pub enum RecordState {
     /// In flight, but its lease has run out: its owner died or lost the store.
     LeaseExpired,
     Completed(StoredResponse),
-    Unknown(UnknownReason),
+    Unknown {
+        reason: UnknownReason,
+        probe: Probe,
+    },
+}
+
+/// When an unknown record's reconciliation probe runs (DESIGN §14), as its record keeps
+/// it: counted on the store's clock from the moment the record becomes unknown, so that
+/// every instance reads the same schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbeSchedule {
+    /// Until the first probe.
+    pub first_after: Duration,
+    /// Until the probe gives up; no probe begins after it.
+    pub give_up_after: Duration,
+}
+
+/// Where the reconciliation of an unknown record stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// None was scheduled: the record became unknown on a route without a probe (or
+    /// before this version kept one), or its claim's lease ran out.
+    Unscheduled,
+    /// The next probe may begin in this long: a probe is running under its lease, or
+    /// the next one is scheduled. Zero: it is due, and whoever finds it takes it over.
+    Next(Duration),
+    /// The probe gave up: the record waits for an operator.
+    GaveUp,
+}
+
+/// What `begin_probe` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeStart {
+    /// The probe lease is the caller's: probe, then resolve fenced on this claim (or
+    /// `defer_probe`).
+    Leased(OwnerToken),
+    /// Not due for this long: another instance holds the lease, or the next probe is
+    /// scheduled later.
+    NotDue(Duration),
+    /// The probe has given up (now, if its time ran out while nobody probed).
+    GaveUp,
+    /// Nothing to probe: the record is completed, in flight with its lease running,
+    /// gone, or unknown without a claim to fence on (written before claims were kept).
+    Settled,
+}
+
+/// What `defer_probe` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deferred {
+    /// The next probe is due `every` from now.
+    Scheduled,
+    /// The next probe would begin past `give_up_after`: the probe has given up.
+    GaveUp,
+    /// The record is no longer unknown for this claim (resolved by someone else).
+    Settled,
 }
 
 /// What a record holds, as an operator sees it: never its body.
@@ -251,7 +311,10 @@ pub enum SummaryState {
         status: u16,
         response_bytes: u64,
     },
-    Unknown(UnknownReason),
+    Unknown {
+        reason: UnknownReason,
+        probe: Probe,
+    },
 }
 
 /// What was learned of an operation whose outcome was unknown: by an operator who
@@ -300,12 +363,13 @@ pub trait RecordStore: Send + Sync + 'static {
         response: &StoredResponse,
     ) -> impl Future<Output = Result<Write, StoreError>> + Send;
 
-    /// `in_flight` -> `unknown`.
+    /// `in_flight` -> `unknown`, with the route's probe scheduled when it has one.
     fn mark_unknown(
         &self,
         key: &StoreKey,
         owner: OwnerToken,
         reason: UnknownReason,
+        schedule: Option<ProbeSchedule>,
     ) -> impl Future<Output = Result<Write, StoreError>> + Send;
 
     /// Removes an `in_flight` record whose request was never forwarded.
@@ -331,6 +395,30 @@ pub trait RecordStore: Send + Sync + 'static {
         claim: Option<OwnerToken>,
         resolution: &Resolution,
     ) -> impl Future<Output = Result<Resolved, StoreError>> + Send;
+
+    /// Takes the record's probe lease for `lease`, if a probe is due: a record marked
+    /// unknown whose next probe is due (or that none was scheduled for, which
+    /// `schedule` then schedules), or one in flight past its lease, which becomes
+    /// unknown for `lease-expired`. A compare-and-set in one step, so that two
+    /// instances never probe one record at once; a lease that ends unrenewed (its
+    /// instance died) leaves the probe due for whoever finds it next. Past its
+    /// `give_up_after`, the probe has given up.
+    fn begin_probe(
+        &self,
+        key: &StoreKey,
+        schedule: ProbeSchedule,
+        lease: Duration,
+    ) -> impl Future<Output = Result<ProbeStart, StoreError>> + Send;
+
+    /// The probe learned nothing: ends its lease and makes the next probe due `every`
+    /// from now, unless that would be past `give_up_after` (then it has given up).
+    /// Only while the record is unknown for `claim`.
+    fn defer_probe(
+        &self,
+        key: &StoreKey,
+        claim: OwnerToken,
+        every: Duration,
+    ) -> impl Future<Output = Result<Deferred, StoreError>> + Send;
 
     /// Answers when the store is reachable.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -396,8 +484,9 @@ impl RecordStore for AnyStore {
         key: &StoreKey,
         owner: OwnerToken,
         reason: UnknownReason,
+        schedule: Option<ProbeSchedule>,
     ) -> Result<Write, StoreError> {
-        delegate!(self, store => store.mark_unknown(key, owner, reason))
+        delegate!(self, store => store.mark_unknown(key, owner, reason, schedule))
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
@@ -419,6 +508,19 @@ impl RecordStore for AnyStore {
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
         delegate!(self, store => store.resolve(key, claim, resolution))
+    }
+
+    async fn begin_probe(
+        &self,
+        key: &StoreKey,
+        schedule: ProbeSchedule,
+        lease: Duration,
+    ) -> Result<ProbeStart, StoreError> {
+        delegate!(self, store => store.begin_probe(key, schedule, lease))
+    }
+
+    async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+        delegate!(self, store => store.defer_probe(key, claim, every))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

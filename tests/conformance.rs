@@ -101,8 +101,10 @@ fn observed_claim(outcome: ClaimOutcome) -> Result<Reply, String> {
         RecordState::Completed(stored) if stored == response(owner) => Record::Completed { owner },
         RecordState::Completed(stored) if stored == learned() => Record::Reconciled { owner },
         RecordState::Completed(stored) => return Err(format!("owner {owner}'s record holds {stored:?}")),
-        RecordState::Unknown(why) if why == reason(owner) => Record::Unknown { owner },
-        RecordState::Unknown(why) => return Err(format!("owner {owner}'s record is unknown for {why:?}")),
+        RecordState::Unknown { reason: why, .. } if why == reason(owner) => Record::Unknown { owner },
+        RecordState::Unknown { reason: why, .. } => {
+            return Err(format!("owner {owner}'s record is unknown for {why:?}"));
+        }
     };
     Ok(Reply::Existing(record))
 }
@@ -170,7 +172,7 @@ impl<S: RecordStore> Subject<S> {
             )),
             Op::MarkUnknown => Ok(observed_write(
                 self.store
-                    .mark_unknown(&self.key, token, reason(owner))
+                    .mark_unknown(&self.key, token, reason(owner), None)
                     .await
                     .map_err(failed)?,
             )),

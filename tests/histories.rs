@@ -76,6 +76,7 @@ impl Recorder {
                 run_started: self.started.get().copied().unwrap_or_else(Instant::now),
                 raw_keys: keys,
                 outage_windows: vec![],
+                resolving: false,
             },
         );
         report.assert_clean(scenario);

@@ -16,9 +16,9 @@ use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken, RecordState,
-    RecordStore, RedisStore, Resolution, Resolved, ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason,
-    Write,
+    ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken,
+    Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId, StoreKey,
+    StoredResponse, SummaryState, UnknownReason, Write,
 };
 use support::RedisServer;
 use support::pki::Pki;
@@ -88,7 +88,7 @@ async fn until_lease_expires<S: RecordStore>(store: &S, key: &StoreKey) {
 async fn assert_all_writes_fenced<S: RecordStore>(store: &S, key: &StoreKey, owner: OwnerToken) {
     let complete = store.complete(key, owner, &response("late")).await.expect("complete");
     let mark = store
-        .mark_unknown(key, owner, UnknownReason::UpstreamFailed)
+        .mark_unknown(key, owner, UnknownReason::UpstreamFailed, None)
         .await
         .expect("mark");
     let release = store.release(key, owner).await.expect("release");
@@ -169,14 +169,17 @@ async fn marked_unknown_stays_unknown<S: RecordStore>(store: &S) {
     store.claim(&claim(&key, owner, LONG)).await.expect("claim");
     assert_eq!(
         store
-            .mark_unknown(&key, owner, UnknownReason::UpstreamTimeout)
+            .mark_unknown(&key, owner, UnknownReason::UpstreamTimeout, None)
             .await
             .expect("mark"),
         Write::Applied
     );
     assert_eq!(
         state_of(store, &key).await,
-        RecordState::Unknown(UnknownReason::UpstreamTimeout)
+        RecordState::Unknown {
+            reason: UnknownReason::UpstreamTimeout,
+            probe: Probe::Unscheduled
+        }
     );
     assert_eq!(
         store.complete(&key, owner, &response("late")).await.expect("complete"),
@@ -185,7 +188,10 @@ async fn marked_unknown_stays_unknown<S: RecordStore>(store: &S) {
     assert_eq!(store.release(&key, owner).await.expect("release"), Write::Fenced);
     assert_eq!(
         state_of(store, &key).await,
-        RecordState::Unknown(UnknownReason::UpstreamTimeout)
+        RecordState::Unknown {
+            reason: UnknownReason::UpstreamTimeout,
+            probe: Probe::Unscheduled
+        }
     );
 }
 
@@ -235,14 +241,17 @@ async fn an_expired_lease_reads_as_unknown_and_is_never_taken_over<S: RecordStor
     // The owner may still say why, and may still free a claim it never forwarded.
     assert_eq!(
         store
-            .mark_unknown(&key, owner, UnknownReason::UpstreamTimeout)
+            .mark_unknown(&key, owner, UnknownReason::UpstreamTimeout, None)
             .await
             .expect("mark"),
         Write::Applied
     );
     assert_eq!(
         state_of(store, &key).await,
-        RecordState::Unknown(UnknownReason::UpstreamTimeout)
+        RecordState::Unknown {
+            reason: UnknownReason::UpstreamTimeout,
+            probe: Probe::Unscheduled
+        }
     );
 }
 
@@ -328,12 +337,15 @@ async fn an_operator_sees_every_state_and_never_the_body<S: RecordStore>(store: 
     let owner = new_owner();
     store.claim(&claim(&unknown, owner, LONG)).await.expect("claim");
     store
-        .mark_unknown(&unknown, owner, UnknownReason::ResponseTooLarge)
+        .mark_unknown(&unknown, owner, UnknownReason::ResponseTooLarge, None)
         .await
         .expect("mark");
     assert_eq!(
         store.inspect(&unknown).await.expect("inspect").expect("a record").state,
-        SummaryState::Unknown(UnknownReason::ResponseTooLarge)
+        SummaryState::Unknown {
+            reason: UnknownReason::ResponseTooLarge,
+            probe: Probe::Unscheduled
+        }
     );
 
     let expired = key("op-expired");
@@ -383,7 +395,7 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     let owner = new_owner();
     store.claim(&claim(&unknown, owner, LONG)).await.expect("claim");
     store
-        .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout)
+        .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout, None)
         .await
         .expect("mark");
     // Fenced on the claim: the unknown outcome is this owner's, and what was learned
@@ -433,7 +445,7 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     let owner = new_owner();
     store.claim(&claim(&unnamed, owner, LONG)).await.expect("claim");
     store
-        .mark_unknown(&unnamed, owner, UnknownReason::UpstreamFailed)
+        .mark_unknown(&unnamed, owner, UnknownReason::UpstreamFailed, None)
         .await
         .expect("mark");
     assert_eq!(
@@ -455,7 +467,7 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     let owner = new_owner();
     store.claim(&claim(&applied, owner, LONG)).await.expect("claim");
     store
-        .mark_unknown(&applied, owner, UnknownReason::UpstreamFailed)
+        .mark_unknown(&applied, owner, UnknownReason::UpstreamFailed, None)
         .await
         .expect("mark");
     let ttl_before = store.inspect(&applied).await.expect("inspect").expect("a record").ttl;
@@ -535,6 +547,253 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     );
 }
 
+/// A probe schedule: due at once, giving up after `give_up`.
+fn schedule(give_up: Duration) -> ProbeSchedule {
+    ProbeSchedule {
+        first_after: Duration::ZERO,
+        give_up_after: give_up,
+    }
+}
+
+/// The probe state of an unknown record, as a retry reads it.
+async fn probe_of<S: RecordStore>(store: &S, key: &StoreKey) -> Probe {
+    match state_of(store, key).await {
+        RecordState::Unknown { probe, .. } => probe,
+        other => panic!("not unknown: {other:?}"),
+    }
+}
+
+/// Whether the probe lease is exclusive: once one caller holds it, nobody else may
+/// begin a probe until it ends or is deferred, and a deferred probe is not due before
+/// `every`. (A function that answers, so a broken script can be shown to fail it.)
+async fn probe_lease_is_exclusive<S: RecordStore>(store: &S) -> bool {
+    let record = key(&format!("probe-exclusive-{}", new_owner().to_hex()));
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule(LONG * 4)))
+        .await
+        .expect("mark");
+    assert_eq!(
+        probe_of(store, &record).await,
+        Probe::Next(Duration::ZERO),
+        "due at once"
+    );
+    let first = store
+        .begin_probe(&record, schedule(LONG * 4), LONG)
+        .await
+        .expect("begin");
+    let second = store
+        .begin_probe(&record, schedule(LONG * 4), LONG)
+        .await
+        .expect("begin");
+    let leased_once =
+        first == ProbeStart::Leased(owner) && matches!(second, ProbeStart::NotDue(wait) if wait > LONG / 2);
+    let deferred = store.defer_probe(&record, owner, LONG).await.expect("defer");
+    let third = store
+        .begin_probe(&record, schedule(LONG * 4), LONG)
+        .await
+        .expect("begin");
+    leased_once && deferred == Deferred::Scheduled && matches!(third, ProbeStart::NotDue(wait) if wait > LONG / 2)
+}
+
+async fn a_probe_lease_is_held_by_one_caller_at_a_time<S: RecordStore>(store: &S) {
+    assert!(probe_lease_is_exclusive(store).await);
+}
+
+async fn a_probe_is_fenced_on_its_claim_and_ends_with_the_record<S: RecordStore>(store: &S) {
+    let record = key("probe-fenced");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamFailed, Some(schedule(LONG * 4)))
+        .await
+        .expect("mark");
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(LONG * 4), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    match probe_of(store, &record).await {
+        Probe::Next(wait) => assert!(wait > LONG / 2, "the lease shows as the next probe: {wait:?}"),
+        other => panic!("{other:?}"),
+    }
+    // Deferring another claim's probe changes nothing.
+    assert_eq!(
+        store.defer_probe(&record, new_owner(), LONG).await.expect("defer"),
+        Deferred::Settled
+    );
+    assert_eq!(
+        store
+            .resolve(&record, Some(owner), &Resolution::Applied(response("probed")))
+            .await
+            .expect("resolve"),
+        Resolved::Resolved
+    );
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(LONG * 4), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::Settled
+    );
+    assert_eq!(
+        store.defer_probe(&record, owner, LONG).await.expect("defer"),
+        Deferred::Settled
+    );
+    assert_eq!(
+        state_of(store, &record).await,
+        RecordState::Completed(response("probed"))
+    );
+
+    // Nothing to probe: a live claim, a recorded response, no record.
+    let live = key("probe-live");
+    store.claim(&claim(&live, new_owner(), LONG)).await.expect("claim");
+    let done = key("probe-done");
+    let done_owner = new_owner();
+    store.claim(&claim(&done, done_owner, LONG)).await.expect("claim");
+    store
+        .complete(&done, done_owner, &response("done"))
+        .await
+        .expect("complete");
+    for record in [&live, &done, &key("probe-absent")] {
+        assert_eq!(
+            store.begin_probe(record, schedule(LONG), LONG).await.expect("begin"),
+            ProbeStart::Settled,
+            "{record:?}"
+        );
+    }
+}
+
+async fn an_ended_probe_lease_is_taken_over<S: RecordStore>(store: &S) {
+    let record = key("probe-takeover");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule(LONG)))
+        .await
+        .expect("mark");
+    let lease = Duration::from_millis(300);
+    assert_eq!(
+        store.begin_probe(&record, schedule(LONG), lease).await.expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    // Its instance died: nobody defers or resolves. Until the lease ends the probe is
+    // not due; then the next caller takes it, for the same claim.
+    let started = tokio::time::Instant::now();
+    loop {
+        match store.begin_probe(&record, schedule(LONG), LONG).await.expect("begin") {
+            ProbeStart::Leased(claim) => {
+                assert_eq!(claim, owner);
+                assert!(started.elapsed() >= lease / 2, "taken before the lease ended");
+                break;
+            }
+            ProbeStart::NotDue(wait) => assert!(wait <= lease, "{wait:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the probe lease never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn a_probe_gives_up_past_its_schedule<S: RecordStore>(store: &S) {
+    let record = key("probe-gives-up");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    let give_up = Duration::from_millis(400);
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule(give_up)))
+        .await
+        .expect("mark");
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(give_up), Duration::from_millis(100))
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    // The next probe would begin past give_up_after: given up, and it stays so.
+    assert_eq!(
+        store
+            .defer_probe(&record, owner, Duration::from_secs(1))
+            .await
+            .expect("defer"),
+        Deferred::GaveUp
+    );
+    assert_eq!(probe_of(store, &record).await, Probe::GaveUp);
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(give_up), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::GaveUp
+    );
+    // An operator still resolves it.
+    assert_eq!(
+        store
+            .resolve(&record, None, &Resolution::NotApplied)
+            .await
+            .expect("resolve"),
+        Resolved::Resolved
+    );
+}
+
+async fn a_lapsed_lease_or_an_unscheduled_record_is_probed_when_found<S: RecordStore>(store: &S) {
+    // A claim whose owner died: the probe takes it over as unknown, for that claim.
+    let lapsed = key("probe-lapsed");
+    let owner = new_owner();
+    store
+        .claim(&claim(&lapsed, owner, Duration::from_millis(300)))
+        .await
+        .expect("claim");
+    until_lease_expires(store, &lapsed).await;
+    assert_eq!(
+        store
+            .begin_probe(&lapsed, schedule(LONG * 4), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    match state_of(store, &lapsed).await {
+        RecordState::Unknown {
+            reason: UnknownReason::LeaseExpired,
+            probe: Probe::Next(wait),
+        } => assert!(wait > LONG / 2, "{wait:?}"),
+        other => panic!("{other:?}"),
+    }
+    // Its old owner's late write is still fenced.
+    assert_eq!(
+        store
+            .complete(&lapsed, owner, &response("late"))
+            .await
+            .expect("complete"),
+        Write::Fenced
+    );
+
+    // Marked unknown where the route had no probe: scheduled when first found.
+    let unscheduled = key("probe-unscheduled");
+    let owner = new_owner();
+    store.claim(&claim(&unscheduled, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&unscheduled, owner, UnknownReason::ResponseTooLarge, None)
+        .await
+        .expect("mark");
+    assert_eq!(probe_of(store, &unscheduled).await, Probe::Unscheduled);
+    assert_eq!(
+        store
+            .begin_probe(&unscheduled, schedule(LONG * 4), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    assert!(matches!(probe_of(store, &unscheduled).await, Probe::Next(_)));
+}
+
 macro_rules! against_both_stores {
     ($($name:ident),* $(,)?) => {
         mod memory_store {
@@ -612,6 +871,11 @@ against_both_stores!(
     the_fingerprint_is_kept_with_every_state,
     an_operator_sees_every_state_and_never_the_body,
     an_operator_frees_only_an_unknown_record_and_purges_any,
+    a_probe_lease_is_held_by_one_caller_at_a_time,
+    a_probe_is_fenced_on_its_claim_and_ends_with_the_record,
+    an_ended_probe_lease_is_taken_over,
+    a_probe_gives_up_past_its_schedule,
+    a_lapsed_lease_or_an_unscheduled_record_is_probed_when_found,
 );
 
 // === memory only ===
@@ -798,7 +1062,7 @@ async fn every_record_key_carries_the_retention_ttl_never_the_lease() {
     let owner = new_owner();
     store.claim(&claim(&unknown, owner, lease)).await.expect("claim");
     store
-        .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout)
+        .mark_unknown(&unknown, owner, UnknownReason::UpstreamTimeout, None)
         .await
         .expect("mark");
     assert_retention_ttl(&server, &unknown, "unknown");
@@ -965,5 +1229,83 @@ async fn a_scope_past_its_share_of_the_memory_store_is_refused_until_its_records
         (store.usage().records, store.usage().bytes),
         (0, 0),
         "every count back to zero"
+    );
+}
+
+/// The exclusivity check catches a `begin_probe` that hands out the lease without
+/// looking at when the next probe is due.
+#[tokio::test]
+async fn a_begin_probe_without_its_due_check_is_caught() {
+    let server = RedisServer::start();
+    let lua = include_str!("../src/store/scripts/begin_probe.lua");
+    let broken = lua.replace("if pttl > due then", "if false then");
+    assert_ne!(broken, lua, "the planted bug must change the script");
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2))
+        .expect("store")
+        .with_script(idemproxy::store::redis::ScriptName::BeginProbe, &broken);
+    assert!(
+        !probe_lease_is_exclusive(&store).await,
+        "a probe leased twice at once went unnoticed"
+    );
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
+    assert!(probe_lease_is_exclusive(&store).await);
+}
+
+/// The memory store's probe lease holds against a paused clock too: the lease and
+/// the schedule are read off the same clock as the record's expiry.
+#[tokio::test(start_paused = true)]
+async fn the_memory_store_keeps_the_probe_schedule_on_its_clock() {
+    let store = MemoryStore::new(10, usize::MAX);
+    let record = key("probe-clock");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    let schedule = ProbeSchedule {
+        first_after: Duration::from_secs(1),
+        give_up_after: Duration::from_secs(10),
+    };
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule))
+        .await
+        .expect("mark");
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule, Duration::from_secs(2))
+            .await
+            .expect("begin"),
+        ProbeStart::NotDue(Duration::from_secs(1))
+    );
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule, Duration::from_secs(2))
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    // Deferred every 4 s: probes at 1 s, 5 s and 9 s; the one after would be at 13 s,
+    // past give_up_after.
+    for _ in 0..2 {
+        assert_eq!(
+            store
+                .defer_probe(&record, owner, Duration::from_secs(4))
+                .await
+                .expect("defer"),
+            Deferred::Scheduled
+        );
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert_eq!(
+            store
+                .begin_probe(&record, schedule, Duration::from_secs(2))
+                .await
+                .expect("begin"),
+            ProbeStart::Leased(owner)
+        );
+    }
+    assert_eq!(
+        store
+            .defer_probe(&record, owner, Duration::from_secs(4))
+            .await
+            .expect("defer"),
+        Deferred::GaveUp
     );
 }

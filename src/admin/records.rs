@@ -13,6 +13,7 @@ use crate::config::{Config, IdempotencyPolicy};
 use crate::error::DisplayChain;
 use crate::idempotency::{self, IdempotencyKey};
 use crate::jwt::{self, ScopeClaim};
+use crate::record::IDEMPOTENCY_RECONCILED;
 use crate::records::{RecordView, RecordedResponse, RecordsAction, RecordsError, Released, ResolvedView, Verdict};
 use crate::scope;
 use crate::store::{AnyStore, OwnerToken, RecordStore, Resolution, Resolved, StoreKey, StoredResponse};
@@ -201,7 +202,7 @@ fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
         let value = HeaderValue::from_str(value).map_err(|_| format!("header {name}: not a field value"))?;
         headers.push((header, value));
     }
-    headers.push((HeaderName::from_static(RECONCILED), HeaderValue::from_static("true")));
+    headers.push((IDEMPOTENCY_RECONCILED, HeaderValue::from_static("true")));
     use base64::Engine as _;
     let body = base64::engine::general_purpose::STANDARD
         .decode(given.body.as_bytes())
@@ -212,9 +213,6 @@ fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
         body: body.into(),
     }))
 }
-
-/// The field every replay of a resolved record carries.
-pub(crate) const RECONCILED: &str = "idempotency-reconciled";
 
 /// The claim `value` gives when it names the route's claim `jwt` (`jwt.CLAIM`):
 /// `jwt.CLAIM:VALUE` a string, `jwt.CLAIM=NUMBER` a JSON number.

@@ -175,6 +175,56 @@ pub(super) struct RawIdempotency {
     pub(super) on_store_error: OnStoreError,
     pub(super) upstream_key: UpstreamKey,
     pub(super) upstream_key_header: Spanned<String>,
+    pub(super) reconcile: Option<Spanned<RawReconcile>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawReconcile {
+    #[serde(default = "default_probe_method")]
+    pub(super) method: Spanned<String>,
+    pub(super) path: Spanned<String>,
+    #[serde(default = "default_applied")]
+    pub(super) applied: Spanned<Vec<u16>>,
+    #[serde(default = "default_not_applied")]
+    pub(super) not_applied: Spanned<Vec<u16>>,
+    #[serde(default = "default_first_after")]
+    pub(super) first_after: Spanned<HumanDuration>,
+    #[serde(default = "default_every")]
+    pub(super) every: Spanned<HumanDuration>,
+    #[serde(default = "default_give_up_after")]
+    pub(super) give_up_after: Spanned<HumanDuration>,
+    pub(super) timeout: Option<Spanned<HumanDuration>>,
+    #[serde(default = "default_max_concurrent")]
+    pub(super) max_concurrent: Spanned<usize>,
+}
+
+fn default_probe_method() -> Spanned<String> {
+    Spanned::new(0..0, "GET".into())
+}
+
+fn default_applied() -> Spanned<Vec<u16>> {
+    Spanned::new(0..0, vec![200])
+}
+
+fn default_not_applied() -> Spanned<Vec<u16>> {
+    Spanned::new(0..0, vec![404])
+}
+
+fn default_first_after() -> Spanned<HumanDuration> {
+    Spanned::new(0..0, HumanDuration(Duration::from_secs(1)))
+}
+
+fn default_every() -> Spanned<HumanDuration> {
+    Spanned::new(0..0, HumanDuration(Duration::from_secs(5)))
+}
+
+fn default_give_up_after() -> Spanned<HumanDuration> {
+    Spanned::new(0..0, HumanDuration(Duration::from_secs(600)))
+}
+
+fn default_max_concurrent() -> Spanned<usize> {
+    Spanned::new(0..0, 8)
 }
 
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
@@ -204,6 +254,7 @@ impl Default for RawIdempotency {
             on_store_error: OnStoreError::Reject,
             upstream_key: UpstreamKey::Client,
             upstream_key_header: Spanned::new(0..0, "Idempotency-Key".into()),
+            reconcile: None,
         }
     }
 }

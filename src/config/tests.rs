@@ -566,3 +566,102 @@ fn upstream_key_is_the_clients_unless_derived_or_none_is_asked_for() {
     assert!(error(&with("upstream_key = \"hashed\"")).contains("route[0].idempotency.upstream_key"));
     assert!(error(&with("upstream_key_header = \"bad header\"")).contains("route[0].idempotency.upstream_key_header"));
 }
+
+#[test]
+fn a_reconcile_probe_is_read_only_and_names_only_what_it_may() {
+    let with = |lines: &str| format!("{ROUTE}[route.idempotency]\n{lines}\n");
+    let probe = |config: &Config| {
+        config.routes[0]
+            .idempotency
+            .clone()
+            .and_then(|policy| policy.reconcile.clone())
+            .expect("a probe")
+    };
+    let table = |fields: &str| {
+        with(&format!(
+            "[route.idempotency.reconcile]\npath = \"/v1/by-key/{{key}}\"\n{fields}"
+        ))
+    };
+    let defaults = parse(&table("")).expect("valid");
+    let reconcile = probe(&defaults);
+    assert_eq!(reconcile.method, Method::GET);
+    assert_eq!(
+        (reconcile.applied[0].as_u16(), reconcile.not_applied[0].as_u16()),
+        (200, 404)
+    );
+    assert_eq!(
+        (reconcile.first_after, reconcile.every, reconcile.give_up_after),
+        (Duration::from_secs(1), Duration::from_secs(5), Duration::from_secs(600))
+    );
+    assert_eq!(
+        reconcile.timeout, defaults.routes[0].upstream_timeout,
+        "the upstream's timeout"
+    );
+    assert_eq!(reconcile.max_concurrent, 8);
+    assert!(
+        defaults
+            .to_string()
+            .contains("unknown outcomes probed by GET /v1/by-key/{key} after 1s, every 5s for 10m"),
+        "{defaults}"
+    );
+    // {key} is percent-encoded into one segment; {record} is the operation id.
+    let both = parse(&with(
+        "[route.idempotency.reconcile]\nmethod = \"head\"\npath = \"/v1/ops/{record}?key={key}\"",
+    ))
+    .expect("valid");
+    let reconcile = probe(&both);
+    assert_eq!(reconcile.method, Method::HEAD);
+    assert_eq!(
+        reconcile.path.render("a/b c?%", "0f0f"),
+        "/v1/ops/0f0f?key=a%2Fb%20c%3F%25"
+    );
+
+    for (fields, field, says) in [
+        ("method = \"POST\"", "reconcile.method", "not GET or HEAD"),
+        ("method = \"DELETE\"", "reconcile.method", "never run the operation"),
+        (
+            "applied = [200]\nnot_applied = [404, 200]",
+            "reconcile.not_applied",
+            "also in applied",
+        ),
+        ("applied = []\nnot_applied = []", "reconcile.applied", "both empty"),
+        ("applied = [99]", "reconcile.applied", "not a final status"),
+        ("every = \"0s\"", "reconcile.every", "greater than 0"),
+        (
+            "first_after = \"1m\"\ngive_up_after = \"30s\"",
+            "reconcile.give_up_after",
+            "does not exceed first_after",
+        ),
+        ("max_concurrent = 0", "reconcile.max_concurrent", "at least 1"),
+        ("timeout = \"0s\"", "reconcile.timeout", "greater than 0"),
+        ("body = \"x\"", "reconcile", "unknown field"),
+    ] {
+        let message = error(&table(fields));
+        assert!(
+            message.contains(&format!("route[0].idempotency.{field}")) || message.contains(field),
+            "{fields}: {message}"
+        );
+        assert!(message.contains(says), "{fields}: {message}");
+    }
+    for (path, says) in [
+        ("v1/{key}", "does not begin with /"),
+        ("/v1/{id}", "{id} is not a placeholder"),
+        ("/v1/{key", "without its }"),
+        ("/v1/key}", "without its {"),
+        ("/v1/a b/{key}", "not a valid path"),
+    ] {
+        let message = error(&with(&format!("[route.idempotency.reconcile]\npath = {path:?}")));
+        assert!(
+            message.contains("route[0].idempotency.reconcile.path") && message.contains(says),
+            "{path}: {message}"
+        );
+    }
+    // No key sent upstream: nothing to look up by {key}; {record} still works.
+    let none = |path: &str| {
+        with(&format!(
+            "upstream_key = \"none\"\n[route.idempotency.reconcile]\npath = {path:?}"
+        ))
+    };
+    assert!(error(&none("/v1/by-key/{key}")).contains("upstream_key = \"none\""));
+    assert!(parse(&none("/v1/ops/{record}")).is_ok());
+}

@@ -14,12 +14,14 @@ use http::header::HeaderName;
 use toml::Spanned;
 
 use super::raw::{
-    BackendKind, RawConfig, RawFingerprintBody, RawIdempotency, RawRoute, RawScopeJwt, RawServer, RawStore, RawTls,
+    BackendKind, RawConfig, RawFingerprintBody, RawIdempotency, RawReconcile, RawRoute, RawScopeJwt, RawServer,
+    RawStore, RawTls,
 };
 use super::{
     AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
     DEFAULT_REPLICA_ACK_TIMEOUT, DEFAULT_STORE_CONNECTIONS, FingerprintBody, IdempotencyPolicy, JsonPointer,
-    LEASE_GRACE, PathPolicy, RedisConfig, RedisTopology, Route, ServerConfig, ServerTls, StoreConfig, StoreTls, Target,
+    LEASE_GRACE, PathPolicy, ProbePath, ProbePiece, Reconcile, RedisConfig, RedisTopology, Route, ServerConfig,
+    ServerTls, StoreConfig, StoreTls, Target, UpstreamKey,
 };
 use crate::error::ConfigError;
 use crate::jwt::{JwtVerifier, KeySource};
@@ -718,6 +720,10 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let reconcile = match &raw.reconcile {
+            None => None,
+            Some(reconcile) => Some(self.reconcile(index, reconcile, upstream_timeout, raw.upstream_key)?),
+        };
         Ok(IdempotencyPolicy {
             methods,
             header,
@@ -735,7 +741,154 @@ impl Validator<'_> {
             on_store_error: raw.on_store_error,
             upstream_key: raw.upstream_key,
             upstream_key_header,
+            reconcile,
         })
+    }
+
+    /// `[route.idempotency.reconcile]`: a read-only method, a path whose only
+    /// placeholders are `{key}` and `{record}`, status lists that do not overlap, and a
+    /// schedule that can run.
+    fn reconcile(
+        &self,
+        index: usize,
+        raw: &Spanned<RawReconcile>,
+        upstream_timeout: Duration,
+        upstream_key: UpstreamKey,
+    ) -> Result<Reconcile, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.reconcile.{name}");
+        let span = raw.span();
+        let raw = raw.get_ref();
+        let method = match raw.method.get_ref().to_ascii_uppercase().as_str() {
+            "GET" => Method::GET,
+            "HEAD" => Method::HEAD,
+            other => {
+                return Err(self.error(
+                    raw.method.span(),
+                    field("method"),
+                    format!("{other:?} is not GET or HEAD: a probe must never run the operation it asks about"),
+                ));
+            }
+        };
+        let path = self.probe_path(&raw.path, field("path"))?;
+        if path.names_key() && upstream_key == UpstreamKey::None {
+            return Err(self.error(
+                raw.path.span(),
+                field("path"),
+                "names {key}, but upstream_key = \"none\" sends the upstream no key to look up; use {record} with upstream_key = \"derived\", or forward a key",
+            ));
+        }
+        let statuses = |list: &Spanned<Vec<u16>>, name: &str| {
+            list.get_ref()
+                .iter()
+                .map(|code| {
+                    http::StatusCode::from_u16(*code)
+                        .ok()
+                        .filter(|status| (200..600).contains(&status.as_u16()))
+                        .ok_or_else(|| {
+                            self.error(
+                                list.span(),
+                                field(name),
+                                format!("{code} is not a final status (200 to 599)"),
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let applied = statuses(&raw.applied, "applied")?;
+        let not_applied = statuses(&raw.not_applied, "not_applied")?;
+        if applied.is_empty() && not_applied.is_empty() {
+            return Err(self.error(
+                span,
+                field("applied"),
+                "and not_applied are both empty: no answer could settle an operation",
+            ));
+        }
+        if let Some(both) = applied.iter().find(|status| not_applied.contains(status)) {
+            return Err(self.error(
+                raw.not_applied.span(),
+                field("not_applied"),
+                format!("{} is also in applied: one answer cannot mean both", both.as_u16()),
+            ));
+        }
+        let every = raw.every.get_ref().0;
+        if every.is_zero() {
+            return Err(self.error(raw.every.span(), field("every"), "must be greater than 0"));
+        }
+        let (first_after, give_up_after) = (raw.first_after.get_ref().0, raw.give_up_after.get_ref().0);
+        if give_up_after <= first_after {
+            return Err(self.error(
+                raw.give_up_after.span(),
+                field("give_up_after"),
+                format!(
+                    "{} does not exceed first_after ({}): no probe would ever run",
+                    humantime::format_duration(give_up_after),
+                    humantime::format_duration(first_after)
+                ),
+            ));
+        }
+        let timeout = match &raw.timeout {
+            None => upstream_timeout,
+            Some(timeout) if timeout.get_ref().0.is_zero() => {
+                return Err(self.error(timeout.span(), field("timeout"), "must be greater than 0"));
+            }
+            Some(timeout) => timeout.get_ref().0,
+        };
+        let max_concurrent = *raw.max_concurrent.get_ref();
+        if max_concurrent == 0 {
+            return Err(self.error(raw.max_concurrent.span(), field("max_concurrent"), "must be at least 1"));
+        }
+        Ok(Reconcile {
+            method,
+            path,
+            applied,
+            not_applied,
+            first_after,
+            every,
+            give_up_after,
+            timeout,
+            max_concurrent,
+        })
+    }
+
+    /// A probe path: begins with `/`, and every `{…}` in it is `{key}` or `{record}`;
+    /// filled in, it must be a valid path and query.
+    fn probe_path(&self, raw: &Spanned<String>, field: String) -> Result<ProbePath, ConfigError> {
+        let text = raw.get_ref();
+        let bad = |reason: String| self.error(raw.span(), field.clone(), reason);
+        if !text.starts_with('/') {
+            return Err(bad(format!("{text:?} does not begin with /")));
+        }
+        let mut pieces = Vec::new();
+        let mut rest = text.as_str();
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                pieces.push(ProbePiece::Literal(rest[..open].to_string()));
+            }
+            let close = rest[open..]
+                .find('}')
+                .ok_or_else(|| bad(format!("{text:?} has a {{ without its }}")))?;
+            pieces.push(match &rest[open + 1..open + close] {
+                "key" => ProbePiece::Key,
+                "record" => ProbePiece::Record,
+                other => {
+                    return Err(bad(format!(
+                        "{{{other}}} is not a placeholder: use {{key}} or {{record}}"
+                    )));
+                }
+            });
+            rest = &rest[open + close + 1..];
+        }
+        if rest.contains('}') {
+            return Err(bad(format!("{text:?} has a }} without its {{")));
+        }
+        if !rest.is_empty() {
+            pieces.push(ProbePiece::Literal(rest.to_string()));
+        }
+        let path = ProbePath(pieces);
+        path.render("k", "0")
+            .parse::<http::uri::PathAndQuery>()
+            .map_err(|_| bad(format!("{text:?} is not a valid path and query")))?;
+        Ok(path)
     }
 
     /// `fingerprint_body` with its `fingerprint_ignore` pointers (only with `"json"`).

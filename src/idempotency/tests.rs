@@ -196,14 +196,21 @@ fn decisions_follow_the_record() {
     ));
     assert!(matches!(
         decide(existing(mine, RecordState::LeaseExpired), mine),
-        Decision::Reject(Rejection::OutcomeUnknown)
+        Decision::Unknown(crate::store::Probe::Unscheduled)
     ));
+    let next = crate::store::Probe::Next(Duration::from_secs(3));
     assert!(matches!(
         decide(
-            existing(mine, RecordState::Unknown(crate::store::UnknownReason::UpstreamTimeout)),
+            existing(
+                mine,
+                RecordState::Unknown {
+                    reason: crate::store::UnknownReason::UpstreamTimeout,
+                    probe: next
+                }
+            ),
             mine
         ),
-        Decision::Reject(Rejection::OutcomeUnknown)
+        Decision::Unknown(probe) if probe == next
     ));
     assert!(matches!(
         decide(

@@ -14,7 +14,7 @@ use tracing::{Instrument, Span};
 use crate::error::{StoreError, UpstreamError};
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::{AnyStore, ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, StoreKey, StoredResponse};
-use crate::store::{UnknownReason, Write};
+use crate::store::{ProbeSchedule, UnknownReason, Write};
 
 /// The first pause between two tries of a background write, and the longest.
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -73,8 +73,16 @@ impl Ledger {
         }
     }
 
+    pub(super) fn store(&self) -> &AnyStore {
+        &self.store
+    }
+
     /// Runs one store operation and records its latency.
-    async fn timed<T>(&self, op: StoreOp, call: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    pub(super) async fn timed<T>(
+        &self,
+        op: StoreOp,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
         let started = Instant::now();
         let result = call.await;
         self.metrics.store_op(op, result.is_ok(), started.elapsed());
@@ -189,13 +197,23 @@ impl OwnedClaim {
         }
     }
 
-    /// The request was forwarded and its outcome cannot be learned. If the store cannot
-    /// take it, the record reads as unknown anyway once its lease ends.
-    pub(super) async fn mark_unknown(mut self, reason: UnknownReason) {
+    /// The request was forwarded and its outcome cannot be learned: the record is
+    /// marked unknown, with the route's probe scheduled when it has one. If the store
+    /// cannot take it, the record reads as unknown anyway once its lease ends. `true`
+    /// when the record is marked (and its probe, if any, is to be run).
+    pub(super) async fn mark_unknown(mut self, reason: UnknownReason, schedule: Option<ProbeSchedule>) -> bool {
         self.stage = Stage::Resolved;
-        let write = self.ledger.store.mark_unknown(&self.record, self.owner, reason);
-        if let Err(error) = self.ledger.write(StoreOp::MarkUnknown, write).await {
-            tracing::warn!(%error, "cannot mark the record unknown; it reads as unknown when its lease ends");
+        let write = self
+            .ledger
+            .store
+            .mark_unknown(&self.record, self.owner, reason, schedule);
+        match self.ledger.write(StoreOp::MarkUnknown, write).await {
+            Ok(Write::Applied) => true,
+            Ok(Write::Fenced) => false,
+            Err(error) => {
+                tracing::warn!(%error, "cannot mark the record unknown; it reads as unknown when its lease ends");
+                false
+            }
         }
     }
 
@@ -211,12 +229,15 @@ impl OwnedClaim {
     }
 
     /// The upstream failed the exchange: frees the key if nothing was sent, else marks
-    /// it unknown.
-    pub(super) async fn upstream_failed(self, error: &UpstreamError) {
+    /// it unknown (`true`, as `mark_unknown`).
+    pub(super) async fn upstream_failed(self, error: &UpstreamError, schedule: Option<ProbeSchedule>) -> bool {
         match error {
-            UpstreamError::Unavailable(_) => self.release().await,
-            UpstreamError::Timeout(_) => self.mark_unknown(UnknownReason::UpstreamTimeout).await,
-            UpstreamError::Failed(_) => self.mark_unknown(UnknownReason::UpstreamFailed).await,
+            UpstreamError::Unavailable(_) => {
+                self.release().await;
+                false
+            }
+            UpstreamError::Timeout(_) => self.mark_unknown(UnknownReason::UpstreamTimeout, schedule).await,
+            UpstreamError::Failed(_) => self.mark_unknown(UnknownReason::UpstreamFailed, schedule).await,
         }
     }
 

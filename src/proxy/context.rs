@@ -16,7 +16,7 @@ use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::config::IdempotencyPolicy;
 use crate::error::{Bound, KeyError, ProxyError, Rejection};
-use crate::idempotency;
+use crate::idempotency::{self, IdempotencyKey};
 use crate::metrics::Metrics;
 use crate::router::RouteState;
 use crate::scope;
@@ -135,6 +135,8 @@ pub(super) struct Guarded {
     pub(super) client: ClientInfo,
     pub(super) record: StoreKey,
     pub(super) scope: Option<ScopeId>,
+    /// The client's key: what a probe's `{key}` is, with `upstream_key = "client"`.
+    pub(super) key: IdempotencyKey,
     pub(super) share: Share,
 }
 
@@ -143,6 +145,7 @@ pub(super) struct Guarded {
 pub(super) struct Named {
     pub(super) record: StoreKey,
     pub(super) scope: Option<ScopeId>,
+    pub(super) key: IdempotencyKey,
 }
 
 /// A guarded request, read and fingerprinted, and the claim it asks for.
@@ -205,6 +208,7 @@ impl Proxy {
         Ok(Named {
             record: idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key),
             scope: idempotency::scope_id(&route.name, &scope),
+            key,
         })
     }
 
@@ -224,6 +228,7 @@ impl Proxy {
             client: client.clone(),
             record: named.record,
             scope: named.scope,
+            key: named.key,
         })
     }
 

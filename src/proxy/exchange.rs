@@ -71,10 +71,13 @@ impl Proxy {
             upstream: Some(elapsed),
             operation: None,
         };
+        let schedule = guarded.route.route.reconcile().map(super::reconcile::schedule);
         let response = match sent {
             Ok(response) => response,
             Err(error) => {
-                claim.upstream_failed(&error).await;
+                if claim.upstream_failed(&error, schedule).await {
+                    self.reconcile_later(guarded);
+                }
                 return Err(failed(error.into()));
             }
         };
@@ -89,7 +92,9 @@ impl Proxy {
         });
         let body = match buffered.await {
             Err(error) => {
-                claim.upstream_failed(&error).await;
+                if claim.upstream_failed(&error, schedule).await {
+                    self.reconcile_later(guarded);
+                }
                 return Err(failed(error.into()));
             }
             Ok(Buffered::Whole(body)) => {
@@ -112,11 +117,15 @@ impl Proxy {
                         tracing::warn!(
                             "no budget left to buffer the response for recording; the key's outcome is now unknown"
                         );
-                        claim.mark_unknown(UnknownReason::OverBudget).await;
+                        if claim.mark_unknown(UnknownReason::OverBudget, schedule).await {
+                            self.reconcile_later(guarded);
+                        }
                     }
                     Recording::Record => {
                         tracing::warn!(limit, "response too large to record; the key's outcome is now unknown");
-                        claim.mark_unknown(UnknownReason::ResponseTooLarge).await;
+                        if claim.mark_unknown(UnknownReason::ResponseTooLarge, schedule).await {
+                            self.reconcile_later(guarded);
+                        }
                     }
                     Recording::Release => claim.release().await,
                 }

@@ -66,6 +66,7 @@ impl Proxy {
             }
             Ok(Decision::Replay(_)) => Would::Replay,
             Ok(Decision::Reject(rejection)) => would(&rejection),
+            Ok(Decision::Unknown(_)) => Would::Conflict,
             Err(error) => {
                 tracing::warn!(%error, "store unavailable; forwarding (shadow mode)");
                 Would::StoreError
@@ -94,7 +95,7 @@ fn would(rejection: &Rejection) -> Would {
         Rejection::Key(KeyError::Missing) => Would::MissingKey,
         Rejection::Key(_) => Would::InvalidKey,
         Rejection::KeyReused => Would::Mismatch,
-        Rejection::InProgress { .. } | Rejection::OutcomeUnknown => Would::Conflict,
+        Rejection::InProgress { .. } | Rejection::OutcomeUnknown { .. } => Would::Conflict,
         Rejection::Overloaded(_) => Would::Overloaded,
         Rejection::Store(_) => Would::StoreError,
         Rejection::NoRoute

@@ -119,10 +119,13 @@ impl Proxy {
                 Ok(Decision::Reject(rejection)) => {
                     tally.end(match rejection {
                         Rejection::InProgress { .. } => WaitEnd::Timeout,
-                        Rejection::OutcomeUnknown => WaitEnd::Unknown,
                         _ => WaitEnd::Other,
                     });
                     return Err(Refusal::about(rejection, &guarded.record));
+                }
+                Ok(Decision::Unknown(probe)) => {
+                    tally.end(WaitEnd::Unknown);
+                    return Err(self.unknown(&guarded, probe));
                 }
                 Err(error) => {
                     tally.end(WaitEnd::Other);

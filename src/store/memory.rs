@@ -14,8 +14,9 @@ use tokio::time::Instant;
 
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, OwnerToken, RecordState, RecordStore, RecordSummary, Resolution,
-    Resolved, ScopeId, StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule, ProbeStart,
+    RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoredResponse, SummaryState,
+    UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -247,7 +248,38 @@ enum State {
     Unknown {
         reason: UnknownReason,
         owner: OwnerToken,
+        schedule: Option<Schedule>,
     },
+}
+
+/// An unknown record's probe schedule: when the next probe may begin (`None` once it
+/// has given up), and when it gives up.
+#[derive(Debug, Clone, Copy)]
+struct Schedule {
+    due: Option<Instant>,
+    give_up_at: Instant,
+}
+
+impl Schedule {
+    fn new(now: Instant, first_after: Duration, schedule: ProbeSchedule) -> Schedule {
+        Schedule {
+            due: Some(now + first_after),
+            give_up_at: now + schedule.give_up_after,
+        }
+    }
+
+    fn probe(&self, now: Instant) -> Probe {
+        match self.due {
+            None => Probe::GaveUp,
+            Some(_) if self.give_up_at <= now => Probe::GaveUp,
+            Some(due) => Probe::Next(due.saturating_duration_since(now)),
+        }
+    }
+}
+
+/// Where an unknown record's probe stands.
+fn probe(schedule: Option<&Schedule>, now: Instant) -> Probe {
+    schedule.map_or(Probe::Unscheduled, |schedule| schedule.probe(now))
 }
 
 impl MemoryStore {
@@ -376,7 +408,10 @@ impl RecordStore for MemoryStore {
                     lease_remaining: *lease_until - now,
                 },
                 State::Completed(response) => RecordState::Completed(response.clone()),
-                State::Unknown { reason, .. } => RecordState::Unknown(*reason),
+                State::Unknown { reason, schedule, .. } => RecordState::Unknown {
+                    reason: *reason,
+                    probe: probe(schedule.as_ref(), now),
+                },
             };
             return Ok(ClaimOutcome::Existing(Existing {
                 fingerprint: record.fingerprint,
@@ -447,11 +482,21 @@ impl RecordStore for MemoryStore {
         key: &StoreKey,
         owner: OwnerToken,
         reason: UnknownReason,
+        schedule: Option<ProbeSchedule>,
     ) -> Result<Write, StoreError> {
         let mut records = self.shared.lock();
-        Ok(match self.owned(&records, key, owner, Instant::now()) {
+        let now = Instant::now();
+        Ok(match self.owned(&records, key, owner, now) {
             Some(_) => {
-                records.set_state(key, State::Unknown { reason, owner });
+                let schedule = schedule.map(|schedule| Schedule::new(now, schedule.first_after, schedule));
+                records.set_state(
+                    key,
+                    State::Unknown {
+                        reason,
+                        owner,
+                        schedule,
+                    },
+                );
                 self.shared.hub.wake(key.as_str());
                 Write::Applied
             }
@@ -490,7 +535,10 @@ impl RecordStore for MemoryStore {
                 status: response.status.as_u16(),
                 response_bytes: response.body.len() as u64,
             },
-            State::Unknown { reason, .. } => SummaryState::Unknown(*reason),
+            State::Unknown { reason, schedule, .. } => SummaryState::Unknown {
+                reason: *reason,
+                probe: probe(schedule.as_ref(), now),
+            },
         };
         let claim = match &record.state {
             State::Unknown { owner, .. } => Some(*owner),
@@ -535,6 +583,81 @@ impl RecordStore for MemoryStore {
         }
         self.shared.hub.wake(key.as_str());
         Ok(Resolved::Resolved)
+    }
+
+    async fn begin_probe(
+        &self,
+        key: &StoreKey,
+        schedule: ProbeSchedule,
+        lease: Duration,
+    ) -> Result<ProbeStart, StoreError> {
+        let mut records = self.shared.lock();
+        let now = Instant::now();
+        let Some(record) = records.map.get_mut(key).filter(|record| record.expires_at > now) else {
+            return Ok(ProbeStart::Settled);
+        };
+        match &mut record.state {
+            State::InFlight { owner, lease_until } if *lease_until <= now => {
+                let owner = *owner;
+                record.state = State::Unknown {
+                    reason: UnknownReason::LeaseExpired,
+                    owner,
+                    schedule: Some(Schedule::new(now, lease, schedule)),
+                };
+                Ok(ProbeStart::Leased(owner))
+            }
+            State::InFlight { .. } | State::Completed(_) => Ok(ProbeStart::Settled),
+            State::Unknown {
+                owner,
+                schedule: scheduled,
+                ..
+            } => {
+                let current = match scheduled {
+                    None => Schedule::new(now, Duration::ZERO, schedule),
+                    Some(current) => *current,
+                };
+                match current.due {
+                    None => return Ok(ProbeStart::GaveUp),
+                    Some(due) if due > now => return Ok(ProbeStart::NotDue(due - now)),
+                    Some(_) if current.give_up_at <= now => {
+                        *scheduled = Some(Schedule { due: None, ..current });
+                        return Ok(ProbeStart::GaveUp);
+                    }
+                    Some(_) => {}
+                }
+                *scheduled = Some(Schedule {
+                    due: Some(now + lease),
+                    ..current
+                });
+                Ok(ProbeStart::Leased(*owner))
+            }
+        }
+    }
+
+    async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+        let mut records = self.shared.lock();
+        let now = Instant::now();
+        let Some(record) = records.map.get_mut(key).filter(|record| record.expires_at > now) else {
+            return Ok(Deferred::Settled);
+        };
+        let State::Unknown {
+            owner,
+            schedule: Some(schedule),
+            ..
+        } = &mut record.state
+        else {
+            return Ok(Deferred::Settled);
+        };
+        if *owner != claim {
+            return Ok(Deferred::Settled);
+        }
+        let next = now + every;
+        if schedule.due.is_none() || next >= schedule.give_up_at {
+            schedule.due = None;
+            return Ok(Deferred::GaveUp);
+        }
+        schedule.due = Some(next);
+        Ok(Deferred::Scheduled)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -19,8 +19,8 @@ use tokio::time::Instant;
 
 use self::topology::{Connection, Unready, is_refused, is_transient};
 use super::{
-    ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, RecordSummary, Resolution, Resolved, StoreKey, StoredResponse,
-    UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, Deferred, OwnerToken, ProbeSchedule, ProbeStart, RecordStore, RecordSummary,
+    Resolution, Resolved, StoreKey, StoredResponse, UnknownReason, Write,
 };
 use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
@@ -50,11 +50,14 @@ static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
         mark_unknown: Script::new(include_str!("scripts/mark_unknown.lua")),
         release: Script::new(include_str!("scripts/release.lua")),
         resolve: Script::new(include_str!("scripts/resolve.lua")),
+        begin_probe: Script::new(include_str!("scripts/begin_probe.lua")),
+        defer_probe: Script::new(include_str!("scripts/defer_probe.lua")),
     })
 });
 
-/// The writes that must compare and set: three lifecycle scripts and the resolution of
-/// an unknown record (an operator's, or a probe's). (The claim is a native `SET … NX GET`; an operator's show is `GET`.)
+/// The writes that must compare and set: three lifecycle scripts, the resolution of an
+/// unknown record (an operator's, or a probe's), and the probe's lease and schedule.
+/// (The claim is a native `SET … NX GET`; an operator's show is `GET`.)
 /// Every store shares the ones in `scripts/`; tests may load a mutated one on the side
 /// to show that the suite catches it.
 #[derive(Clone)]
@@ -63,6 +66,8 @@ struct Scripts {
     mark_unknown: Script,
     release: Script,
     resolve: Script,
+    begin_probe: Script,
+    defer_probe: Script,
 }
 
 /// One of the lifecycle scripts, to swap in a test.
@@ -73,6 +78,8 @@ pub enum ScriptName {
     MarkUnknown,
     Release,
     Resolve,
+    BeginProbe,
+    DeferProbe,
 }
 
 /// How many replicas must hold a claim before it counts, and how long to wait for them.
@@ -159,6 +166,8 @@ impl RedisStore {
             ScriptName::MarkUnknown => &mut scripts.mark_unknown,
             ScriptName::Release => &mut scripts.release,
             ScriptName::Resolve => &mut scripts.resolve,
+            ScriptName::BeginProbe => &mut scripts.begin_probe,
+            ScriptName::DeferProbe => &mut scripts.defer_probe,
         };
         *slot = Script::new(lua);
         self.scripts = Arc::new(scripts);
@@ -194,6 +203,8 @@ impl RedisStore {
             &self.scripts.mark_unknown,
             &self.scripts.release,
             &self.scripts.resolve,
+            &self.scripts.begin_probe,
+            &self.scripts.defer_probe,
         ] {
             let mut connection = self.connection();
             let loaded = tokio::time::timeout(self.timeout, script.prepare_invoke().load_async(&mut connection)).await;
@@ -390,9 +401,15 @@ impl RecordStore for RedisStore {
         key: &StoreKey,
         owner: OwnerToken,
         reason: UnknownReason,
+        schedule: Option<ProbeSchedule>,
     ) -> Result<Write, StoreError> {
         let mut invocation = self.scripts.mark_unknown.key(key.as_str());
         invocation.arg(owner.to_hex()).arg(reason.as_str()).arg(self.publish);
+        if let Some(schedule) = schedule {
+            invocation
+                .arg(millis(schedule.first_after))
+                .arg(millis(schedule.give_up_after));
+        }
         self.fenced_write(invocation).await
     }
 
@@ -450,6 +467,35 @@ impl RecordStore for RedisStore {
             -2 => Resolved::OtherClaim,
             _ => Resolved::Absent,
         })
+    }
+
+    async fn begin_probe(
+        &self,
+        key: &StoreKey,
+        schedule: ProbeSchedule,
+        lease: Duration,
+    ) -> Result<ProbeStart, StoreError> {
+        let mut invocation = self.scripts.begin_probe.key(key.as_str());
+        invocation.arg(millis(lease)).arg(millis(schedule.give_up_after));
+        let (code, claim, wait): (i64, String, i64) = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut connection).await }
+            })
+            .await?;
+        layout::probe_start(code, &claim, wait)
+    }
+
+    async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+        let mut invocation = self.scripts.defer_probe.key(key.as_str());
+        invocation.arg(claim.to_hex()).arg(millis(every));
+        let code: i64 = self
+            .attempt(Retry::Refused, self.timeout, |mut connection| {
+                let invocation = &invocation;
+                async move { invocation.invoke_async(&mut connection).await }
+            })
+            .await?;
+        Ok(layout::deferred(code))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -3,12 +3,16 @@
 //! log of executions (each with a unique id that its response echoes), and at the end
 //! the store's keys are dumped with their TTLs. `check` then measures:
 //!
-//! - AtMostOnce: executions per scoped key <= 1;
+//! - AtMostOnce: executions that took effect per scoped key <= 1 (an execution
+//!   without effect is one the upstream lost before it committed, which a probe's
+//!   "not applied" releases the key after);
 //! - ReplayFidelity: every successful response for a key has the same execution id and
 //!   the same bytes (status, headers but `Date`, body);
 //! - NoForeignReplay: no client gets a response recorded for another scope or key;
-//! - UnknownSticky: once a key has answered "unknown", no later request succeeds with a
-//!   new execution and the upstream runs it no more;
+//! - UnknownSticky: once a key has answered "unknown", its record changes only by a
+//!   resolution that agrees with what the upstream did: a reconciled replay only when
+//!   an execution of the key took effect (applied), and a new execution (or a fresh
+//!   success) only when none before it had (not applied);
 //! - TtlFloor: every store key has a TTL, none below what the retention allows, and no
 //!   key name holds raw client key bytes.
 
@@ -29,6 +33,8 @@ pub enum OpResult {
         execution: u64,
         bytes: Bytes,
         replayed: bool,
+        /// Replayed from a resolution of an unknown outcome (`Idempotency-Reconciled`).
+        reconciled: bool,
     },
     /// A problem response, with its slug.
     Fail { status: u16, slug: String },
@@ -76,6 +82,7 @@ impl History {
                     .expect("a 2xx from the fake upstream carries x-execution-id"),
                 bytes: comparable_bytes(&response),
                 replayed: response.replayed(),
+                reconciled: response.header("idempotency-reconciled") == Some("true"),
             },
             Ok(response) => OpResult::Fail {
                 status: response.status.as_u16(),
@@ -108,6 +115,10 @@ pub struct Contract {
     pub raw_keys: Vec<String>,
     /// Windows in which the store was really unavailable; a 503 outside them counts.
     pub outage_windows: Vec<(Instant, Instant)>,
+    /// Whether unknown outcomes may be resolved (a route with a probe, or an operator
+    /// in the run). Without, an unknown key never changes: no reconciled replay, no
+    /// fresh success and no execution after it, whatever the upstream did.
+    pub resolving: bool,
 }
 
 #[derive(Debug, Default)]
@@ -155,7 +166,11 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
     for execution in executions {
         per_key.entry(scoped(execution)).or_default().push(execution);
     }
-    report.max_executions_per_key = per_key.values().map(Vec::len).max().unwrap_or(0);
+    report.max_executions_per_key = per_key
+        .values()
+        .map(|runs| runs.iter().filter(|run| run.effect).count())
+        .max()
+        .unwrap_or(0);
     let by_id: HashMap<u64, &Execution> = executions.iter().map(|e| (e.id, e)).collect();
 
     // ReplayFidelity and NoForeignReplay.
@@ -169,6 +184,7 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
                 execution,
                 bytes,
                 replayed,
+                ..
             } => {
                 report.ok += 1;
                 report.replayed += usize::from(*replayed);
@@ -193,8 +209,11 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
     }
     report.keys = keys.len();
 
-    // UnknownSticky: from the end of the first "unknown" answer for a key, no request
-    // that starts later succeeds with a fresh execution, and no execution starts.
+    // UnknownSticky, restated for resolutions: from the end of the first "unknown"
+    // answer for a key, what a later request gets must agree with what the upstream
+    // did. A reconciled replay says the operation took effect: some execution of the
+    // key must have. A fresh execution (or a fresh success) says the key was released
+    // as not applied: no execution of the key before it may have taken effect.
     let mut unknown_since: HashMap<(String, String), Instant> = HashMap::new();
     for op in &ops {
         if let OpResult::Fail { slug, .. } = &op.result
@@ -209,17 +228,39 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
             *entry = (*entry).min(op.ended);
         }
     }
+    let took_effect_before = |key: &(String, String), at: Instant| {
+        !contract.resolving
+            || per_key
+                .get(key)
+                .is_some_and(|runs| runs.iter().any(|run| run.effect && run.at < at))
+    };
     for op in &ops {
-        if let (Some(since), OpResult::Ok { replayed: false, .. }) =
-            (unknown_since.get(&(op.scope.clone(), op.key.clone())), &op.result)
-            && op.started > *since
-        {
-            report.unknown_sticky_violations += 1;
+        let key = (op.scope.clone(), op.key.clone());
+        let Some(since) = unknown_since.get(&key) else {
+            continue;
+        };
+        match &op.result {
+            OpResult::Ok { reconciled: true, .. } if !contract.resolving || !took_effect_before(&key, op.ended) => {
+                report.unknown_sticky_violations += 1;
+            }
+            OpResult::Ok {
+                replayed: false,
+                execution,
+                ..
+            } if op.started > *since => {
+                let at = by_id.get(execution).map_or(op.ended, |run| run.at);
+                if took_effect_before(&key, at) {
+                    report.unknown_sticky_violations += 1;
+                }
+            }
+            _ => {}
         }
     }
     for execution in executions {
-        if let Some(since) = unknown_since.get(&scoped(execution))
+        let key = scoped(execution);
+        if let Some(since) = unknown_since.get(&key)
             && execution.at > *since
+            && took_effect_before(&key, execution.at)
         {
             report.unknown_sticky_violations += 1;
         }

@@ -3,8 +3,8 @@
 //! the lease clock; client retries (each extra proxy is a retry); and store operations
 //! that are applied after their caller timed out, or whose reply is lost. A proxy that
 //! crashes is a proxy that never takes its next step, which the search already covers.
-//! An operator (or a probe: the same store operation) may resolve an unknown record
-//! once, truthfully: as applied when the upstream ran the key, as not applied when it
+//! An operator and a probe (two resolvers, the same store operation) may each resolve
+//! an unknown record once, truthfully, racing each other and the proxies: as applied when the upstream ran the key, as not applied when it
 //! did not, and only once the owner can no longer forward it (past its upstream
 //! timeout, which the lease outlasts).
 //! The store's answers come from `protocol::Record::apply`, which the conformance test
@@ -14,6 +14,9 @@ use std::collections::{HashMap, VecDeque};
 use std::fmt;
 
 use super::protocol::{CORRECT, Event, Op, Record, Reply, Variant};
+
+/// The resolvers of an unknown record: an operator and the route's probe.
+const RESOLVERS: u8 = 2;
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 enum Phase {
@@ -42,8 +45,8 @@ struct State {
     network: Vec<(u8, Op)>,
     executions: u8,
     completed_overwritten: bool,
-    /// Whether the operator has sent its resolution.
-    resolved: bool,
+    /// How many resolutions have been sent (an operator's, a probe's).
+    resolutions: u8,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -89,7 +92,7 @@ impl State {
             network: Vec::new(),
             executions: 0,
             completed_overwritten: false,
-            resolved: false,
+            resolutions: 0,
         }
     }
 
@@ -215,7 +218,7 @@ impl State {
         let could_forward = self.proxies.iter().any(|proxy| {
             proxy.phase == Phase::Forwarding || (proxy.phase == Phase::Claiming && proxy.inbox == Some(Reply::Acquired))
         });
-        if let Some(claim) = unknown_claim.filter(|_| !self.resolved && !could_forward) {
+        if let Some(claim) = unknown_claim.filter(|_| self.resolutions < RESOLVERS && !could_forward) {
             let op = if self.executions > 0 {
                 Op::ResolveApplied
             } else {
@@ -225,7 +228,7 @@ impl State {
             // delivers it: by then the key may hold a later claim.
             let mut state = self.clone();
             state.send(claim, op);
-            state.resolved = true;
+            state.resolutions += 1;
             next.push((Action::Resolve(claim, op), state));
         }
         let mut seen = Vec::new();

@@ -65,6 +65,7 @@ impl Storm {
                 run_started: run.started,
                 raw_keys: self.raw_keys(),
                 outage_windows,
+                resolving: false,
             },
         )
     }

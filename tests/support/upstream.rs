@@ -9,6 +9,12 @@
 //! - `x-test-fail: reset`  close the connection instead of answering
 //! - `x-test-fail: truncate` send the head, then close mid-body
 //! - `x-test-response-header: NAME: VALUE` add that field to the response (repeatable)
+//! - `x-test-effect: never` the request is executed (logged) but never takes effect
+//!
+//! It also answers the lookups a reconciliation probe makes, without logging them as
+//! executions: `GET` or `HEAD /v1/payments/by-key/{key}` is 200 with the execution of
+//! `key` that took effect (every one but `x-test-effect: never`, from the moment it
+//! arrives), else 404; `set_lookups` makes them fail or hold.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -33,6 +39,8 @@ pub struct Execution {
     pub path: String,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// Whether it took effect (`x-test-effect: never` is executed without effect).
+    pub effect: bool,
 }
 
 #[derive(Default)]
@@ -41,6 +49,37 @@ struct State {
     executions: Mutex<Vec<Execution>>,
     arrived: Notify,
     gates: Mutex<HashMap<String, watch::Sender<bool>>>,
+    /// The key each execution that took effect was sent with, and its id.
+    applied: Mutex<HashMap<String, u64>>,
+    lookups: Mutex<Vec<Lookup>>,
+    lookup_mode: Mutex<Lookups>,
+    lookups_in_flight: AtomicU64,
+    max_lookups_in_flight: AtomicU64,
+    looked_up: Notify,
+}
+
+/// One probe's lookup, as the upstream saw it.
+#[derive(Debug, Clone)]
+pub struct Lookup {
+    pub at: tokio::time::Instant,
+    pub method: String,
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body_bytes: usize,
+}
+
+/// How the upstream answers lookups.
+#[derive(Debug, Clone, Default)]
+pub enum Lookups {
+    /// 200 with the execution that took effect, or 404.
+    #[default]
+    Answer,
+    /// Always this status.
+    Fail(u16),
+    /// Wait at gate `NAME` (see `release`), then answer.
+    Hold(String),
+    /// Take this long, then answer.
+    Slow(std::time::Duration),
 }
 
 #[derive(Clone)]
@@ -124,6 +163,38 @@ impl Upstream {
         self.state.executions.lock().expect("log lock").clone()
     }
 
+    /// Whether an execution with this key took effect.
+    pub fn applied(&self, key: &str) -> bool {
+        self.state.applied.lock().expect("applied lock").contains_key(key)
+    }
+
+    pub fn set_lookups(&self, mode: Lookups) {
+        *self.state.lookup_mode.lock().expect("mode lock") = mode;
+    }
+
+    /// Every lookup, in arrival order.
+    pub fn lookups(&self) -> Vec<Lookup> {
+        self.state.lookups.lock().expect("lookups lock").clone()
+    }
+
+    /// The most lookups that were ever in flight at once.
+    pub fn max_lookups_in_flight(&self) -> u64 {
+        self.state.max_lookups_in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Waits until at least `count` lookups have arrived.
+    pub async fn wait_for_lookups(&self, count: usize) {
+        loop {
+            let notified = self.state.looked_up.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.lookups().len() >= count {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     pub fn total(&self) -> usize {
         self.state.executions.lock().expect("log lock").len()
     }
@@ -181,12 +252,105 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+const LOOKUP_PREFIX: &str = "/v1/payments/by-key/";
+
+/// A probe's lookup: answered from what took effect, as `lookup_mode` says.
+async fn lookup(state: Arc<State>, parts: http::request::Parts, body: Bytes) -> Response<Full<Bytes>> {
+    let in_flight = state.lookups_in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+    state.max_lookups_in_flight.fetch_max(in_flight, Ordering::SeqCst);
+    state.lookups.lock().expect("lookups lock").push(Lookup {
+        at: tokio::time::Instant::now(),
+        method: parts.method.to_string(),
+        path: parts.uri.path().to_string(),
+        headers: parts.headers.clone(),
+        body_bytes: body.len(),
+    });
+    state.looked_up.notify_waiters();
+    let mode = state.lookup_mode.lock().expect("mode lock").clone();
+    let fixed = match mode {
+        Lookups::Answer => None,
+        Lookups::Fail(status) => Some(status),
+        Lookups::Hold(name) => {
+            let mut released = gate(&state, &name).subscribe();
+            let _ = released.wait_for(|open| *open).await;
+            None
+        }
+        Lookups::Slow(pause) => {
+            tokio::time::sleep(pause).await;
+            None
+        }
+    };
+    let key = parts.uri.path().strip_prefix(LOOKUP_PREFIX).unwrap_or_default();
+    let key = percent_decode(key);
+    let found = state.applied.lock().expect("applied lock").get(&key).copied();
+    let (status, body) = match (fixed, found) {
+        (Some(status), _) => (status, Bytes::from_static(b"{\"error\":\"lookup failed\"}")),
+        (None, Some(id)) => (
+            200,
+            Bytes::from(format!("{{\"execution\":{id},\"key\":{key:?},\"found\":true}}")),
+        ),
+        (None, None) => (404, Bytes::from_static(b"{\"found\":false}")),
+    };
+    state.lookups_in_flight.fetch_sub(1, Ordering::SeqCst);
+    let mut response = Response::new(Full::new(body));
+    // The execution it found, as an execution's own answer names it.
+    if let (None, Some(id)) = (fixed, found) {
+        response
+            .headers_mut()
+            .insert("x-execution-id", id.to_string().parse().expect("header"));
+    }
+    *response.status_mut() = StatusCode::from_u16(status).expect("a status");
+    response
+        .headers_mut()
+        .insert("content-type", "application/json".parse().expect("header"));
+    response
+}
+
+/// `%XX` escapes decoded (what the probe's `{key}` is encoded with).
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        match (bytes[at], bytes.get(at + 1..at + 3)) {
+            (b'%', Some(hex)) => {
+                let decoded = std::str::from_utf8(hex)
+                    .ok()
+                    .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+                match decoded {
+                    Some(byte) => {
+                        out.push(byte);
+                        at += 3;
+                    }
+                    None => {
+                        out.push(b'%');
+                        at += 1;
+                    }
+                }
+            }
+            (byte, _) => {
+                out.push(byte);
+                at += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Response<Full<Bytes>>, BoxError> {
     let (parts, body) = request.into_parts();
     let body = body.collect().await.map(|body| body.to_bytes()).unwrap_or_default();
+    if parts.uri.path().starts_with(LOOKUP_PREFIX) {
+        return Ok(lookup(state, parts, body).await);
+    }
     let id = state.next_id.fetch_add(1, Ordering::SeqCst) + 1;
     let key = header(&parts.headers, "idempotency-key").unwrap_or("").to_string();
+    let effect = header(&parts.headers, "x-test-effect") != Some("never");
+    if effect {
+        state.applied.lock().expect("applied lock").insert(key.clone(), id);
+    }
     state.executions.lock().expect("log lock").push(Execution {
+        effect,
         id,
         at: tokio::time::Instant::now(),
         key: key.clone(),

@@ -7,10 +7,14 @@
 //! 2F<fingerprint: 64 hex><owner: 32 hex><rest: decimal ms>   in flight
 //! 2C<fingerprint: 64 hex><status: 3 digits><headers length: decimal>:<headers><body>
 //! 2U<fingerprint: 64 hex><owner: 32 hex><reason>              unknown
+//! 2U<fingerprint: 64 hex><owner: 32 hex><reason>:<due>:<give up>  unknown, with a probe
 //! ```
 //!
 //! An unknown record keeps its claim's owner, for a resolution to be fenced on; one
-//! written before it did (`2U<fingerprint><reason>`) still reads, without it.
+//! written before it did (`2U<fingerprint><reason>`) still reads, without it. On a
+//! route with a reconciliation probe it keeps the probe's schedule, read off the TTL as
+//! the lease is: the next probe is due once the TTL is at most `due` (`-1`: never, the
+//! probe gave up), and gives up once it is at most `give up`.
 //!
 //! `2` is the format version. The expiry is set once, at the claim, to the retention,
 //! and never moved; the lease is not stored as a time but read off the store's own
@@ -23,8 +27,8 @@ use bytes::Bytes;
 
 use crate::error::StoreError;
 use crate::store::{
-    ClaimOutcome, Existing, Fingerprint, OwnerToken, RecordState, RecordSummary, StoredResponse, SummaryState,
-    UnknownReason,
+    ClaimOutcome, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeStart, RecordState, RecordSummary,
+    StoredResponse, SummaryState, UnknownReason,
 };
 
 /// The format version, the first byte of every record: the one place it is named (the
@@ -61,10 +65,37 @@ pub(super) fn completed_tail(response: &StoredResponse) -> Vec<u8> {
     tail
 }
 
-/// Whether reading `value` needs its remaining TTL: only an in-flight record's does
-/// (its lease is read off it); completed and unknown records read the same at any TTL.
+/// Whether reading `value` needs its remaining TTL: an in-flight record's does (its
+/// lease is read off it), and an unknown record's with a probe schedule; completed and
+/// other unknown records read the same at any TTL.
 pub(super) fn lease_depends_on_ttl(value: &[u8]) -> bool {
-    value.get(1) == Some(&IN_FLIGHT)
+    match value.get(1) {
+        Some(&IN_FLIGHT) => true,
+        Some(&UNKNOWN) => value.get(OWNER.end..).is_some_and(|tail| tail.contains(&b':')),
+        _ => false,
+    }
+}
+
+/// What `begin_probe.lua` answered: a code, the claim leased, and how long until due.
+pub(super) fn probe_start(code: i64, claim: &str, wait_ms: i64) -> Result<ProbeStart, StoreError> {
+    Ok(match code {
+        1 => ProbeStart::Leased(
+            OwnerToken::from_hex(claim.as_bytes()).ok_or(StoreError::Protocol("a probe lease without its claim"))?,
+        ),
+        2 => ProbeStart::NotDue(Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))),
+        -3 => ProbeStart::GaveUp,
+        0 | -1 => ProbeStart::Settled,
+        _ => return Err(StoreError::Protocol("a probe reply of the wrong shape")),
+    })
+}
+
+/// What `defer_probe.lua` answered.
+pub(super) fn deferred(code: i64) -> Deferred {
+    match code {
+        1 => Deferred::Scheduled,
+        -3 => Deferred::GaveUp,
+        _ => Deferred::Settled,
+    }
 }
 
 /// A record as read, with the remaining TTL Redis gave beside it.
@@ -83,6 +114,7 @@ enum Read {
     Unknown {
         reason: UnknownReason,
         owner: Option<Vec<u8>>,
+        probe: Probe,
     },
 }
 
@@ -140,15 +172,38 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 .filter(|owner| owner.iter().all(u8::is_ascii_hexdigit))
                 .map(<[u8]>::to_vec);
             let reason_at = if owner.is_some() { OWNER.end } else { FINGERPRINT.end };
-            let reason = value
-                .get(reason_at..)
-                .and_then(UnknownReason::parse)
-                .ok_or(bad("an unknown record with an unknown reason"))?;
-            Read::Unknown { reason, owner }
+            let tail = value.get(reason_at..).unwrap_or_default();
+            let (reason, schedule) = match tail.iter().position(|byte| *byte == b':') {
+                None => (tail, None),
+                Some(colon) => (&tail[..colon], Some(&tail[colon + 1..])),
+            };
+            let reason = UnknownReason::parse(reason).ok_or(bad("an unknown record with an unknown reason"))?;
+            let probe = match schedule {
+                None => Probe::Unscheduled,
+                Some(schedule) => {
+                    let pttl = pttl.ok_or(bad("an unknown record with a probe read without its TTL"))?;
+                    probe(schedule, pttl).ok_or(bad("an unknown record with a malformed probe schedule"))?
+                }
+            };
+            Read::Unknown { reason, owner, probe }
         }
         _ => return Err(bad("a record in an unknown state")),
     };
     Ok(Decoded { fingerprint, state })
+}
+
+/// Where the probe of an unknown record stands, from its schedule (`<due>:<give up>`)
+/// and its remaining TTL.
+fn probe(schedule: &[u8], pttl: i64) -> Option<Probe> {
+    let schedule = std::str::from_utf8(schedule).ok()?;
+    let (due, give_up) = schedule.split_once(':')?;
+    let (due, give_up): (i64, i64) = (due.parse().ok()?, give_up.parse().ok()?);
+    let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
+    Some(if due < 0 || pttl <= give_up {
+        Probe::GaveUp
+    } else {
+        Probe::Next(millis(pttl - due))
+    })
 }
 
 /// What a claim by `owner` found: `None` when its `SET … NX` wrote the record; `pttl`
@@ -173,7 +228,7 @@ pub(super) fn claim_outcome(
             ..
         } => RecordState::InFlight { lease_remaining },
         Read::Completed(response) => RecordState::Completed(response),
-        Read::Unknown { reason, .. } => RecordState::Unknown(reason),
+        Read::Unknown { reason, probe, .. } => RecordState::Unknown { reason, probe },
     };
     Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
 }
@@ -199,7 +254,7 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
             status: response.status.as_u16(),
             response_bytes: response.body.len() as u64,
         },
-        Read::Unknown { reason, .. } => SummaryState::Unknown(reason),
+        Read::Unknown { reason, probe, .. } => SummaryState::Unknown { reason, probe },
     };
     Ok(Some(RecordSummary {
         fingerprint,
@@ -277,7 +332,10 @@ mod tests {
         assert!(matches!(
             claim_outcome(Some(Bytes::from(unknown.clone())), None, OWNER_TOKEN),
             Ok(ClaimOutcome::Existing(Existing {
-                state: RecordState::Unknown(UnknownReason::UpstreamTimeout),
+                state: RecordState::Unknown {
+                    reason: UnknownReason::UpstreamTimeout,
+                    probe: Probe::Unscheduled
+                },
                 ..
             }))
         ));
@@ -288,7 +346,13 @@ mod tests {
             .expect("a record");
         assert_eq!(
             (old.state, old.claim),
-            (SummaryState::Unknown(UnknownReason::UpstreamTimeout), None)
+            (
+                SummaryState::Unknown {
+                    reason: UnknownReason::UpstreamTimeout,
+                    probe: Probe::Unscheduled
+                },
+                None
+            )
         );
         let mut kept = value.get(..98).expect("prefix").to_vec();
         kept[1] = b'U';
@@ -298,8 +362,39 @@ mod tests {
             .expect("a record");
         assert_eq!(
             (new.state, new.claim),
-            (SummaryState::Unknown(UnknownReason::OverBudget), Some(OWNER_TOKEN))
+            (
+                SummaryState::Unknown {
+                    reason: UnknownReason::OverBudget,
+                    probe: Probe::Unscheduled
+                },
+                Some(OWNER_TOKEN)
+            )
         );
+        // With a probe schedule, read off the TTL: due in 700 ms, given up once the TTL
+        // reaches 200 ms; `-1`: given up.
+        let scheduled = |tail: &[u8]| {
+            let mut record = value.get(..98).expect("prefix").to_vec();
+            record[1] = b'U';
+            record.extend_from_slice(tail);
+            record
+        };
+        let due = scheduled(b"upstream-timeout:300:200");
+        assert!(lease_depends_on_ttl(&due));
+        let probe_at = |record: &[u8], pttl| match summary(Some(Bytes::copy_from_slice(record)), pttl) {
+            Ok(Some(RecordSummary {
+                state: SummaryState::Unknown { probe, .. },
+                ..
+            })) => probe,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(probe_at(&due, 1_000), Probe::Next(Duration::from_millis(700)));
+        assert_eq!(probe_at(&due, 250), Probe::Next(Duration::ZERO));
+        assert_eq!(probe_at(&due, 200), Probe::GaveUp);
+        assert_eq!(probe_at(&scheduled(b"lease-expired:-1:200"), 1_000), Probe::GaveUp);
+        assert!(matches!(
+            summary(Some(Bytes::from(scheduled(b"upstream-timeout:x:200"))), 1_000),
+            Err(StoreError::Protocol(_))
+        ));
     }
 
     /// The scripts read and write this layout with `string.sub`: every tag they
@@ -312,6 +407,8 @@ mod tests {
             ("mark_unknown", include_str!("../scripts/mark_unknown.lua")),
             ("release", include_str!("../scripts/release.lua")),
             ("resolve", include_str!("../scripts/resolve.lua")),
+            ("begin_probe", include_str!("../scripts/begin_probe.lua")),
+            ("defer_probe", include_str!("../scripts/defer_probe.lua")),
         ];
         let tags: Vec<String> = [IN_FLIGHT, COMPLETED, UNKNOWN]
             .iter()

@@ -1,0 +1,417 @@
+//! The reconciliation probe (DESIGN §14): when a record's outcome becomes unknown on a
+//! route with `[route.idempotency.reconcile]`, a `GET` or `HEAD` to the route's
+//! upstream asks what became of it, and its answer resolves the record, fenced on the
+//! claim it is about, or schedules the next probe. One chain of probes per record: the
+//! instance that marked it unknown begins it, and whichever instance a retry finds it
+//! due on takes it over (its instance died, or it was never begun: a lease that ran
+//! out). The probe lease in the record keeps two instances from probing it at once;
+//! the store's compare-and-set keeps a probe and an operator from both winning. A
+//! probe never sends the client's body, headers or method, and never logs its key.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HOST, USER_AGENT};
+use http::{HeaderValue, Request, StatusCode, Uri};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::Proxy;
+use super::context::Guarded;
+use crate::body::{self, Buffered, full};
+use crate::config::{IdempotencyPolicy, Reconcile, UpstreamKey};
+use crate::error::UpstreamError;
+use crate::metrics::{Reconciliation, StoreOp};
+use crate::record::IDEMPOTENCY_RECONCILED;
+use crate::router::RouteState;
+use crate::store::{
+    Deferred, OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordStore, Resolution, Resolved, StoreKey, StoredResponse,
+};
+use crate::upstream::{self, Clock};
+
+/// How early a probe may find itself against the store's clock and still wait for its
+/// turn: a chain whose next probe is further off was taken over by another instance.
+const CLOCK_SLACK: Duration = Duration::from_millis(250);
+/// The most records one process keeps a chain of probes for; past it, a record waits
+/// for a retry to find it due on an instance with room.
+const MAX_CHAINS: usize = 65_536;
+
+/// What the probes of one process share across its workers: the records it runs a
+/// chain of probes for (so that retries that find one do not begin a second), and each
+/// route's bound on probes at once (`max_concurrent`, per process).
+#[derive(Clone, Default)]
+pub(crate) struct Probes {
+    chains: Arc<Chains>,
+    permits: Arc<Mutex<HashMap<String, RoutePermits>>>,
+}
+
+/// One route's probe permits, and the `max_concurrent` they were made for.
+struct RoutePermits {
+    max: usize,
+    permits: Arc<Semaphore>,
+}
+
+impl RoutePermits {
+    fn new(max: usize) -> RoutePermits {
+        RoutePermits {
+            max,
+            permits: Arc::new(Semaphore::new(max)),
+        }
+    }
+}
+
+impl Probes {
+    /// The bound on `route`'s probes at once: the same across workers and reloads,
+    /// made anew only when `max` changes.
+    pub(crate) fn permits(&self, route: &str, max: usize) -> Arc<Semaphore> {
+        let mut permits = self.permits.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = permits
+            .entry(route.to_string())
+            .or_insert_with(|| RoutePermits::new(max));
+        if entry.max != max {
+            *entry = RoutePermits::new(max);
+        }
+        entry.permits.clone()
+    }
+}
+
+#[derive(Default)]
+struct Chains {
+    records: Mutex<HashSet<StoreKey>>,
+}
+
+impl Chains {
+    fn enter(self: &Arc<Self>, record: &StoreKey) -> Option<ChainGuard> {
+        let mut records = self.records.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if records.len() >= MAX_CHAINS || !records.insert(record.clone()) {
+            return None;
+        }
+        Some(ChainGuard {
+            chains: self.clone(),
+            record: record.clone(),
+        })
+    }
+}
+
+/// A chain's place in `Chains`, given up when the chain ends however it ends.
+struct ChainGuard {
+    chains: Arc<Chains>,
+    record: StoreKey,
+}
+
+impl Drop for ChainGuard {
+    fn drop(&mut self) {
+        let mut records = self
+            .chains
+            .records
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        records.remove(&self.record);
+    }
+}
+
+/// One record to reconcile, and what its probe needs.
+struct Job {
+    route: Arc<RouteState>,
+    policy: Arc<IdempotencyPolicy>,
+    reconcile: Reconcile,
+    record: StoreKey,
+    /// The key as the upstream was sent it: what `{key}` is.
+    key: String,
+}
+
+/// What one probe learned.
+enum Learned {
+    Applied(StoredResponse),
+    NotApplied,
+    /// Nothing: why, for the log.
+    Nothing(&'static str),
+}
+
+impl Proxy {
+    /// A guarded request's record became unknown by its own exchange: its chain of
+    /// probes begins here, the first after `first_after`.
+    pub(super) fn reconcile_later(&self, guarded: &Guarded) {
+        if let Some(reconcile) = guarded.route.route.reconcile() {
+            self.begin_chain(guarded, reconcile.first_after);
+        }
+    }
+
+    /// The answer to a request whose record's outcome is unknown: whether the route's
+    /// probe is reconciling it, and when the next probe is. A probe that is due with
+    /// nobody on it, or was never begun, is taken over by this instance now.
+    pub(super) fn reconciling(&self, guarded: &Guarded, probe: Probe) -> Option<Duration> {
+        guarded.route.route.reconcile()?;
+        match probe {
+            Probe::GaveUp => None,
+            Probe::Next(next) if !next.is_zero() => Some(next),
+            Probe::Next(_) | Probe::Unscheduled => {
+                self.begin_chain(guarded, Duration::ZERO);
+                Some(Duration::ZERO)
+            }
+        }
+    }
+
+    fn begin_chain(&self, guarded: &Guarded, first: Duration) {
+        let Some(reconcile) = guarded.route.route.reconcile() else {
+            return;
+        };
+        let Some(place) = self.shared.probes.chains.enter(&guarded.record) else {
+            return;
+        };
+        let policy = &guarded.policy;
+        let key = match policy.upstream_key {
+            UpstreamKey::Client => guarded.key.as_str().to_string(),
+            UpstreamKey::Derived => guarded.record.operation_id(),
+            // The config refuses `{key}` in the path with no key sent upstream.
+            UpstreamKey::None => String::new(),
+        };
+        let job = Job {
+            route: guarded.route.clone(),
+            policy: policy.clone(),
+            reconcile: reconcile.clone(),
+            record: guarded.record.clone(),
+            key,
+        };
+        let span = tracing::info_span!("reconcile", route = %job.route.name, record = job.record.short_hash());
+        let proxy = self.clone();
+        // Not tracked for shutdown: a chain may wait minutes between probes. A probe cut
+        // off by shutdown leaves its lease to run out, and another instance (or this
+        // one, restarted) takes the record over when a retry finds it due.
+        tokio::spawn(
+            async move {
+                let _place = place;
+                proxy.chain(job, first).await;
+            }
+            .instrument(span),
+        );
+    }
+
+    /// Probes the record until the upstream's answer resolves it, someone else does,
+    /// another instance takes the chain over, or the probe gives up.
+    async fn chain(&self, job: Job, first: Duration) {
+        let reconcile = &job.reconcile;
+        let ledger = &self.shared.ledger;
+        let metrics = &job.route.metrics;
+        // A store that stays down does not keep the chain alive past the schedule.
+        let until = Instant::now() + first + reconcile.give_up_after + reconcile.lease();
+        let mut wait = first;
+        loop {
+            tokio::time::sleep(wait).await;
+            if Instant::now() > until {
+                return;
+            }
+            let Some(permits) = &job.route.probes else {
+                return;
+            };
+            let Ok(permit) = permits.acquire().await else {
+                return;
+            };
+            let start = ledger
+                .store()
+                .begin_probe(&job.record, schedule(reconcile), reconcile.lease());
+            let claim = match ledger.timed(StoreOp::BeginProbe, start).await {
+                Ok(ProbeStart::Leased(claim)) => claim,
+                Ok(ProbeStart::NotDue(next)) if next <= CLOCK_SLACK => {
+                    wait = next;
+                    continue;
+                }
+                // Another instance runs the chain now, or there is nothing to probe.
+                Ok(ProbeStart::NotDue(_) | ProbeStart::Settled) => return,
+                Ok(ProbeStart::GaveUp) => {
+                    metrics.reconciled(Reconciliation::GaveUp);
+                    tracing::warn!("the probe gave up; the record stays unknown until an operator resolves it");
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "cannot take the probe lease; trying again");
+                    wait = reconcile.every;
+                    continue;
+                }
+            };
+            let learned = self.probe(&job).await;
+            drop(permit);
+            wait = match self.settle(&job, claim, learned).await {
+                Some(next) => next,
+                None => return,
+            };
+        }
+    }
+
+    /// Writes what a probe learned about `claim`; the wait before the next probe, or
+    /// `None` when the chain is over.
+    async fn settle(&self, job: &Job, claim: OwnerToken, learned: Learned) -> Option<Duration> {
+        let (ledger, metrics, reconcile) = (&self.shared.ledger, &job.route.metrics, &job.reconcile);
+        let resolution = match learned {
+            Learned::Applied(response) => Resolution::Applied(response),
+            Learned::NotApplied => Resolution::NotApplied,
+            Learned::Nothing(why) => {
+                let deferred = ledger.store().defer_probe(&job.record, claim, reconcile.every);
+                return match ledger.timed(StoreOp::DeferProbe, deferred).await {
+                    Ok(Deferred::Scheduled) => {
+                        metrics.reconciled(Reconciliation::Retry);
+                        tracing::info!(why, "the probe learned nothing; probing again later");
+                        Some(reconcile.every)
+                    }
+                    Ok(Deferred::GaveUp) => {
+                        metrics.reconciled(Reconciliation::GaveUp);
+                        tracing::warn!(
+                            why,
+                            "the probe gave up; the record stays unknown until an operator resolves it"
+                        );
+                        None
+                    }
+                    Ok(Deferred::Settled) => {
+                        metrics.reconciled(Reconciliation::LostRace);
+                        None
+                    }
+                    Err(error) => {
+                        metrics.reconciled(Reconciliation::Retry);
+                        tracing::warn!(%error, why, "cannot schedule the next probe; probing again once the lease ends");
+                        Some(reconcile.lease())
+                    }
+                };
+            }
+        };
+        let applied = matches!(resolution, Resolution::Applied(_));
+        let resolved = ledger.store().resolve(&job.record, Some(claim), &resolution);
+        match ledger.timed(StoreOp::Resolve, resolved).await {
+            Ok(Resolved::Resolved) if applied => {
+                metrics.reconciled(Reconciliation::Applied);
+                tracing::info!("the upstream says the operation took effect; its answer is recorded and replayed");
+                None
+            }
+            Ok(Resolved::Resolved) => {
+                metrics.reconciled(Reconciliation::NotApplied);
+                tracing::info!("the upstream says the operation did not take effect; the key is released");
+                None
+            }
+            Ok(Resolved::NotUnknown | Resolved::OtherClaim | Resolved::Absent) => {
+                metrics.reconciled(Reconciliation::LostRace);
+                tracing::info!("the record was resolved by someone else first; the probe's answer is dropped");
+                None
+            }
+            Err(error) => {
+                metrics.reconciled(Reconciliation::Retry);
+                tracing::warn!(%error, "cannot write what the probe learned; probing again once the lease ends");
+                Some(reconcile.lease())
+            }
+        }
+    }
+
+    /// One probe: the route's `method` and `path` to its upstream, with no body, within
+    /// the probe's timeout; timed, and logged as an access line of its own.
+    async fn probe(&self, job: &Job) -> Learned {
+        let reconcile = &job.reconcile;
+        let clock = Clock::start(reconcile.timeout);
+        let (learned, status) = match probe_request(job) {
+            Err(_) => (Learned::Nothing("the probe's path does not make a URI"), None),
+            Ok(request) => match upstream::send(&job.route.client, request, &clock).await {
+                Err(error) => (Learned::Nothing(unsettled(&error)), None),
+                Ok(response) => {
+                    let status = response.status();
+                    (self.read_answer(job, response, &clock).await, Some(status))
+                }
+            },
+        };
+        let elapsed = clock.started.elapsed();
+        job.route.metrics.probe(elapsed);
+        if self.access_log() {
+            let millis = elapsed.as_micros() as f64 / 1000.0;
+            tracing::info!(
+                target: crate::ACCESS_LOG,
+                route = &*job.route.name,
+                method = reconcile.method.as_str(),
+                status = status.map(|status| status.as_u16()),
+                outcome = "probe",
+                result = match &learned {
+                    Learned::Applied(_) => "applied",
+                    Learned::NotApplied => "not_applied",
+                    Learned::Nothing(_) => "retry",
+                },
+                duration_ms = millis,
+                upstream_ms = millis,
+                record = job.record.short_hash(),
+                "access"
+            );
+        }
+        learned
+    }
+
+    /// What the probe's answer says: an `applied` status with its body recorded whole
+    /// (within `max_response_body_bytes`), a `not_applied` status, or nothing.
+    async fn read_answer(&self, job: &Job, response: http::Response<hyper::body::Incoming>, clock: &Clock) -> Learned {
+        let reconcile = &job.reconcile;
+        let status = response.status();
+        if reconcile.not_applied.contains(&status) {
+            return Learned::NotApplied;
+        }
+        if !reconcile.applied.contains(&status) {
+            return Learned::Nothing(other_status(status));
+        }
+        let (mut parts, body) = response.into_parts();
+        upstream::strip_hop_by_hop(&mut parts.headers);
+        // Bounded without the byte budget: at most `max_concurrent` probes per route
+        // hold a body, each at most `max_response_body_bytes`.
+        let limit = job.policy.max_response_body_bytes;
+        match body::buffer_response(body, limit, clock.deadline, clock.timeout, |_| true).await {
+            Ok(Buffered::Whole(body)) => {
+                let mut stored = StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers);
+                stored
+                    .headers
+                    .push((IDEMPOTENCY_RECONCILED, HeaderValue::from_static("true")));
+                Learned::Applied(stored)
+            }
+            Ok(Buffered::Cut { .. }) => Learned::Nothing("the probe's answer is larger than max_response_body_bytes"),
+            Err(error) => Learned::Nothing(unsettled(&error)),
+        }
+    }
+}
+
+/// What the store keeps of a route's probe schedule.
+pub(super) fn schedule(reconcile: &Reconcile) -> ProbeSchedule {
+    ProbeSchedule {
+        first_after: reconcile.first_after,
+        give_up_after: reconcile.give_up_after,
+    }
+}
+
+/// The probe's request: no body, no client header, to the route's upstream.
+fn probe_request(job: &Job) -> Result<Request<crate::body::ProxyBody>, http::Error> {
+    let target = &job.route.route.upstream;
+    let path = job.reconcile.path.render(&job.key, &job.record.operation_id());
+    let path_and_query = match target.base_path() {
+        None => path,
+        Some(base) => format!("{base}{path}"),
+    };
+    let uri = Uri::builder()
+        .scheme(target.scheme().clone())
+        .authority(target.authority().clone())
+        .path_and_query(path_and_query)
+        .build()?;
+    Request::builder()
+        .method(job.reconcile.method.clone())
+        .uri(uri)
+        .header(HOST, target.host().clone())
+        .header(USER_AGENT, HeaderValue::from_static("idemproxy-reconcile"))
+        .body(full(Bytes::new()))
+}
+
+fn unsettled(error: &UpstreamError) -> &'static str {
+    match error {
+        UpstreamError::Unavailable(_) => "the upstream refused the probe's connection",
+        UpstreamError::Timeout(_) => "the probe timed out",
+        UpstreamError::Failed(_) => "the probe's exchange broke off",
+    }
+}
+
+fn other_status(status: StatusCode) -> &'static str {
+    if status.is_server_error() {
+        "the probe got a 5xx"
+    } else {
+        "the probe got a status in neither applied nor not_applied"
+    }
+}

@@ -1,0 +1,542 @@
+//! The reconciliation probe of DESIGN §14, end to end over real sockets: the proxy in
+//! front of a fake upstream that remembers which forwarded keys took effect and answers
+//! the probe's lookups (`GET /v1/payments/by-key/{key}`), on the embedded store and a
+//! real `redis-server`. Every first request here outlives the upstream timeout, held at
+//! the upstream, so its outcome is unknown; what happens next is the probe's.
+//!
+//! `IDEMPROXY_SOAK=1 cargo test --test reconcile -- --ignored --nocapture` runs the
+//! storm with 1,000 unknown records instead of 200.
+
+// A test that cannot set itself up should fail loudly, with the reason.
+#![allow(clippy::expect_used)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use support::client::{metric, until_metric, until_not};
+use support::upstream::Lookups;
+use support::{ChildProxy, RedisServer, StoreKind, TestConfig, TestResponse, Upstream, send};
+use tokio::time::Instant;
+
+const TOKEN: &str = "s3cret-admin-token-for-tests";
+
+/// The payments route with a probe that looks the key up, soon and often.
+fn config(store: StoreKind, upstream: &Upstream, reconcile: &str) -> (TestConfig, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{TOKEN}\n")).expect("write the token");
+    let mut config = TestConfig::new(store, &upstream.url());
+    config.upstream_timeout = "500ms".into();
+    config.admin_extra = format!("token_file = {:?}", token_file.display().to_string());
+    config.server = "access_log = true".into();
+    config.idempotency = format!(
+        "reconcile = {{ path = \"/v1/payments/by-key/{{key}}\", first_after = \"200ms\", every = \"200ms\", {reconcile} }}"
+    );
+    (config, dir)
+}
+
+fn counter(result: &str) -> String {
+    format!("idemproxy_reconciliations_total{{route=\"payments\",result=\"{result}\"}}")
+}
+
+/// The first request: it takes effect at the upstream (or, with `effect = false`,
+/// never does) and is held there past the upstream timeout, so the proxy answers 504.
+async fn first(addr: SocketAddr, key: &str, effect: bool) -> TestResponse {
+    let mut headers = vec![("idempotency-key", key), ("x-test-hold", "forever")];
+    if !effect {
+        headers.push(("x-test-effect", "never"));
+    }
+    let response = send(addr, "POST", "/v1/payments", &headers, "{\"amount\":1}").await;
+    assert_eq!(response.status, 504, "{response:?}");
+    response
+}
+
+async fn retry(addr: SocketAddr, key: &str) -> TestResponse {
+    send(
+        addr,
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", key)],
+        "{\"amount\":1}",
+    )
+    .await
+}
+
+fn body(response: &TestResponse) -> serde_json::Value {
+    serde_json::from_slice(&response.body).expect("a JSON body")
+}
+
+/// The 409 `outcome-unknown` while a probe is reconciling: it names the operation,
+/// says it is being reconciled, and when to come back: within `most` seconds (the
+/// next probe, or the end of a probe lease held now).
+fn assert_reconciling(response: &TestResponse, most: u64) {
+    assert_eq!(response.status, 409, "{response:?}");
+    assert_eq!(response.problem(), "outcome-unknown");
+    let body = body(response);
+    assert_eq!(body["reconciling"], true, "{body}");
+    assert_eq!(body["operation"].as_str().map(str::len), Some(32), "{body}");
+    let retry_after: u64 = response
+        .header("retry-after")
+        .and_then(|value| value.parse().ok())
+        .expect("a Retry-After while reconciling");
+    assert!((1..=most).contains(&retry_after), "{retry_after}");
+}
+
+async fn applied_after_the_effect(store: StoreKind, upstream_key: &str) {
+    let upstream = Upstream::start().await;
+    // Held until the client has seen that it is being reconciled.
+    upstream.set_lookups(Lookups::Hold("lookup".into()));
+    let (mut config, _dir) = config(store, &upstream, "give_up_after = \"30s\"");
+    config.idempotency = format!("upstream_key = \"{upstream_key}\"\n{}", config.idempotency);
+    let proxy = config.start().await;
+    // A key that needs encoding in a path: the probe sends it percent-encoded.
+    let key = "pay/1?x=%";
+    first(proxy.addr(), key, true).await;
+    // The probe's lease (its timeout and a second) or the first probe is next.
+    assert_reconciling(&retry(proxy.addr(), key).await, 2);
+    upstream.release("lookup");
+
+    until_metric(proxy.admin(), &counter("applied"), 1.0).await;
+    let replay = retry(proxy.addr(), key).await;
+    assert_eq!(replay.status, 200, "the probe's answer is replayed: {replay:?}");
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("idempotency-reconciled"), Some("true"));
+    let log = upstream.log();
+    assert_eq!(log.len(), 1, "the operation ran once: {log:?}");
+    assert_eq!(
+        body(&replay)["execution"],
+        log[0].id,
+        "the probe found the one execution"
+    );
+    assert_eq!(body(&replay)["found"], true);
+    // Every replay after it is the same bytes.
+    assert_eq!(retry(proxy.addr(), key).await.body, replay.body);
+
+    // The probe sent no body, no client field, and the key as forwarded upstream,
+    // encoded as one path segment.
+    let lookups = upstream.lookups();
+    assert!(!lookups.is_empty());
+    let forwarded = &log[0].key;
+    for lookup in &lookups {
+        assert_eq!((lookup.method.as_str(), lookup.body_bytes), ("GET", 0), "{lookup:?}");
+        assert!(lookup.headers.get("x-test-hold").is_none(), "{lookup:?}");
+        assert!(lookup.headers.get("idempotency-key").is_none(), "{lookup:?}");
+        let encoded: String = forwarded
+            .bytes()
+            .map(|byte| match byte {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => char::from(byte).to_string(),
+                byte => format!("%{byte:02X}"),
+            })
+            .collect();
+        assert_eq!(lookup.path, format!("/v1/payments/by-key/{encoded}"));
+    }
+    if upstream_key == "derived" {
+        assert_eq!(forwarded.len(), 32, "the derived key, not the client's: {forwarded}");
+    } else {
+        assert_eq!(forwarded, key);
+    }
+    let seconds = metric(proxy.admin(), "idemproxy_probe_seconds_count{route=\"payments\"}").await;
+    assert_eq!(seconds, Some(lookups.len() as f64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_after_the_effect_ends_in_a_replay_of_the_probes_answer_memory() {
+    applied_after_the_effect(StoreKind::Memory, "client").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_after_the_effect_ends_in_a_replay_of_the_probes_answer_redis() {
+    let redis = RedisServer::start();
+    applied_after_the_effect(StoreKind::Redis(redis.url()), "derived").await;
+}
+
+async fn not_applied_before_the_effect(store: StoreKind) {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(store, &upstream, "give_up_after = \"30s\"");
+    let proxy = config.start().await;
+    first(proxy.addr(), "k-lost", false).await;
+    until_metric(proxy.admin(), &counter("not_applied"), 1.0).await;
+    // Released: the retry runs, once more, and takes effect this time.
+    let fresh = retry(proxy.addr(), "k-lost").await;
+    assert_eq!(fresh.status, 201, "{fresh:?}");
+    assert!(!fresh.replayed());
+    assert_eq!(upstream.executions("k-lost"), 2, "one more execution after the release");
+    assert!(upstream.applied("k-lost"));
+    let replay = retry(proxy.addr(), "k-lost").await;
+    assert!(replay.replayed() && replay.header("idempotency-reconciled").is_none());
+    assert_eq!(replay.execution(), fresh.execution());
+    assert_eq!(upstream.executions("k-lost"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_before_the_effect_releases_the_key_and_the_retry_runs_memory() {
+    not_applied_before_the_effect(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_before_the_effect_releases_the_key_and_the_retry_runs_redis() {
+    let redis = RedisServer::start();
+    not_applied_before_the_effect(StoreKind::Redis(redis.url())).await;
+}
+
+async fn gives_up(store: StoreKind) {
+    let upstream = Upstream::start().await;
+    upstream.set_lookups(Lookups::Fail(503));
+    let (config, _dir) = config(store, &upstream, "give_up_after = \"2s\"");
+    let proxy = config.start().await;
+    first(proxy.addr(), "k-stuck", true).await;
+    assert_reconciling(&retry(proxy.addr(), "k-stuck").await, 2);
+    until_metric(proxy.admin(), &counter("gave_up"), 1.0).await;
+    let retries = metric(proxy.admin(), &counter("retry")).await.expect("retries counted");
+    assert!(retries >= 1.0, "every failed probe before it is a retry: {retries}");
+    let left = retry(proxy.addr(), "k-stuck").await;
+    assert_eq!(
+        (left.status.as_u16(), left.problem().as_str()),
+        (409, "outcome-unknown")
+    );
+    assert_eq!(body(&left)["reconciling"], false, "{left:?}");
+    assert_eq!(left.header("retry-after"), None, "nothing to come back for");
+    assert_eq!(upstream.executions("k-stuck"), 1);
+    // No probe after giving up, however many retries come.
+    let probes = upstream.lookups().len();
+    for _ in 0..3 {
+        assert_eq!(retry(proxy.addr(), "k-stuck").await.status, 409);
+    }
+    assert_eq!(upstream.lookups().len(), probes);
+    // The operator's view says so too.
+    let shown = send(
+        proxy.admin(),
+        "GET",
+        "/records/payments?key=k-stuck",
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+    )
+    .await;
+    assert_eq!(body(&shown)["reconciling"], false, "{shown:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_keeps_failing_gives_up_and_leaves_the_key_unknown_memory() {
+    gives_up(StoreKind::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_that_keeps_failing_gives_up_and_leaves_the_key_unknown_redis() {
+    let redis = RedisServer::start();
+    gives_up(StoreKind::Redis(redis.url())).await;
+}
+
+/// The probe's answer is held at the upstream while an operator resolves the record:
+/// the operator wins, and the probe's answer, arriving after, changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_and_an_operator_racing_never_both_win() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    upstream.set_lookups(Lookups::Hold("lookup".into()));
+    let (config, _dir) = config(
+        StoreKind::Redis(redis.url()),
+        &upstream,
+        "give_up_after = \"30s\", timeout = \"10s\"",
+    );
+    let proxy = config.start().await;
+    first(proxy.addr(), "k-race", false).await;
+    upstream.wait_for_lookups(1).await;
+    let resolved = send(
+        proxy.admin(),
+        "POST",
+        "/records/payments/resolve?key=k-race&as=not-applied",
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+        "",
+    )
+    .await;
+    assert_eq!(resolved.status, 200, "{resolved:?}");
+    upstream.release("lookup");
+    until_metric(proxy.admin(), &counter("lost_race"), 1.0).await;
+    assert_eq!(metric(proxy.admin(), &counter("applied")).await, Some(0.0));
+    // The operator's decision stands (the probe's, a 404, agreed but came second): the
+    // key was freed and the retry runs.
+    let fresh = retry(proxy.addr(), "k-race").await;
+    assert_eq!(fresh.status, 201, "{fresh:?}");
+    assert!(fresh.header("idempotency-reconciled").is_none());
+    assert_eq!(upstream.executions("k-race"), 2);
+}
+
+/// Two proxy processes on one Redis: the one that began probing is SIGKILLed with its
+/// probe in flight; once its probe lease ends, a retry at the other finds the probe due
+/// and takes it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_killed_mid_probe_is_taken_over_by_another() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    upstream.set_lookups(Lookups::Hold("first-probe".into()));
+    let (config, _dir) = config(
+        StoreKind::Redis(redis.url()),
+        &upstream,
+        "give_up_after = \"60s\", timeout = \"2s\"",
+    );
+    let mut prober = ChildProxy::start(&config).await;
+    let survivor = ChildProxy::start(&config).await;
+    first(prober.addr, "k-orphan", true).await;
+    upstream.wait_for_lookups(1).await;
+    prober.kill();
+    // The killed instance's lease still holds the probe: reconciling, not due yet.
+    assert_reconciling(&retry(survivor.addr, "k-orphan").await, 3);
+    upstream.set_lookups(Lookups::Answer);
+    let replay = until_not(|| retry(survivor.addr, "k-orphan"), &[(409, "outcome-unknown")]).await;
+    assert_eq!(replay.status, 200, "{replay:?}");
+    assert_eq!(replay.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(upstream.executions("k-orphan"), 1);
+    assert_eq!(metric(survivor.admin, &counter("applied")).await, Some(1.0));
+    let lookups = upstream.lookups();
+    assert!(lookups.len() >= 2, "the survivor probed again: {lookups:?}");
+    // Not before the killed instance's lease (the probe timeout and a second) ended.
+    let gap = lookups[1].at - lookups[0].at;
+    assert!(gap >= Duration::from_millis(2_500), "taken over after {gap:?}");
+    upstream.release("first-probe");
+}
+
+/// Many records become unknown at once: their probes run at most `max_concurrent` at
+/// a time per instance, every client gets its answer, and the operations ran once.
+/// Prints how long, from its 504, each client took to get its answer.
+async fn storm(records: usize) {
+    let upstream = Upstream::start().await;
+    upstream.set_lookups(Lookups::Slow(Duration::from_millis(20)));
+    let (config, _dir) = config(
+        StoreKind::Memory,
+        &upstream,
+        "give_up_after = \"5m\", max_concurrent = 4",
+    );
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    let mut clients = Vec::new();
+    for n in 0..records {
+        clients.push(tokio::spawn(async move {
+            let key = format!("storm-{n}");
+            first(addr, &key, true).await;
+            let timed_out = Instant::now();
+            // As a client that honours Retry-After does.
+            let answer = loop {
+                let answer = retry(addr, &key).await;
+                if answer.status != 409 {
+                    break answer;
+                }
+                let seconds: u64 = answer
+                    .header("retry-after")
+                    .and_then(|value| value.parse().ok())
+                    .expect("a Retry-After while reconciling");
+                assert!(timed_out.elapsed() < Duration::from_secs(120), "no answer in 2 minutes");
+                tokio::time::sleep(Duration::from_secs(seconds)).await;
+            };
+            assert_eq!(answer.status, 200, "{answer:?}");
+            assert_eq!(answer.header("idempotency-reconciled"), Some("true"));
+            timed_out.elapsed()
+        }));
+    }
+    let mut waited = Vec::new();
+    for client in clients {
+        waited.push(client.await.expect("a client"));
+    }
+    waited.sort();
+    let at = |q: f64| waited[((waited.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "reconcile storm: {records} unknown records, max_concurrent 4: time to answer from the 504: p50 {:?} p99 {:?} max {:?}; {} lookups, at most {} at once",
+        at(0.5),
+        at(0.99),
+        at(1.0),
+        upstream.lookups().len(),
+        upstream.max_lookups_in_flight()
+    );
+    assert!(
+        upstream.max_lookups_in_flight() <= 4,
+        "more probes at once than max_concurrent"
+    );
+    assert_eq!(upstream.total(), records, "every operation ran once");
+    assert_eq!(metric(proxy.admin(), &counter("applied")).await, Some(records as f64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_unknown_outcomes_is_probed_within_max_concurrent() {
+    storm(200).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a soak: IDEMPROXY_SOAK=1 cargo test --test reconcile -- --ignored --nocapture"]
+async fn soak_a_storm_of_a_thousand_unknown_outcomes() {
+    if std::env::var_os("IDEMPROXY_SOAK").is_none() {
+        return;
+    }
+    storm(1_000).await;
+}
+
+/// The probe's scripts on the other Redis topologies: through Sentinel to its primary,
+/// and on a cluster, where each record's scripts run on the shard of its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_reconciles_through_sentinel_and_on_a_cluster() {
+    let group = support::topology::SentinelGroup::start();
+    let sentinel = StoreKind::Sentinel(group.urls(), support::topology::MASTER_NAME.into());
+    applied_after_the_effect(sentinel.clone(), "derived").await;
+    not_applied_before_the_effect(sentinel).await;
+    drop(group);
+    let cluster = support::topology::RedisCluster::start();
+    let store = StoreKind::Cluster(cluster.urls());
+    applied_after_the_effect(store.clone(), "client").await;
+    not_applied_before_the_effect(store.clone()).await;
+    gives_up(store).await;
+}
+
+// === the history checker, with resolutions ===
+
+/// Two proxy processes on one Redis, a route with a probe: 40 keys whose first request
+/// outlives the upstream timeout, half after taking effect and half before; each
+/// client retries at either proxy until it gets an answer. Every answer is recorded
+/// and held by the checker to UnknownSticky as restated: each resolution agrees with
+/// what the upstream did, and no operation took effect twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_resolution_agrees_with_what_the_upstream_did() {
+    use support::history::{Contract, History, check};
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(StoreKind::Redis(redis.url()), &upstream, "give_up_after = \"1m\"");
+    let proxies = [ChildProxy::start(&config).await, ChildProxy::start(&config).await];
+    let targets = [proxies[0].addr, proxies[1].addr];
+    let history = std::sync::Arc::new(History::default());
+    let run_started = Instant::now();
+    let keys: Vec<String> = (0..40).map(|n| format!("history-{n}")).collect();
+    let mut clients = Vec::new();
+    for (n, key) in keys.iter().cloned().enumerate() {
+        let history = history.clone();
+        clients.push(tokio::spawn(async move {
+            let effect = if n % 2 == 0 { "always" } else { "never" };
+            let headers = [
+                ("idempotency-key", key.as_str()),
+                ("x-test-hold", "forever"),
+                ("x-test-effect", effect),
+            ];
+            let started = Instant::now();
+            let sent = support::client::try_send(targets[n % 2], "POST", "/v1/payments", &headers, "{}").await;
+            history.record("", &key, started, sent.map_err(|error| error.to_string()));
+            let deadline = Instant::now() + Duration::from_secs(20);
+            for attempt in 1.. {
+                let started = Instant::now();
+                let retry = [("idempotency-key", key.as_str())];
+                let sent =
+                    support::client::try_send(targets[(n + attempt) % 2], "POST", "/v1/payments", &retry, "{}").await;
+                let settled = matches!(&sent, Ok(response) if response.status != 409);
+                history.record("", &key, started, sent.map_err(|error| error.to_string()));
+                if settled {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "{key}: no answer in 20 s");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }));
+    }
+    for client in clients {
+        client.await.expect("a client");
+    }
+    let report = check(
+        &history,
+        &upstream.log(),
+        &redis.dump_ttls(),
+        &Contract {
+            retention: Duration::from_secs(3600),
+            run_started,
+            raw_keys: keys.clone(),
+            outage_windows: vec![],
+            resolving: true,
+        },
+    );
+    report.print("probes on two proxy processes");
+    report.assert_clean("probes on two proxy processes");
+    // Half were applied (replayed, reconciled), half released and run again.
+    let reconciled = history
+        .ops()
+        .iter()
+        .filter(|op| matches!(op.result, support::history::OpResult::Ok { reconciled: true, .. }))
+        .count();
+    assert_eq!(reconciled, 20, "{report:?}");
+    assert_eq!(upstream.total(), 60, "20 ran once, 20 ran again after a release");
+}
+
+/// The checker catches resolutions that disagree with the upstream: a reconciled
+/// replay of an operation that never took effect, and a key released (and run again)
+/// after its first execution took effect; and, on a run without resolutions, any
+/// change to an unknown key.
+#[tokio::test]
+async fn the_checker_catches_a_resolution_that_lies() {
+    use support::history::{Contract, History, check};
+    use support::upstream::Execution;
+    let at = Instant::now();
+    let execution = |id: u64, effect: bool, offset_ms: u64| Execution {
+        id,
+        at: at + Duration::from_millis(offset_ms),
+        key: "k".into(),
+        method: "POST".into(),
+        path: "/v1/payments".into(),
+        headers: http::HeaderMap::new(),
+        body: bytes::Bytes::new(),
+        effect,
+    };
+    let answer = |status: u16, headers: &[(&'static str, &str)], body: &str| {
+        let mut map = http::HeaderMap::new();
+        for (name, value) in headers {
+            map.insert(*name, value.parse().expect("a header"));
+        }
+        Ok(TestResponse {
+            status: http::StatusCode::from_u16(status).expect("a status"),
+            headers: map,
+            body: bytes::Bytes::from(body.to_string()),
+        })
+    };
+    let unknown = || {
+        answer(
+            504,
+            &[
+                ("content-type", "application/problem+json"),
+                ("cache-control", "no-store"),
+            ],
+            "{\"type\":\"urn:idemproxy:problem:upstream-timeout\",\"title\":\"t\",\"status\":504,\"detail\":\"d\"}",
+        )
+    };
+    let contract = |resolving| Contract {
+        retention: Duration::from_secs(3600),
+        run_started: at,
+        raw_keys: vec![],
+        outage_windows: vec![],
+        resolving,
+    };
+    let reconciled = [
+        ("x-execution-id", "1"),
+        ("idempotent-replayed", "true"),
+        ("idempotency-reconciled", "true"),
+    ];
+
+    // Applied, but the one execution never took effect.
+    let lie = History::default();
+    lie.record("", "k", at, unknown());
+    lie.record("", "k", Instant::now(), answer(200, &reconciled, "{}"));
+    let report = check(&lie, &[execution(1, false, 0)], &[], &contract(true));
+    assert_eq!(report.unknown_sticky_violations, 1, "{report:?}");
+    // The same answer, when it did take effect, is the truth.
+    let truth = check(&lie, &[execution(1, true, 0)], &[], &contract(true));
+    assert_eq!(truth.unknown_sticky_violations, 0, "{truth:?}");
+
+    // Released as not applied and run again, though the first took effect.
+    let released = History::default();
+    released.record("", "k", at, unknown());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    released.record("", "k", Instant::now(), answer(201, &[("x-execution-id", "2")], "{}"));
+    let runs = [execution(1, true, 0), execution(2, true, 50)];
+    let report = check(&released, &runs, &[], &contract(true));
+    assert!(report.unknown_sticky_violations >= 1, "{report:?}");
+    assert_eq!(report.max_executions_per_key, 2);
+    let honest = [execution(1, false, 0), execution(2, true, 50)];
+    assert_eq!(
+        check(&released, &honest, &[], &contract(true)).unknown_sticky_violations,
+        0
+    );
+    // Without resolutions in the run, even an honest release is a change.
+    assert!(check(&released, &honest, &[], &contract(false)).unknown_sticky_violations >= 1);
+}
