@@ -176,7 +176,8 @@ impl Proxy {
             record: guarded.record.clone(),
             key,
         };
-        let span = tracing::info_span!("reconcile", route = %job.route.name, record = job.record.short_hash());
+        let span =
+            tracing::info_span!(parent: None, "reconcile", route = %job.route.name, record = job.record.short_hash());
         let proxy = self.clone();
         // Not tracked for shutdown: a chain may wait minutes between probes. A probe cut
         // off by shutdown leaves its lease to run out, and another instance (or this
