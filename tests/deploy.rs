@@ -322,9 +322,13 @@ fn the_kubernetes_manifests_agree_with_their_config_and_the_image() {
 /// running proxy, with each family's sample names (`_total`, `_bucket`, ...).
 async fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
     let upstream = support::Upstream::start().await;
-    // With a shadow-mode route, so that its counters exist.
+    // With a shadow-mode route and a route with a probe, so that their counters exist.
     let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
     config.idempotency = "mode = \"shadow\"".into();
+    config.extra_routes = format!(
+        "[[route]]\nname = \"probed\"\npath_prefix = \"/v1/probed\"\nupstream = \"{}\"\n\n[route.idempotency]\n\n[route.idempotency.reconcile]\npath = \"/v1/probed/{{key}}\"\n",
+        upstream.url()
+    );
     let proxy = config.start().await;
     let metrics = send(proxy.admin(), "GET", "/metrics", &[], "").await;
     let metrics = String::from_utf8_lossy(&metrics.body).to_string();
