@@ -61,6 +61,16 @@ impl JsonPointer {
     }
 }
 
+impl std::fmt::Display for JsonPointer {
+    /// The pointer as RFC 6901 writes it, `~` and `/` escaped again.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for token in &self.0 {
+            write!(f, "/{}", token.replace('~', "~0").replace('/', "~1"))?;
+        }
+        Ok(())
+    }
+}
+
 /// The canonical form of `body`, leaving out what `ignore` points at; `None` when the
 /// body is not canonical JSON (see the module's rules).
 pub fn canonical(body: &[u8], ignore: &[JsonPointer]) -> Option<Vec<u8>> {

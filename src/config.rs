@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 pub use crate::canonical_json::JsonPointer;
 use crate::error::ConfigError;
+pub use crate::error::Profile;
 use crate::jwt::JwtVerifier;
 pub use crate::target::{PathPolicy, Spelling};
 
@@ -62,6 +63,9 @@ pub struct ServerConfig {
     pub max_waiters: usize,
     /// One log line per request, with target `idemproxy::access`.
     pub access_log: bool,
+    /// Where the proxy answers with its published idempotency contract
+    /// (`/.well-known/idempotency`); `None` when `contract_path = ""`.
+    pub contract_path: Option<String>,
     /// How request paths are made canonical before they are routed and forwarded.
     pub paths: PathPolicy,
     /// TLS on the listener, when configured.
@@ -253,6 +257,9 @@ pub struct Route {
     pub upstream_timeout: Duration,
     /// An HTTPS upstream's extra roots (`upstream_ca_file`), beside the webpki roots.
     pub upstream_tls: Option<Arc<rustls::ClientConfig>>,
+    /// Where the route's API documents its errors: problem responses carry
+    /// `Link: <docs_url>; rel="describedby"` and a `type` of `docs_url#slug`.
+    pub docs_url: Option<Arc<str>>,
     /// Shared, so a guarded request holds its policy without borrowing the route.
     pub idempotency: Option<Arc<IdempotencyPolicy>>,
 }
@@ -285,6 +292,8 @@ pub struct IdempotencyPolicy {
     /// `[route.idempotency.reconcile]`: how to ask the upstream what became of a
     /// request whose outcome is unknown.
     pub reconcile: Option<Reconcile>,
+    /// The statuses and error bodies the route's clients expect.
+    pub profile: Profile,
 }
 
 /// A route's reconciliation probe (DESIGN §14): a read-only request to the route's

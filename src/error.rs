@@ -242,11 +242,67 @@ pub(crate) struct Problem {
     pub(crate) operation: Option<String>,
     /// On a 409 `outcome-unknown`: whether the route's probe is reconciling it.
     pub(crate) reconciling: Option<bool>,
+    /// The route's `docs_url`: the problem's `type` is `docs_url#slug`, and a `Link`
+    /// names it as what describes the response.
+    pub(crate) docs_url: Option<std::sync::Arc<str>>,
+    /// The shape the route's clients expect.
+    pub(crate) profile: Profile,
     pub(crate) fault: Fault,
     pub(crate) outcome: Outcome,
 }
 
 pub(crate) const PROBLEM_TYPE_PREFIX: &str = "urn:idemproxy:problem:";
+
+/// `route.idempotency.profile`: the statuses and error bodies a route's clients
+/// expect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Profile {
+    /// RFC 9457 problem details, as the Idempotency-Key draft answers (422 on reuse).
+    #[default]
+    Ietf,
+    /// As Stripe's API answers: `{"error": {"type", "code", "message"}}`, key reuse a
+    /// 400 `idempotency_error`, so clients written against it handle it unchanged.
+    Stripe,
+}
+
+impl Profile {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Profile::Ietf => "ietf",
+            Profile::Stripe => "stripe",
+        }
+    }
+
+    /// The status `slug` is answered with under this profile: Stripe answers key
+    /// reuse with 400, not 422.
+    pub(crate) fn status(self, status: StatusCode, slug: &str) -> StatusCode {
+        match (self, slug) {
+            (Profile::Stripe, "idempotency-key-reused") => StatusCode::BAD_REQUEST,
+            _ => status,
+        }
+    }
+}
+
+/// Stripe's error `type` for a problem: the idempotency problems are
+/// `idempotency_error`, a client's other mistakes `invalid_request_error`, and what the
+/// proxy, the store or the upstream failed at `api_error`.
+fn stripe_type(slug: &str, fault: Fault) -> &'static str {
+    match (slug, fault) {
+        ("idempotency-key-reused" | "request-in-progress" | "outcome-unknown", _) => "idempotency_error",
+        (_, Fault::Client) => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
+/// Stripe's error `code`: its own word for a key in use by a request in flight, else
+/// the slug with underscores.
+fn stripe_code(slug: &str) -> String {
+    match slug {
+        "request-in-progress" => "idempotency_key_in_use".into(),
+        slug => slug.replace('-', "_"),
+    }
+}
 
 impl Rejection {
     /// The one mapping from a rejection to its status, problem slug, the sentence a
@@ -451,6 +507,8 @@ impl Rejection {
             authenticate,
             operation: None,
             reconciling,
+            docs_url: None,
+            profile: Profile::Ietf,
             fault,
             outcome,
         }
@@ -506,30 +564,65 @@ impl Rejection {
 }
 
 impl Problem {
-    /// Renders the problem as an `application/problem+json` response.
+    /// Renders the problem as its profile says: an `application/problem+json`
+    /// response, or Stripe's error object.
     pub(crate) fn into_response(self) -> Response<Bytes> {
-        let mut body = serde_json::json!({
-            "type": format!("{PROBLEM_TYPE_PREFIX}{}", self.slug),
-            "title": self.title,
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
-        if let Some(operation) = self.operation {
-            body["operation"] = serde_json::Value::String(operation);
-        }
-        if let Some(reconciling) = self.reconciling {
-            body["reconciling"] = serde_json::Value::Bool(reconciling);
-        }
+        let kind = match &self.docs_url {
+            Some(docs) => format!("{docs}#{}", self.slug),
+            None => format!("{PROBLEM_TYPE_PREFIX}{}", self.slug),
+        };
+        let status = self.profile.status(self.status, self.slug);
+        let (content_type, body) = match self.profile {
+            Profile::Ietf => {
+                let mut body = serde_json::json!({
+                    "type": kind,
+                    "title": self.title,
+                    "status": status.as_u16(),
+                    "detail": self.detail,
+                });
+                if let Some(operation) = &self.operation {
+                    body["operation"] = serde_json::Value::String(operation.clone());
+                }
+                if let Some(reconciling) = self.reconciling {
+                    body["reconciling"] = serde_json::Value::Bool(reconciling);
+                }
+                ("application/problem+json", body)
+            }
+            Profile::Stripe => {
+                let mut error = serde_json::json!({
+                    "type": stripe_type(self.slug, self.fault),
+                    "code": stripe_code(self.slug),
+                    "message": self.detail,
+                });
+                if self.docs_url.is_some() {
+                    error["doc_url"] = serde_json::Value::String(kind);
+                }
+                if let Some(operation) = &self.operation {
+                    error["operation"] = serde_json::Value::String(operation.clone());
+                }
+                if let Some(reconciling) = self.reconciling {
+                    error["reconciling"] = serde_json::Value::Bool(reconciling);
+                }
+                ("application/json", serde_json::json!({ "error": error }))
+            }
+        };
         let mut response = Response::new(Bytes::from(body.to_string()));
-        *response.status_mut() = self.status;
+        *response.status_mut() = status;
         let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(seconds) = self.retry_after {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
         if let Some(challenge) = self.authenticate {
             headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+        }
+        if let Some(link) = self
+            .docs_url
+            .as_deref()
+            .and_then(|docs| HeaderValue::try_from(format!("<{docs}>; rel=\"describedby\"")).ok())
+        {
+            headers.insert(http::header::LINK, link);
         }
         response
     }

@@ -50,6 +50,8 @@ mod admin;
 mod body;
 pub mod canonical_json;
 pub mod config;
+pub mod conformance;
+pub mod contract;
 pub mod error;
 pub mod idempotency;
 pub mod jwt;

@@ -38,6 +38,38 @@ enum Command {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
+    /// Print the published idempotency contract of the config's guarded routes: the
+    /// document /.well-known/idempotency serves (json), an OpenAPI 3.1 fragment, or a
+    /// Markdown page for an API portal.
+    Contract {
+        #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
+        config: PathBuf,
+        #[arg(long, value_enum, default_value_t = ContractFormat::Json)]
+        format: ContractFormat,
+    },
+    /// Run the contract's black-box cases against an endpoint (idemproxy or anything
+    /// else) and print one line per case. Exit status: 0 when no case failed, 1
+    /// otherwise.
+    Conformance {
+        /// The endpoint's base URL, e.g. http://127.0.0.1:8080.
+        url: String,
+        /// The guarded path the cases POST to.
+        #[arg(long, default_value = "/")]
+        path: String,
+        /// A path under the same guard that answers in more than a second, for the
+        /// in-flight duplicate case (without it, that case cannot tell).
+        #[arg(long, value_name = "PATH")]
+        slow_path: Option<String>,
+        /// Sent with every request, NAME:VALUE; repeat for each.
+        #[arg(long = "header", value_name = "NAME:VALUE")]
+        headers: Vec<String>,
+        /// The request body.
+        #[arg(long, default_value = "{}")]
+        body: String,
+        /// The idempotency key's header.
+        #[arg(long, default_value = "Idempotency-Key")]
+        key_header: String,
+    },
     /// Show, purge, release or resolve one record through the running proxy's admin
     /// listener (needs admin.token_file). Exit status: 0 done, 3 no such record, 4
     /// release or resolve refused (the record is not unknown), 1 any other failure.
@@ -130,6 +162,13 @@ const EXIT_NOT_FOUND: u8 = 3;
 const EXIT_REFUSED: u8 = 4;
 
 #[derive(Clone, Copy, ValueEnum)]
+enum ContractFormat {
+    Json,
+    Openapi,
+    Markdown,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
     Text,
     Json,
@@ -141,6 +180,18 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Check { config } => check(&config),
         Command::Serve { config } => serve(&config),
+        Command::Contract { config, format } => contract(&config, format),
+        Command::Conformance {
+            url,
+            path,
+            slow_path,
+            headers,
+            body,
+            key_header,
+        } => match conformance(url, path, slow_path, &headers, body, &key_header) {
+            Ok(code) => return code,
+            Err(error) => Err(error),
+        },
         Command::Records {
             action,
             route,
@@ -199,6 +250,77 @@ fn check(path: &std::path::Path) -> anyhow::Result<()> {
         eprintln!("idemproxy: warning: {warning}");
     }
     Ok(())
+}
+
+fn contract(path: &std::path::Path, format: ContractFormat) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    let out = match format {
+        ContractFormat::Json => {
+            serde_json::to_string_pretty(&idemproxy::contract::document(&config.routes)).context("cannot write JSON")?
+        }
+        ContractFormat::Openapi => {
+            let version = config.sha256.get(..12).unwrap_or(&config.sha256);
+            serde_json::to_string_pretty(&idemproxy::contract::openapi(&config.routes, version))
+                .context("cannot write JSON")?
+        }
+        ContractFormat::Markdown => idemproxy::contract::markdown(&config.routes),
+    };
+    println!("{}", out.trim_end());
+    Ok(())
+}
+
+/// Runs the conformance cases and prints them; exit 1 when one failed.
+fn conformance(
+    url: String,
+    path: String,
+    slow_path: Option<String>,
+    headers: &[String],
+    body: String,
+    key_header: &str,
+) -> anyhow::Result<ExitCode> {
+    use idemproxy::conformance::{Target, Verdict};
+    let mut parsed = Vec::with_capacity(headers.len());
+    for header in headers {
+        let (name, value) = header
+            .split_once(':')
+            .with_context(|| format!("--header {header:?}: give NAME:VALUE"))?;
+        parsed.push((
+            http::HeaderName::from_bytes(name.trim().as_bytes())
+                .with_context(|| format!("--header {name:?}: not a field name"))?,
+            http::HeaderValue::from_str(value.trim())
+                .with_context(|| format!("--header {header:?}: not a field value"))?,
+        ));
+    }
+    let target = Target {
+        base: url.clone(),
+        path,
+        slow_path,
+        headers: parsed,
+        body,
+        key_header: http::HeaderName::from_bytes(key_header.as_bytes())
+            .with_context(|| format!("--key-header {key_header:?}: not a field name"))?,
+        timeout: std::time::Duration::from_secs(30),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    let cases = runtime.block_on(idemproxy::conformance::run(target))?;
+    println!("conformance of {url}:");
+    for case in &cases {
+        println!("  {:<14} {:<20} {}", case.verdict.as_str(), case.name, case.saw);
+    }
+    let failed = cases.iter().filter(|case| case.verdict == Verdict::Fail).count();
+    let unknown = cases.iter().filter(|case| case.verdict == Verdict::Unknown).count();
+    println!(
+        "{} passed, {failed} failed, {unknown} could not tell",
+        cases.len() - failed - unknown
+    );
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// Runs one records call and prints its answer; the exit status says how it went.

@@ -18,7 +18,7 @@ use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
-use self::admit::Admitted;
+use self::admit::{Admission, Admitted};
 use self::claim::{Ledger, OwnedClaim};
 use self::exchange::send;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
@@ -38,6 +38,7 @@ mod exchange;
 mod reconcile;
 mod shadow;
 mod wait;
+mod well_known;
 
 pub(crate) use self::context::GuardedRequests;
 use self::context::{Guarded, Named, Prepared};
@@ -150,7 +151,11 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient, probes: &Prob
             .map(|reconcile| probes.permits(&route.name, reconcile.max_concurrent));
         routes.push(state);
     }
-    Ok(Router::new(routes, config.server.paths))
+    Ok(Router::new(
+        routes,
+        config.server.paths,
+        config.server.contract_path.clone(),
+    ))
 }
 
 impl Proxy {
@@ -210,7 +215,8 @@ impl Proxy {
 
     async fn serve(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
         let Admitted { request, route, guard } = match self.admit(request) {
-            Ok(admitted) => admitted,
+            Ok(Admission::Route(admitted)) => admitted,
+            Ok(Admission::Contract { request, host }) => return self.contract(&request, host.as_deref()),
             Err(refused) => return self.finish(refused.route.as_deref(), None, Err(refused.rejection.into())),
         };
         match guard {
@@ -332,6 +338,15 @@ impl Proxy {
             Err(refusal) => {
                 let mut problem = refusal.rejection.problem();
                 problem.operation = refusal.operation;
+                if let Some(route) = route {
+                    problem.docs_url = route.route.docs_url.clone();
+                    problem.profile = route
+                        .route
+                        .idempotency
+                        .as_ref()
+                        .map(|policy| policy.profile)
+                        .unwrap_or_default();
+                }
                 let name = route.map_or("-", |route| &*route.name);
                 let (status, slug) = (problem.status.as_u16(), problem.slug);
                 let error = DisplayChain(&refusal.rejection);

@@ -59,10 +59,12 @@ pub(crate) struct Router {
     pub(crate) paths: PathPolicy,
     /// Every method some route guards.
     pub(crate) guarded_methods: Vec<Method>,
+    /// `server.contract_path`: where the proxy answers with its published contract.
+    pub(crate) contract_path: Option<String>,
 }
 
 impl Router {
-    pub(crate) fn new(routes: Vec<RouteState>, paths: PathPolicy) -> Router {
+    pub(crate) fn new(routes: Vec<RouteState>, paths: PathPolicy, contract_path: Option<String>) -> Router {
         let mut routes: Vec<Arc<RouteState>> = routes.into_iter().map(Arc::new).collect();
         routes.sort_by(|a, b| {
             let (a, b) = (&a.route, &b.route);
@@ -83,7 +85,13 @@ impl Router {
             routes: routes.into(),
             paths,
             guarded_methods,
+            contract_path,
         }
+    }
+
+    /// Every route's config, best match first.
+    pub(crate) fn configs(&self) -> impl Iterator<Item = &Route> {
+        self.routes.iter().map(|state| &state.route)
     }
 
     /// The route for `host` (without port, any case) and `path`, if one matches.
@@ -147,6 +155,7 @@ mod tests {
             upstream: Target::try_from("http://127.0.0.1:9".parse::<http::Uri>().expect("uri")).expect("target"),
             upstream_timeout: Duration::from_secs(1),
             upstream_tls: None,
+            docs_url: None,
             idempotency: None,
         }
     }
@@ -166,6 +175,7 @@ mod tests {
                 })
                 .collect(),
             PathPolicy::default(),
+            None,
         )
     }
 

@@ -9,6 +9,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{Mode, OnServerError, OnStoreError, UpstreamKey};
+use crate::error::Profile;
 use crate::target::Spelling;
 
 #[derive(Deserialize)]
@@ -37,6 +38,7 @@ pub(super) struct RawServer {
     pub(super) max_buffered_bytes: Spanned<u64>,
     pub(super) max_waiters: Spanned<usize>,
     pub(super) access_log: bool,
+    pub(super) contract_path: Spanned<String>,
     pub(super) merge_slashes: bool,
     pub(super) escaped_slashes: Spelling,
     pub(super) path_parameters: Spelling,
@@ -65,6 +67,7 @@ impl Default for RawServer {
             max_buffered_bytes: Spanned::new(0..0, super::DEFAULT_MAX_BUFFERED_BYTES),
             max_waiters: Spanned::new(0..0, super::DEFAULT_MAX_WAITERS),
             access_log: false,
+            contract_path: Spanned::new(0..0, "/.well-known/idempotency".into()),
             merge_slashes: true,
             escaped_slashes: Spelling::Reject,
             path_parameters: Spelling::Reject,
@@ -148,6 +151,7 @@ pub(super) struct RawRoute {
     #[serde(default = "default_upstream_timeout")]
     pub(super) upstream_timeout: Spanned<HumanDuration>,
     pub(super) upstream_ca_file: Option<Spanned<String>>,
+    pub(super) docs_url: Option<Spanned<String>>,
     pub(super) idempotency: Option<RawIdempotency>,
 }
 
@@ -176,6 +180,7 @@ pub(super) struct RawIdempotency {
     pub(super) upstream_key: UpstreamKey,
     pub(super) upstream_key_header: Spanned<String>,
     pub(super) reconcile: Option<Spanned<RawReconcile>>,
+    pub(super) profile: Profile,
 }
 
 #[derive(Deserialize)]
@@ -255,6 +260,7 @@ impl Default for RawIdempotency {
             upstream_key: UpstreamKey::Client,
             upstream_key_header: Spanned::new(0..0, "Idempotency-Key".into()),
             reconcile: None,
+            profile: Profile::Ietf,
         }
     }
 }

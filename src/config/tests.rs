@@ -665,3 +665,38 @@ fn a_reconcile_probe_is_read_only_and_names_only_what_it_may() {
     assert!(error(&none("/v1/by-key/{key}")).contains("upstream_key = \"none\""));
     assert!(parse(&none("/v1/ops/{record}")).is_ok());
 }
+
+#[test]
+fn docs_url_profile_and_contract_path_are_checked() {
+    let route = |lines: &str, policy: &str| format!("[server]\n{lines}\n{ROUTE}{policy}\n");
+    let docs = parse(&route(
+        "",
+        "docs_url = \"https://docs.example.com/errors\"\n[route.idempotency]\nprofile = \"stripe\"",
+    ))
+    .expect("valid");
+    assert_eq!(
+        docs.routes[0].docs_url.as_deref(),
+        Some("https://docs.example.com/errors")
+    );
+    assert_eq!(
+        docs.routes[0].idempotency.as_ref().map(|policy| policy.profile),
+        Some(crate::error::Profile::Stripe)
+    );
+    assert_eq!(docs.server.contract_path.as_deref(), Some("/.well-known/idempotency"));
+    for (url, says) in [
+        ("docs.example.com/errors", "not an absolute http or https URL"),
+        ("ftp://docs.example.com/", "not an absolute http or https URL"),
+        ("https://docs.example.com/errors#top", "has a fragment"),
+    ] {
+        let message = error(&route("", &format!("docs_url = {url:?}")));
+        assert!(
+            message.contains("route[0].docs_url") && message.contains(says),
+            "{url}: {message}"
+        );
+    }
+    assert!(error(&route("", "[route.idempotency]\nprofile = \"paypal\"")).contains("route[0].idempotency.profile"));
+    let off = parse(&route("contract_path = \"\"", "")).expect("valid");
+    assert_eq!(off.server.contract_path, None);
+    let message = error(&route("contract_path = \"idempotency\"", ""));
+    assert!(message.contains("server.contract_path"), "{message}");
+}

@@ -229,7 +229,23 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let contract_path = match raw.contract_path.get_ref().as_str() {
+            "" => None,
+            path if path.starts_with('/') && path.parse::<http::uri::PathAndQuery>().is_ok() && !path.contains('?') => {
+                Some(path.to_string())
+            }
+            path => {
+                return Err(self.error(
+                    raw.contract_path.span(),
+                    "server.contract_path",
+                    format!(
+                        "{path:?} is not a path (it must begin with /, with no query); \"\" turns the document off"
+                    ),
+                ));
+            }
+        };
         Ok(ServerConfig {
+            contract_path,
             tls,
             workers,
             max_connections: raw.max_connections.into_inner(),
@@ -625,7 +641,12 @@ impl Validator<'_> {
             )?)),
             None => None,
         };
+        let docs_url = match &raw.docs_url {
+            None => None,
+            Some(url) => Some(self.docs_url(url, field("docs_url"))?),
+        };
         Ok(Route {
+            docs_url,
             name: raw.name.into_inner(),
             path_prefix: raw.path_prefix.into_inner(),
             host,
@@ -742,6 +763,7 @@ impl Validator<'_> {
             upstream_key: raw.upstream_key,
             upstream_key_header,
             reconcile,
+            profile: raw.profile,
         })
     }
 
@@ -848,6 +870,24 @@ impl Validator<'_> {
             timeout,
             max_concurrent,
         })
+    }
+
+    /// A `docs_url`: an absolute `http` or `https` URL without a fragment (the
+    /// problem's slug becomes its fragment), usable as a `Link` target.
+    fn docs_url(&self, raw: &Spanned<String>, field: String) -> Result<Arc<str>, ConfigError> {
+        let text = raw.get_ref();
+        let bad = |reason: &str| self.error(raw.span(), field.clone(), format!("{text:?} {reason}"));
+        if text.contains('#') {
+            return Err(bad("has a fragment: the problem's slug is appended as one"));
+        }
+        let uri: http::Uri = text.parse().map_err(|_| bad("is not an absolute http or https URL"))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+            return Err(bad("is not an absolute http or https URL"));
+        }
+        if text.bytes().any(|byte| matches!(byte, b'<' | b'>' | b'"' | b' ')) {
+            return Err(bad("has a character a Link header cannot carry"));
+        }
+        Ok(Arc::from(text.as_str()))
     }
 
     /// A probe path: begins with `/`, and every `{…}` in it is `{key}` or `{record}`;

@@ -24,6 +24,17 @@ pub(super) struct Admitted {
     pub(super) guard: Option<Arc<IdempotencyPolicy>>,
 }
 
+/// What admission makes of a request: one for a route, or one for the published
+/// contract, answered by the proxy itself and never forwarded.
+pub(super) enum Admission {
+    Route(Admitted),
+    Contract {
+        request: Request<Incoming>,
+        /// The request's host, without its port.
+        host: Option<String>,
+    },
+}
+
 /// Why a request is not admitted, and the route it matched, when it got that far.
 pub(super) struct NotAdmitted {
     pub(super) route: Option<Arc<RouteState>>,
@@ -43,7 +54,7 @@ impl From<TargetError> for NotAdmitted {
 }
 
 impl Proxy {
-    pub(super) fn admit(&self, mut request: Request<Incoming>) -> Result<Admitted, NotAdmitted> {
+    pub(super) fn admit(&self, mut request: Request<Incoming>) -> Result<Admission, NotAdmitted> {
         let router = self.shared.router.load();
         let authority = target::authority(request.version(), request.uri(), request.headers())?;
         if let Cow::Owned(path) = target::canonical_path(request.uri().path(), &router.paths)? {
@@ -61,6 +72,11 @@ impl Proxy {
             .and_then(|host| host.to_str().ok())
             .map(target::host_of);
         let path = request.uri().path();
+        // Matched on the canonical path, so no other spelling of it is forwarded.
+        if router.contract_path.as_deref() == Some(path) {
+            let host = host.map(str::to_string);
+            return Ok(Admission::Contract { request, host });
+        }
         let route = router.route(host, path).cloned().ok_or(Rejection::NoRoute)?;
         let refused = |route: &Arc<RouteState>, error: TargetError| NotAdmitted {
             route: Some(route.clone()),
@@ -79,7 +95,7 @@ impl Proxy {
         if guard.is_none() && case_variant_guards(&router, host, &request, &route) {
             return Err(refused(&route, TargetError::CaseVariant));
         }
-        Ok(Admitted { request, route, guard })
+        Ok(Admission::Route(Admitted { request, route, guard }))
     }
 }
 

@@ -10,6 +10,7 @@
 //! - `x-test-fail: truncate` send the head, then close mid-body
 //! - `x-test-response-header: NAME: VALUE` add that field to the response (repeatable)
 //! - `x-test-effect: never` the request is executed (logged) but never takes effect
+//! - a path ending in `/slow` answers after 1.5 s
 //!
 //! It also answers the lookups a reconciliation probe makes, without logging them as
 //! executions: `GET` or `HEAD /v1/payments/by-key/{key}` is 200 with the execution of
@@ -361,6 +362,9 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
     });
     state.arrived.notify_waiters();
 
+    if parts.uri.path().ends_with("/slow") {
+        tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+    }
     if let Some(name) = header(&parts.headers, "x-test-hold") {
         let mut released = gate(&state, name).subscribe();
         let _ = released.wait_for(|open| *open).await;

@@ -1,0 +1,310 @@
+//! `idemproxy conformance URL`: the published contract's black-box cases, run against
+//! any endpoint (DESIGN §15): first use, a replay identical and marked, the key reused
+//! with another request, a duplicate while the first is in flight, a missing key, an
+//! over-long key, a key sent twice. A dozen requests at most, each with a fresh random
+//! key. Every case passes, fails (the endpoint did what the contract rules out), or
+//! could not tell (the endpoint answered something that decides neither way).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
+use http_body_util::BodyExt;
+
+use crate::body::full;
+use crate::upstream::{self, HttpClient};
+
+/// What to run the cases against.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// The endpoint's base URL, `http://` or `https://`.
+    pub base: String,
+    /// The guarded path the cases POST to.
+    pub path: String,
+    /// A path under the same guard that answers slowly, for the in-flight case.
+    pub slow_path: Option<String>,
+    /// Sent with every request (a token, a content type).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// The request body (`{}` by default).
+    pub body: String,
+    /// The idempotency key's header.
+    pub key_header: HeaderName,
+    /// How long one request may take.
+    pub timeout: Duration,
+}
+
+/// How a case ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Pass,
+    Fail,
+    /// The answers decide neither way (the endpoint refused the first request, say).
+    Unknown,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Pass => "pass",
+            Verdict::Fail => "FAIL",
+            Verdict::Unknown => "could not tell",
+        }
+    }
+}
+
+/// One case's result: its name, verdict and what was seen.
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub name: &'static str,
+    pub verdict: Verdict,
+    pub saw: String,
+}
+
+/// What one request got back.
+struct Seen {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Seen {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|value| value == "true")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConformanceError {
+    #[error("{0:?} is not an http:// or https:// URL with a host")]
+    Url(String),
+    #[error("cannot make the HTTP client: {0}")]
+    Client(#[source] rustls::Error),
+    #[error("cannot make a random key")]
+    Random,
+}
+
+struct Runner {
+    client: HttpClient,
+    target: Target,
+    base: Uri,
+    prefix: String,
+}
+
+/// Runs every case against `target`, in order.
+pub async fn run(target: Target) -> Result<Vec<Case>, ConformanceError> {
+    let base: Uri = target
+        .base
+        .parse()
+        .map_err(|_| ConformanceError::Url(target.base.clone()))?;
+    if !matches!(base.scheme_str(), Some("http" | "https")) || base.authority().is_none() {
+        return Err(ConformanceError::Url(target.base.clone()));
+    }
+    let token = crate::store::OwnerToken::generate().map_err(|_| ConformanceError::Random)?;
+    let runner = Runner {
+        client: upstream::client(None).map_err(ConformanceError::Client)?,
+        prefix: format!("conformance-{}", &token.to_hex()[..12]),
+        target,
+        base,
+    };
+    Ok(runner.cases().await)
+}
+
+impl Runner {
+    fn key(&self, case: &str) -> String {
+        format!("{}-{case}", self.prefix)
+    }
+
+    async fn send(&self, path: &str, keys: &[&str], body: &str) -> Result<Seen, String> {
+        let base = self.target.base.trim_end_matches('/');
+        let uri: Uri = format!("{base}{path}")
+            .parse()
+            .map_err(|_| format!("{base}{path} is not a URL"))?;
+        let mut request = Request::new(full(Bytes::from(body.to_string())));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = uri;
+        let headers = request.headers_mut();
+        if let Some(authority) = self.base.authority()
+            && let Ok(host) = HeaderValue::try_from(authority.as_str())
+        {
+            headers.insert(http::header::HOST, host);
+        }
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        for (name, value) in &self.target.headers {
+            headers.insert(name.clone(), value.clone());
+        }
+        for key in keys {
+            let value = HeaderValue::try_from(*key).map_err(|_| "a key that is not a header value".to_string())?;
+            headers.append(self.target.key_header.clone(), value);
+        }
+        let exchange = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|error| format!("{error:?}"))?;
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.map_err(|error| error.to_string())?.to_bytes();
+            Ok(Seen {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        tokio::time::timeout(self.target.timeout, exchange)
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.target.timeout)))
+    }
+
+    async fn cases(&self) -> Vec<Case> {
+        let path = &self.target.path;
+        let body = &self.target.body;
+        let mut cases = Vec::new();
+        let case = |name, verdict, saw: String| Case { name, verdict, saw };
+
+        // First use, and its replay.
+        let key = self.key("first");
+        let first = self.send(path, &[&key], body).await;
+        let first = match first {
+            Ok(seen) if seen.status.is_success() => {
+                cases.push(case("first use", Verdict::Pass, format!("{}", seen.status)));
+                Some(seen)
+            }
+            Ok(seen) => {
+                cases.push(case(
+                    "first use",
+                    Verdict::Unknown,
+                    format!("{} (not a 2xx: check --path, --header and --body)", seen.status),
+                ));
+                None
+            }
+            Err(error) => {
+                cases.push(case("first use", Verdict::Unknown, error));
+                None
+            }
+        };
+        match &first {
+            None => cases.push(case("replay", Verdict::Unknown, "no first answer to replay".into())),
+            Some(first) => cases.push(match self.send(path, &[&key], body).await {
+                Err(error) => case("replay", Verdict::Unknown, error),
+                Ok(again) if again.status != first.status || again.body != first.body => case(
+                    "replay",
+                    Verdict::Fail,
+                    format!(
+                        "{} with another body: the operation ran again (first {})",
+                        again.status, first.status
+                    ),
+                ),
+                Ok(again) if !again.replayed() => case(
+                    "replay",
+                    Verdict::Fail,
+                    format!("{}, the same body, but no Idempotent-Replayed: true", again.status),
+                ),
+                Ok(again) => case(
+                    "replay",
+                    Verdict::Pass,
+                    format!("{}, the same body, Idempotent-Replayed: true", again.status),
+                ),
+            }),
+        }
+
+        // The same key with another request.
+        let other = other_body(body);
+        cases.push(match (&first, self.send(path, &[&key], &other).await) {
+            (_, Err(error)) => case("key reuse", Verdict::Unknown, error),
+            (_, Ok(seen)) if matches!(seen.status.as_u16(), 400 | 409 | 422) => {
+                case("key reuse", Verdict::Pass, format!("{}", seen.status))
+            }
+            (_, Ok(seen)) if seen.status.is_success() => case(
+                "key reuse",
+                Verdict::Fail,
+                format!("{}: another request with the same key was accepted", seen.status),
+            ),
+            (_, Ok(seen)) => case("key reuse", Verdict::Unknown, format!("{}", seen.status)),
+        });
+
+        cases.push(self.in_flight().await);
+
+        // Keys the contract refuses.
+        let long = "k".repeat(crate::idempotency::MAX_KEY_LEN + 1);
+        let twice = [self.key("twice-a"), self.key("twice-b")];
+        for (name, keys) in [
+            ("missing key", Vec::new()),
+            ("over-long key", vec![long.as_str()]),
+            ("key sent twice", vec![twice[0].as_str(), twice[1].as_str()]),
+        ] {
+            cases.push(match self.send(path, &keys, body).await {
+                Err(error) => case(name, Verdict::Unknown, error),
+                Ok(seen) if seen.status == StatusCode::BAD_REQUEST => {
+                    case(name, Verdict::Pass, format!("{}", seen.status))
+                }
+                Ok(seen) if seen.status.is_success() => case(
+                    name,
+                    Verdict::Fail,
+                    format!("{}: accepted, so it ran unguarded", seen.status),
+                ),
+                Ok(seen) => case(name, Verdict::Unknown, format!("{}", seen.status)),
+            });
+        }
+        cases
+    }
+
+    /// A duplicate sent while the first request (to the slow path) is in flight must
+    /// be refused, not run a second time.
+    async fn in_flight(&self) -> Case {
+        const NAME: &str = "in-flight duplicate";
+        let Some(slow) = &self.target.slow_path else {
+            return Case {
+                name: NAME,
+                verdict: Verdict::Unknown,
+                saw: "no --slow-path given: nothing stays in flight long enough".into(),
+            };
+        };
+        let key = self.key("in-flight");
+        let keys = [key.as_str()];
+        let body = &self.target.body;
+        let first = self.send(slow, &keys, body);
+        let duplicate = async {
+            // Sent once the first has had time to reach the endpoint.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            self.send(slow, &keys, body).await
+        };
+        let (first, duplicate) = tokio::join!(first, duplicate);
+        let (verdict, saw) = match (first, duplicate) {
+            (_, Err(error)) => (Verdict::Unknown, error),
+            (_, Ok(seen)) if seen.status == StatusCode::CONFLICT => {
+                (Verdict::Pass, format!("{} while the first was in flight", seen.status))
+            }
+            (Ok(first), Ok(seen)) if seen.status.is_success() && seen.replayed() && seen.body == first.body => (
+                Verdict::Unknown,
+                format!(
+                    "{} replayed: the first had already finished (use a slower --slow-path)",
+                    seen.status
+                ),
+            ),
+            (_, Ok(seen)) if seen.status.is_success() => (
+                Verdict::Fail,
+                format!("{}: the duplicate ran while the first was in flight", seen.status),
+            ),
+            (_, Ok(seen)) => (Verdict::Unknown, format!("{}", seen.status)),
+        };
+        Case {
+            name: NAME,
+            verdict,
+            saw,
+        }
+    }
+}
+
+/// Another request body: a JSON object with one more member, else the body with a
+/// suffix.
+fn other_body(body: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut object)) => {
+            object.insert("idemproxy_conformance".into(), serde_json::Value::Bool(true));
+            serde_json::Value::Object(object).to_string()
+        }
+        _ => format!("{body} "),
+    }
+}

@@ -1,0 +1,456 @@
+//! The published idempotency contract (DESIGN §15): what a client of each guarded route
+//! may rely on (its key rules, how long a key lives, what the fingerprint covers, every
+//! status and problem it can answer with), as the `/.well-known/idempotency` document,
+//! an OpenAPI 3.1 fragment, and a Markdown page for an API portal. Made from the
+//! validated config alone: pure, no I/O.
+
+use serde_json::{Value, json};
+
+use crate::config::{FingerprintBody, IdempotencyPolicy, Mode, Profile, Route, UpstreamKey};
+use crate::idempotency::MAX_KEY_LEN;
+
+/// The draft this contract follows.
+pub const SPECIFICATION: &str = "https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/";
+
+/// One answer a guarded route can give besides the upstream's own: its status (under
+/// the IETF profile), its problem slug, what it means, and on which routes it occurs.
+struct Answer {
+    status: u16,
+    slug: &'static str,
+    meaning: &'static str,
+    when: fn(&IdempotencyPolicy) -> bool,
+}
+
+const ALWAYS: fn(&IdempotencyPolicy) -> bool = |_| true;
+
+/// Every problem a guarded route can answer with. `tests` holds each row to the one
+/// mapping in `error.rs`, so that the contract cannot drift from what is answered.
+const ANSWERS: &[Answer] = &[
+    Answer {
+        status: 400,
+        slug: "missing-idempotency-key",
+        meaning: "the route requires a key and the request has none; nothing was forwarded",
+        when: |policy| policy.required,
+    },
+    Answer {
+        status: 400,
+        slug: "invalid-idempotency-key",
+        meaning: "the key is empty, too long, repeated, a list, or not visible ASCII; nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 422,
+        slug: "idempotency-key-reused",
+        meaning: "the key was first used with a different request (method, path, query, fingerprinted headers or body); nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 409,
+        slug: "request-in-progress",
+        meaning: "the first request with this key is still in flight; retry after Retry-After",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 409,
+        slug: "outcome-unknown",
+        meaning: "the first request with this key was sent but its outcome could not be learned; `operation` names it, and `reconciling` says whether the proxy is asking the upstream (retry after Retry-After) or an operator must resolve it",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 401,
+        slug: "unverified-scope",
+        meaning: "the bearer token that scopes the key is missing or does not verify; nothing was forwarded",
+        when: |policy| policy.scope_jwt.is_some(),
+    },
+    Answer {
+        status: 413,
+        slug: "request-body-too-large",
+        meaning: "the body is over the proxy's limit; nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 408,
+        slug: "request-body-timeout",
+        meaning: "the body did not arrive in time; nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 400,
+        slug: "request-body-incomplete",
+        meaning: "the body broke off; nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 429,
+        slug: "scope-full",
+        meaning: "this client's live keys hold its share of the store; retry after Retry-After, nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 503,
+        slug: "overloaded",
+        meaning: "the proxy is at its bound on guarded requests in flight; retry, nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 503,
+        slug: "store-unavailable",
+        meaning: "the idempotency store did not answer; retry, nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 503,
+        slug: "store-full",
+        meaning: "the idempotency store is full; retry, nothing was forwarded",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 502,
+        slug: "upstream-unavailable",
+        meaning: "the upstream refused the connection; nothing was sent, and a retry runs again",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 504,
+        slug: "upstream-timeout",
+        meaning: "the upstream did not answer in time; the outcome is unknown, and retries get 409 outcome-unknown until it is learned",
+        when: ALWAYS,
+    },
+    Answer {
+        status: 502,
+        slug: "upstream-failed",
+        meaning: "the exchange broke after the request was sent; the outcome is unknown, and retries get 409 outcome-unknown until it is learned",
+        when: ALWAYS,
+    },
+];
+
+/// The contract of `routes` (the guarded ones among them), as the well-known document.
+pub fn document<'a>(routes: impl IntoIterator<Item = &'a Route>) -> Value {
+    let routes: Vec<Value> = routes
+        .into_iter()
+        .filter_map(|route| route.idempotency.as_deref().map(|policy| describe(route, policy)))
+        .collect();
+    json!({
+        "specification": SPECIFICATION,
+        "routes": routes,
+    })
+}
+
+fn problem_type(route: &Route, slug: &str) -> String {
+    match &route.docs_url {
+        Some(docs) => format!("{docs}#{slug}"),
+        None => format!("{}{slug}", crate::error::PROBLEM_TYPE_PREFIX),
+    }
+}
+
+fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
+    let (body, ignored) = match &policy.fingerprint_body {
+        FingerprintBody::Bytes => ("bytes", Vec::new()),
+        FingerprintBody::Json { ignore } => ("json", ignore.iter().map(ToString::to_string).collect()),
+    };
+    let mut covers = vec!["method".to_string(), "path".into(), "query".into()];
+    covers.extend(policy.fingerprint_headers.iter().map(|name| format!("header {name}")));
+    covers.push(match body {
+        "json" => "body, as canonical JSON (bytes when it is not JSON)".into(),
+        _ => "body bytes".into(),
+    });
+    let responses: Vec<Value> = answers(policy)
+        .map(|(status, answer)| {
+            json!({
+                "status": status,
+                "problem": answer.slug,
+                "type": problem_type(route, answer.slug),
+                "meaning": answer.meaning,
+            })
+        })
+        .collect();
+    let millis = |duration: std::time::Duration| u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+    json!({
+        "name": route.name,
+        "host": route.host,
+        "path_prefix": route.path_prefix,
+        "methods": policy.methods.iter().map(|method| method.as_str()).collect::<Vec<_>>(),
+        "header": header_name(policy),
+        "required": policy.required,
+        "key": {
+            "min_length": 1,
+            "max_length": MAX_KEY_LEN,
+            "characters": "visible ASCII (0x21 to 0x7E)",
+            "forms": ["a bare token: abc", "an RFC 8941 string: \"abc\" (the same key)"],
+            "repeated": "refused: one field line, one key",
+        },
+        "retention_seconds": policy.retention.as_secs(),
+        "expiry": "a key lives retention_seconds from its first request; after that it is free, and a request with it runs as new",
+        "scope": {
+            "headers": policy.scope_headers.iter().map(|name| name.as_str()).collect::<Vec<_>>(),
+            "jwt_claim": policy.scope_jwt.as_ref().map(|jwt| jwt.describe()),
+        },
+        "fingerprint": {
+            "covers": covers,
+            "headers": policy.fingerprint_headers.iter().map(|name| name.as_str()).collect::<Vec<_>>(),
+            "body": body,
+            "ignored_json_pointers": ignored,
+        },
+        "wait_for_in_flight_ms": millis(policy.wait_for_in_flight),
+        "mode": match policy.mode {
+            Mode::Enforce => "enforce",
+            Mode::Shadow => "shadow",
+        },
+        "profile": policy.profile.as_str(),
+        "replay": {
+            "marker": "Idempotent-Replayed: true",
+            "reconciled_marker": "Idempotency-Reconciled: true",
+            "meaning": "a retry of a completed request gets the recorded response again (status, headers, body), with the marker; a response learned by resolving an unknown outcome carries both",
+        },
+        "upstream_key": match policy.upstream_key {
+            UpstreamKey::Client => "client",
+            UpstreamKey::Derived => "derived",
+            UpstreamKey::None => "none",
+        },
+        "reconcile": route.reconcile().map(|reconcile| json!({
+            "first_after_ms": millis(reconcile.first_after),
+            "every_ms": millis(reconcile.every),
+            "give_up_after_ms": millis(reconcile.give_up_after),
+        })),
+        "responses": responses,
+        "docs_url": route.docs_url.as_deref(),
+    })
+}
+
+/// The header's name as the config spells it canonically (`Idempotency-Key`).
+fn header_name(policy: &IdempotencyPolicy) -> String {
+    policy
+        .header
+        .as_str()
+        .split('-')
+        .map(|part| {
+            let mut chars = part.chars();
+            chars.next().map_or_else(String::new, |first| {
+                first.to_ascii_uppercase().to_string() + chars.as_str()
+            })
+        })
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// The answers `policy`'s route can give, each with its status under its profile.
+fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, &'static Answer)> + '_ {
+    ANSWERS.iter().filter(|answer| (answer.when)(policy)).map(|answer| {
+        let status = http::StatusCode::from_u16(answer.status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
+        (policy.profile.status(status, answer.slug).as_u16(), answer)
+    })
+}
+
+/// An OpenAPI 3.1 fragment: for each guarded route, its methods on its path prefix
+/// with the key's header parameter and every problem response, and the components
+/// they share. An API's own spec merges it in.
+pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -> Value {
+    let mut paths = serde_json::Map::new();
+    let mut parameters = serde_json::Map::new();
+    for route in routes {
+        let Some(policy) = route.idempotency.as_deref() else {
+            continue;
+        };
+        let parameter = format!("{}IdempotencyKey", component_name(&route.name));
+        parameters.insert(
+            parameter.clone(),
+            json!({
+                "name": header_name(policy),
+                "in": "header",
+                "required": policy.required,
+                "description": format!(
+                    "A unique key per operation: a retry with the same key and the same request gets the first answer again (with Idempotent-Replayed: true) for {} seconds.",
+                    policy.retention.as_secs()
+                ),
+                "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LEN, "pattern": "^[\\x21-\\x7E]+$"},
+            }),
+        );
+        let schema = match policy.profile {
+            Profile::Ietf => "#/components/schemas/IdempotencyProblem",
+            Profile::Stripe => "#/components/schemas/StripeError",
+        };
+        let media = match policy.profile {
+            Profile::Ietf => "application/problem+json",
+            Profile::Stripe => "application/json",
+        };
+        let mut responses = serde_json::Map::new();
+        for (status, answer) in answers(policy) {
+            let entry = responses.entry(status.to_string()).or_insert_with(|| {
+                json!({
+                    "description": "",
+                    "content": {media: {"schema": {"$ref": schema}}},
+                })
+            });
+            let line = format!("`{}`: {}.", answer.slug, answer.meaning);
+            if let Some(description) = entry.get_mut("description") {
+                let text = description.as_str().unwrap_or_default();
+                *description = Value::String(if text.is_empty() {
+                    line
+                } else {
+                    format!("{text} {line}")
+                });
+            }
+        }
+        let mut operations = serde_json::Map::new();
+        for method in &policy.methods {
+            operations.insert(
+                method.as_str().to_ascii_lowercase(),
+                json!({
+                    "summary": format!("Guarded by idemproxy (route {})", route.name),
+                    "parameters": [{"$ref": format!("#/components/parameters/{parameter}")}],
+                    "responses": responses,
+                }),
+            );
+        }
+        paths.insert(route.path_prefix.clone(), Value::Object(operations));
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Idempotency contract",
+            "version": version,
+            "description": format!("What idemproxy promises on each guarded operation ({SPECIFICATION}). Each path is a prefix: the operations under it answer the same way."),
+        },
+        "paths": paths,
+        "components": {
+            "parameters": parameters,
+            "schemas": {
+                "IdempotencyProblem": {
+                    "type": "object",
+                    "description": "RFC 9457 problem details",
+                    "required": ["type", "title", "status", "detail"],
+                    "properties": {
+                        "type": {"type": "string", "format": "uri"},
+                        "title": {"type": "string"},
+                        "status": {"type": "integer"},
+                        "detail": {"type": "string"},
+                        "operation": {"type": "string", "description": "on outcome-unknown: the operation's id"},
+                        "reconciling": {"type": "boolean", "description": "on outcome-unknown: whether the proxy is asking the upstream"},
+                    },
+                },
+                "StripeError": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["type", "code", "message"],
+                            "properties": {
+                                "type": {"type": "string", "enum": ["idempotency_error", "invalid_request_error", "api_error"]},
+                                "code": {"type": "string"},
+                                "message": {"type": "string"},
+                                "doc_url": {"type": "string", "format": "uri"},
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    })
+}
+
+/// A route name as an OpenAPI component name: its letters and digits, capitalised
+/// at each break.
+fn component_name(route: &str) -> String {
+    route
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|part| !part.is_empty())
+        .map(|part| part[..1].to_ascii_uppercase() + &part[1..])
+        .collect()
+}
+
+/// A Markdown page of the contract, one section per guarded route, for an API portal.
+pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
+    let mut page = String::from("# Idempotency\n\n");
+    page.push_str(&format!(
+        "Requests that change something accept an idempotency key ([the IETF draft]({SPECIFICATION})). Send a unique key with each operation; if you are not sure it went through, send it again with the same key and the same request: you get the first answer again, marked `Idempotent-Replayed: true`, and the operation runs at most once.\n"
+    ));
+    for route in routes {
+        let Some(policy) = route.idempotency.as_deref() else {
+            continue;
+        };
+        let methods: Vec<&str> = policy.methods.iter().map(|method| method.as_str()).collect();
+        page.push_str(&format!("\n## `{}` {}\n\n", methods.join(", "), route.path_prefix));
+        page.push_str(&format!(
+            "- Header: `{}`, {}.\n- A key is 1 to {MAX_KEY_LEN} visible ASCII characters, bare (`abc`) or quoted (`\"abc\"`, the same key); one field line.\n- A key lives {} from its first request; after that it is free again.\n",
+            header_name(policy),
+            if policy.required { "required" } else { "optional (without it, the request is not guarded)" },
+            humantime::format_duration(policy.retention),
+        ));
+        let mut covers = vec!["method".to_string(), "path".into(), "query".into()];
+        covers.extend(policy.fingerprint_headers.iter().map(|name| format!("`{name}`")));
+        covers.push(match &policy.fingerprint_body {
+            FingerprintBody::Bytes => "body".into(),
+            FingerprintBody::Json { .. } => "body (as canonical JSON)".into(),
+        });
+        page.push_str(&format!(
+            "- The same key with a different request ({}) is refused.\n",
+            covers.join(", ")
+        ));
+        if !policy.wait_for_in_flight.is_zero() {
+            page.push_str(&format!(
+                "- A retry while the first request is in flight waits up to {} for its answer.\n",
+                humantime::format_duration(policy.wait_for_in_flight)
+            ));
+        }
+        if let Some(docs) = &route.docs_url {
+            page.push_str(&format!("- Errors are documented at <{docs}>.\n"));
+        }
+        page.push_str("\n| status | problem | meaning |\n|---|---|---|\n");
+        for (status, answer) in answers(policy) {
+            page.push_str(&format!("| {status} | `{}` | {} |\n", answer.slug, answer.meaning));
+        }
+    }
+    page
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::error::{Bound, KeyError, Rejection, StoreError, UpstreamError};
+
+    /// Every row of the contract is what the proxy really answers: the same status
+    /// and slug as the one mapping in `error.rs`.
+    #[test]
+    fn the_contract_names_what_the_proxy_answers() {
+        let redis = || redis::RedisError::from((redis::ErrorKind::Io, "x"));
+        let rejections = [
+            Rejection::Key(KeyError::Missing),
+            Rejection::Key(KeyError::TooLong),
+            Rejection::KeyReused,
+            Rejection::InProgress {
+                retry_after: Duration::from_secs(1),
+                lease_remaining: Duration::from_secs(1),
+            },
+            Rejection::OutcomeUnknown { reconciling: None },
+            Rejection::UnverifiedScope(crate::jwt::JwtError::Missing),
+            Rejection::BodyTooLarge(1),
+            Rejection::BodyTimeout(Duration::from_secs(1)),
+            Rejection::BodyIncomplete("x".into()),
+            Rejection::Store(StoreError::ScopeFull {
+                what: "records",
+                retry_after: Duration::from_secs(1),
+            }),
+            Rejection::Overloaded(Bound::Bytes),
+            Rejection::Store(StoreError::Unavailable(redis())),
+            Rejection::Store(StoreError::Full {
+                what: "records",
+                limit: 1,
+            }),
+            Rejection::Upstream(UpstreamError::Unavailable("x".into())),
+            Rejection::Upstream(UpstreamError::Timeout(Duration::from_secs(1))),
+            Rejection::Upstream(UpstreamError::Failed("x".into())),
+        ];
+        let answered: Vec<(u16, &str)> = rejections
+            .iter()
+            .map(|rejection| {
+                let problem = rejection.problem();
+                (problem.status.as_u16(), problem.slug)
+            })
+            .collect();
+        let listed: Vec<(u16, &str)> = ANSWERS.iter().map(|answer| (answer.status, answer.slug)).collect();
+        assert_eq!(listed, answered);
+    }
+}
