@@ -648,12 +648,19 @@ impl std::fmt::Display for Config {
                         ),
                         (Some(_), Mode::Shadow) => ", its probe idle in shadow mode".to_string(),
                         (None, _) => String::new(),
+                    } + match policy.profile {
+                        Profile::Ietf => "",
+                        Profile::Stripe => ", Stripe-style errors",
                     }
                 ),
             };
+            let docs = route
+                .docs_url
+                .as_deref()
+                .map_or_else(String::new, |docs| format!(", errors documented at {docs}"));
             writeln!(
                 f,
-                "route  {} {}{} -> {} ({guard})",
+                "route  {} {}{} -> {} ({guard}{docs})",
                 route.name,
                 route.host.as_deref().unwrap_or(""),
                 route.path_prefix,

@@ -683,6 +683,11 @@ fn docs_url_profile_and_contract_path_are_checked() {
         Some(crate::error::Profile::Stripe)
     );
     assert_eq!(docs.server.contract_path.as_deref(), Some("/.well-known/idempotency"));
+    let summary = docs.to_string();
+    assert!(
+        summary.contains(", Stripe-style errors, errors documented at https://docs.example.com/errors)"),
+        "{summary}"
+    );
     for (url, says) in [
         ("docs.example.com/errors", "not an absolute http or https URL"),
         ("ftp://docs.example.com/", "not an absolute http or https URL"),
