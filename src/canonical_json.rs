@@ -421,6 +421,28 @@ mod tests {
         assert_eq!(a.as_deref(), Some(r#"{"items":[1e0,null,3e0],"meta":{"v":1e0}}"#));
     }
 
+    /// A pointer names one path: a member of the same name anywhere else still counts.
+    #[test]
+    fn an_ignored_member_is_dropped_at_its_path_only() {
+        let ignore = ["/meta/ts"];
+        let base = canon(
+            r#"{"meta":{"ts":1},"ts":1,"other":{"ts":1},"list":[{"ts":1}]}"#,
+            &ignore,
+        );
+        for changed in [
+            r#"{"meta":{"ts":1},"ts":2,"other":{"ts":1},"list":[{"ts":1}]}"#,
+            r#"{"meta":{"ts":1},"ts":1,"other":{"ts":2},"list":[{"ts":1}]}"#,
+            r#"{"meta":{"ts":1},"ts":1,"other":{"ts":1},"list":[{"ts":2}]}"#,
+        ] {
+            assert_ne!(canon(changed, &ignore), base, "{changed}");
+        }
+        let same = canon(
+            r#"{"meta":{"ts":9},"ts":1,"other":{"ts":1},"list":[{"ts":1}]}"#,
+            &ignore,
+        );
+        assert_eq!(same, base, "the ignored one itself does not count");
+    }
+
     #[test]
     fn what_is_not_canonical_json_is_refused() {
         for text in [

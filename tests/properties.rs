@@ -350,6 +350,34 @@ proptest! {
             prop_assert_eq!(canonical(&before, &[&pointer]), canonical(&after, &[&pointer]), "{}: {} vs {}", pointer, before, after);
         }
     }
+
+    /// An ignored pointer drops only the value at its own path: the same value under
+    /// another member (the same names all the way down, another path) still counts.
+    #[test]
+    fn an_ignored_pointer_drops_its_own_path_and_no_other(value in json_value(), seed in any::<u64>(), choice in any::<prop::sample::Index>()) {
+        let mut all = Vec::new();
+        changes(&value, String::new(), &mut all);
+        let (pointer, changed) = choice.get(&all).clone();
+        let pair = |x: &Json| Json::Object(vec![("x".into(), x.clone()), ("y".into(), value.clone())]);
+        let (before, after) = (rendered(&pair(&value), seed), rendered(&pair(&changed), seed));
+        let ignored = format!("/y{pointer}");
+        prop_assert_ne!(canonical(&before, &[&ignored]), canonical(&after, &[&ignored]), "{}: {} vs {}", ignored, before, after);
+    }
+
+    /// Nor does it drop a member named as its last token on the way to it: with
+    /// `/y/.../ts` ignored, a top-level `ts` still counts.
+    #[test]
+    fn an_ignored_pointer_drops_no_member_named_like_it_on_the_way(value in json_value(), seed in any::<u64>(), choice in any::<prop::sample::Index>()) {
+        let mut all = Vec::new();
+        changes(&value, String::new(), &mut all);
+        let (pointer, _) = choice.get(&all).clone();
+        let last = pointer.rsplit('/').next().unwrap_or_default().replace("~1", "/").replace("~0", "~");
+        prop_assume!(!pointer.is_empty() && last != "y");
+        let doc = |member: &str| Json::Object(vec![("y".into(), value.clone()), (last.clone(), Json::Text(member.into()))]);
+        let (before, after) = (rendered(&doc("a"), seed), rendered(&doc("b"), seed));
+        let ignored = format!("/y{pointer}");
+        prop_assert_ne!(canonical(&before, &[&ignored]), canonical(&after, &[&ignored]), "{}: {} vs {}", ignored, before, after);
+    }
 }
 
 #[test]

@@ -9,7 +9,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::client::{join_all, metric, until_not};
+use support::client::{join_all, metric, until_metric, until_not};
 use support::{RedisServer, StoreKind, TestConfig, Upstream, post_key, send, send_raw};
 
 const JSON: (&str, &str) = ("content-type", "application/json");
@@ -783,6 +783,52 @@ async fn past_max_guarded_requests_a_guarded_request_gets_503_overloaded_and_not
     assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false), "{retry:?}");
     assert_eq!(upstream.executions("third"), 1);
     assert_eq!(metric(admin, "idemproxy_guarded_requests_in_flight").await, Some(0.0));
+}
+
+/// A guarded request's place among `max_guarded_requests` is held until its exchange
+/// ends, not until its client leaves: the exchange goes on (and its response is still
+/// read for recording), so it still counts. With the bound at 1, the client of a held
+/// request goes away; for as long as the upstream holds it, the gauge stays at 1 and
+/// every other guarded request gets 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_does_not_give_back_its_requests_place() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "max_guarded_requests = 1".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let client = tokio::spawn(async move {
+        let headers = [("idempotency-key", "left"), ("x-test-hold", "left")];
+        send(addr, "POST", "/v1/payments", &headers, "{}").await
+    });
+    upstream.wait_for_key("left").await;
+    client.abort();
+    assert!(client.await.is_err(), "the client went away");
+    // Nothing tells when the proxy has seen the connection close (a few milliseconds
+    // after it does), so the bound is checked over a second of it: a place given back
+    // with the client would show as a 201 here.
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+    while tokio::time::Instant::now() < until {
+        let next = send(addr, "POST", "/v1/payments", &[("idempotency-key", "next")], "{}").await;
+        assert_eq!(
+            (next.status.as_u16(), next.problem().as_str()),
+            (503, "overloaded"),
+            "{next:?}"
+        );
+        assert_eq!(metric(admin, "idemproxy_guarded_requests_in_flight").await, Some(1.0));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(upstream.executions("next"), 0);
+    // The exchange ends: the record is completed for the retry, and the place is back.
+    upstream.release("left");
+    let replay = until_not(
+        || post_key(addr, "left"),
+        &[(409, "request-in-progress"), (503, "overloaded")],
+    )
+    .await;
+    assert!(replay.replayed(), "{replay:?}");
+    until_metric(admin, "idemproxy_guarded_requests_in_flight", 0.0).await;
+    assert_eq!(post_key(addr, "next").await.status, 201);
 }
 
 #[tokio::test]

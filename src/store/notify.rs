@@ -285,3 +285,84 @@ async fn subscribe<S: Subscription>(connection: &mut S, subscribed: &mut HashSet
     }
     done
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use super::*;
+
+    /// A subscription the test drives: its messages (`None`: the connection is lost),
+    /// and, for a connection made again, a gate its first subscribe waits at.
+    struct Fake {
+        messages: mpsc::UnboundedReceiver<Option<String>>,
+        gate: Option<oneshot::Receiver<()>>,
+    }
+
+    impl Subscription for Fake {
+        async fn subscribe(&mut self, _channel: String) -> RedisResult<()> {
+            if let Some(gate) = self.gate.take() {
+                let _ = gate.await;
+            }
+            Ok(())
+        }
+
+        async fn unsubscribe(&mut self, _channel: String) -> RedisResult<()> {
+            Ok(())
+        }
+
+        async fn next(&mut self) -> Option<String> {
+            self.messages.recv().await.flatten()
+        }
+    }
+
+    /// A notification published while the subscriber was reconnecting is lost; so
+    /// after a reconnect every waiter is woken to re-read its record.
+    #[tokio::test]
+    async fn a_reconnected_subscriber_wakes_every_waiter() {
+        let (first_messages, first) = mpsc::unbounded_channel();
+        let (_second_messages, second) = mpsc::unbounded_channel();
+        let (open, gate) = oneshot::channel();
+        let connections = Arc::new(Mutex::new(VecDeque::from([
+            Fake {
+                messages: first,
+                gate: None,
+            },
+            Fake {
+                messages: second,
+                gate: Some(gate),
+            },
+        ])));
+        let (connected, mut connects) = mpsc::unbounded_channel();
+        let hub = Arc::new(Hub::default());
+        let (commands, received) = mpsc::unbounded_channel();
+        tokio::spawn(subscriber(hub.clone(), received, move || {
+            let connections = connections.clone();
+            let connected = connected.clone();
+            async move {
+                let _ = connected.send(());
+                let next = connections
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .pop_front();
+                next.ok_or_else(|| redis::RedisError::from((redis::ErrorKind::Io, "no more connections")))
+            }
+        }));
+        let watcher = Watcher::Redis { hub, commands };
+        let key = StoreKey::from_derived("test:payments:{ab}".into());
+        let watch = watcher.watch(&key).await.expect("registered");
+        connects.recv().await.expect("the first connection");
+        // The connection is lost; the subscriber connects again and, before its first
+        // subscribe there answers, this waiter starts waiting.
+        first_messages.send(None).expect("the subscriber reads");
+        connects.recv().await.expect("connected again");
+        let notify = watch.notify();
+        let woken = notify.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        open.send(()).expect("the subscriber subscribes again");
+        tokio::time::timeout(Duration::from_secs(10), woken)
+            .await
+            .expect("the waiter is woken after the reconnect");
+    }
+}
