@@ -85,6 +85,16 @@ struct ScopeUsage {
 }
 
 impl Records {
+    /// The record under `key`, unless it has expired by `now` (the sweep may not have
+    /// removed it yet).
+    fn live(&self, key: &StoreKey, now: Instant) -> Option<&Record> {
+        self.map.get(key).filter(|record| record.expires_at > now)
+    }
+
+    fn live_mut(&mut self, key: &StoreKey, now: Instant) -> Option<&mut Record> {
+        self.map.get_mut(key).filter(|record| record.expires_at > now)
+    }
+
     fn insert(&mut self, key: StoreKey, record: Record) {
         count(&mut self.bytes, &mut self.scopes, &key, &record);
         if let Some(old) = self.map.insert(key.clone(), record) {
@@ -359,7 +369,7 @@ impl MemoryStore {
 
     /// The lease deadline of the owner's live in-flight record, if it still is one.
     fn owned(&self, records: &Records, key: &StoreKey, owner: OwnerToken, now: Instant) -> Option<Instant> {
-        let record = records.map.get(key).filter(|record| record.expires_at > now)?;
+        let record = records.live(key, now)?;
         match record.state {
             State::InFlight {
                 owner: holder,
@@ -523,7 +533,7 @@ impl RecordStore for MemoryStore {
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
         let records = self.shared.lock();
         let now = Instant::now();
-        let Some(record) = records.map.get(key).filter(|record| record.expires_at > now) else {
+        let Some(record) = records.live(key, now) else {
             return Ok(None);
         };
         let state = match &record.state {
@@ -561,7 +571,7 @@ impl RecordStore for MemoryStore {
     ) -> Result<Resolved, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
-        let Some(record) = records.map.get(key).filter(|record| record.expires_at > now) else {
+        let Some(record) = records.live(key, now) else {
             return Ok(Resolved::Absent);
         };
         let unknown_for = match record.state {
@@ -593,7 +603,7 @@ impl RecordStore for MemoryStore {
     ) -> Result<ProbeStart, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
-        let Some(record) = records.map.get_mut(key).filter(|record| record.expires_at > now) else {
+        let Some(record) = records.live_mut(key, now) else {
             return Ok(ProbeStart::Settled);
         };
         match &mut record.state {
@@ -637,7 +647,7 @@ impl RecordStore for MemoryStore {
     async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
-        let Some(record) = records.map.get_mut(key).filter(|record| record.expires_at > now) else {
+        let Some(record) = records.live_mut(key, now) else {
             return Ok(Deferred::Settled);
         };
         let State::Unknown {

@@ -243,13 +243,20 @@ impl RedisStore {
         }
     }
 
+    /// Runs one script, tried again while Redis refuses for a moment (never after a
+    /// lost connection: a script may have run).
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        self.attempt(Retry::Refused, self.timeout, |mut connection| async move {
+            invocation.invoke_async(&mut connection).await
+        })
+        .await
+    }
+
     async fn fenced_write(&self, invocation: redis::ScriptInvocation<'_>) -> Result<Write, StoreError> {
-        let applied: i64 = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut connection).await }
-            })
-            .await?;
+        let applied: i64 = self.invoke(&invocation).await?;
         Ok(if applied == 1 { Write::Applied } else { Write::Fenced })
     }
 
@@ -455,12 +462,7 @@ impl RecordStore for RedisStore {
         if let Resolution::Applied(response) = resolution {
             invocation.arg(layout::completed_tail(response));
         }
-        let result: i64 = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut connection).await }
-            })
-            .await?;
+        let result: i64 = self.invoke(&invocation).await?;
         Ok(match result {
             1 => Resolved::Resolved,
             0 => Resolved::NotUnknown,
@@ -477,24 +479,14 @@ impl RecordStore for RedisStore {
     ) -> Result<ProbeStart, StoreError> {
         let mut invocation = self.scripts.begin_probe.key(key.as_str());
         invocation.arg(millis(lease)).arg(millis(schedule.give_up_after));
-        let (code, claim, wait): (i64, String, i64) = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut connection).await }
-            })
-            .await?;
+        let (code, claim, wait): (i64, String, i64) = self.invoke(&invocation).await?;
         layout::probe_start(code, &claim, wait)
     }
 
     async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
         let mut invocation = self.scripts.defer_probe.key(key.as_str());
         invocation.arg(claim.to_hex()).arg(millis(every));
-        let code: i64 = self
-            .attempt(Retry::Refused, self.timeout, |mut connection| {
-                let invocation = &invocation;
-                async move { invocation.invoke_async(&mut connection).await }
-            })
-            .await?;
+        let code: i64 = self.invoke(&invocation).await?;
         Ok(layout::deferred(code))
     }
 
