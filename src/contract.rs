@@ -136,30 +136,17 @@ pub fn document<'a>(routes: impl IntoIterator<Item = &'a Route>) -> Value {
     })
 }
 
-fn problem_type(route: &Route, slug: &str) -> String {
-    match &route.docs_url {
-        Some(docs) => format!("{docs}#{slug}"),
-        None => format!("{}{slug}", crate::error::PROBLEM_TYPE_PREFIX),
-    }
-}
-
 fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
     let (body, ignored) = match &policy.fingerprint_body {
         FingerprintBody::Bytes => ("bytes", Vec::new()),
         FingerprintBody::Json { ignore } => ("json", ignore.iter().map(ToString::to_string).collect()),
     };
-    let mut covers = vec!["method".to_string(), "path".into(), "query".into()];
-    covers.extend(policy.fingerprint_headers.iter().map(|name| format!("header {name}")));
-    covers.push(match body {
-        "json" => "body, as canonical JSON (bytes when it is not JSON)".into(),
-        _ => "body bytes".into(),
-    });
     let responses: Vec<Value> = answers(policy)
         .map(|(status, answer)| {
             json!({
                 "status": status,
                 "problem": answer.slug,
-                "type": problem_type(route, answer.slug),
+                "type": crate::error::problem_type(route.docs_url.as_deref(), answer.slug),
                 "meaning": answer.meaning,
             })
         })
@@ -186,7 +173,7 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
             "jwt_claim": policy.scope_jwt.as_ref().map(|jwt| jwt.describe()),
         },
         "fingerprint": {
-            "covers": covers,
+            "covers": covers(policy),
             "headers": policy.fingerprint_headers.iter().map(|name| name.as_str()).collect::<Vec<_>>(),
             "body": body,
             "ignored_json_pointers": ignored,
@@ -215,6 +202,17 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
         "responses": responses,
         "docs_url": route.docs_url.as_deref(),
     })
+}
+
+/// What the route's fingerprint covers, in words: what makes two requests "the same".
+fn covers(policy: &IdempotencyPolicy) -> Vec<String> {
+    let mut covers = vec!["method".to_string(), "path".into(), "query".into()];
+    covers.extend(policy.fingerprint_headers.iter().map(|name| format!("header {name}")));
+    covers.push(match policy.fingerprint_body {
+        FingerprintBody::Bytes => "body bytes".into(),
+        FingerprintBody::Json { .. } => "body, as canonical JSON (bytes when it is not JSON)".into(),
+    });
+    covers
 }
 
 /// The header's name as the config spells it canonically (`Idempotency-Key`).
@@ -377,15 +375,9 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
             if policy.required { "required" } else { "optional (without it, the request is not guarded)" },
             humantime::format_duration(policy.retention),
         ));
-        let mut covers = vec!["method".to_string(), "path".into(), "query".into()];
-        covers.extend(policy.fingerprint_headers.iter().map(|name| format!("`{name}`")));
-        covers.push(match &policy.fingerprint_body {
-            FingerprintBody::Bytes => "body".into(),
-            FingerprintBody::Json { .. } => "body (as canonical JSON)".into(),
-        });
         page.push_str(&format!(
             "- The same key with a different request ({}) is refused.\n",
-            covers.join(", ")
+            covers(policy).join(", ")
         ));
         if !policy.wait_for_in_flight.is_zero() {
             page.push_str(&format!(

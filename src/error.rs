@@ -253,6 +253,14 @@ pub(crate) struct Problem {
 
 pub(crate) const PROBLEM_TYPE_PREFIX: &str = "urn:idemproxy:problem:";
 
+/// A problem's `type`: `docs_url#slug` on a route with a `docs_url`, else the URN.
+pub(crate) fn problem_type(docs_url: Option<&str>, slug: &str) -> String {
+    match docs_url {
+        Some(docs) => format!("{docs}#{slug}"),
+        None => format!("{PROBLEM_TYPE_PREFIX}{slug}"),
+    }
+}
+
 /// `route.idempotency.profile`: the statuses and error bodies a route's clients
 /// expect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
@@ -567,10 +575,7 @@ impl Problem {
     /// Renders the problem as its profile says: an `application/problem+json`
     /// response, or Stripe's error object.
     pub(crate) fn into_response(self) -> Response<Bytes> {
-        let kind = match &self.docs_url {
-            Some(docs) => format!("{docs}#{}", self.slug),
-            None => format!("{PROBLEM_TYPE_PREFIX}{}", self.slug),
-        };
+        let kind = problem_type(self.docs_url.as_deref(), self.slug);
         let status = self.profile.status(self.status, self.slug);
         let (content_type, body) = match self.profile {
             Profile::Ietf => {

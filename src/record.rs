@@ -27,6 +27,14 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
+    /// This response as a resolution of an unknown outcome records it (an operator's or
+    /// a probe's): marked, so that every replay says so.
+    pub fn reconciled(mut self) -> StoredResponse {
+        self.headers
+            .push((IDEMPOTENCY_RECONCILED, HeaderValue::from_static("true")));
+        self
+    }
+
     /// The record of a response whose hop-by-hop fields are already removed, without
     /// the fields in `exclude` (the route's `replay_exclude_headers`: a `Set-Cookie`
     /// reaches the first client and nobody else).

@@ -13,7 +13,6 @@ use crate::config::{Config, IdempotencyPolicy};
 use crate::error::DisplayChain;
 use crate::idempotency::{self, IdempotencyKey};
 use crate::jwt::{self, ScopeClaim};
-use crate::record::IDEMPOTENCY_RECONCILED;
 use crate::records::{RecordView, RecordedResponse, RecordsAction, RecordsError, Released, ResolvedView, Verdict};
 use crate::scope;
 use crate::store::{AnyStore, OwnerToken, RecordStore, Resolution, Resolved, StoreKey, StoredResponse};
@@ -202,16 +201,18 @@ fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
         let value = HeaderValue::from_str(value).map_err(|_| format!("header {name}: not a field value"))?;
         headers.push((header, value));
     }
-    headers.push((IDEMPOTENCY_RECONCILED, HeaderValue::from_static("true")));
     use base64::Engine as _;
     let body = base64::engine::general_purpose::STANDARD
         .decode(given.body.as_bytes())
         .map_err(|_| "body: not base64".to_string())?;
-    Ok(Resolution::Applied(StoredResponse {
-        status,
-        headers,
-        body: body.into(),
-    }))
+    Ok(Resolution::Applied(
+        StoredResponse {
+            status,
+            headers,
+            body: body.into(),
+        }
+        .reconciled(),
+    ))
 }
 
 /// The claim `value` gives when it names the route's claim `jwt` (`jwt.CLAIM`):

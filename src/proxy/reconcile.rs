@@ -25,7 +25,6 @@ use crate::body::{self, Buffered, full};
 use crate::config::{IdempotencyPolicy, Reconcile, UpstreamKey};
 use crate::error::UpstreamError;
 use crate::metrics::{Reconciliation, StoreOp};
-use crate::record::IDEMPOTENCY_RECONCILED;
 use crate::router::RouteState;
 use crate::store::{
     Deferred, OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordStore, Resolution, Resolved, StoreKey, StoredResponse,
@@ -359,13 +358,9 @@ impl Proxy {
         // hold a body, each at most `max_response_body_bytes`.
         let limit = job.policy.max_response_body_bytes;
         match body::buffer_response(body, limit, clock.deadline, clock.timeout, |_| true).await {
-            Ok(Buffered::Whole(body)) => {
-                let mut stored = StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers);
-                stored
-                    .headers
-                    .push((IDEMPOTENCY_RECONCILED, HeaderValue::from_static("true")));
-                Learned::Applied(stored)
-            }
+            Ok(Buffered::Whole(body)) => Learned::Applied(
+                StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers).reconciled(),
+            ),
             Ok(Buffered::Cut { .. }) => Learned::Nothing("the probe's answer is larger than max_response_body_bytes"),
             Err(error) => Learned::Nothing(unsettled(&error)),
         }

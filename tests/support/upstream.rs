@@ -282,7 +282,9 @@ async fn lookup(state: Arc<State>, parts: http::request::Parts, body: Bytes) -> 
         }
     };
     let key = parts.uri.path().strip_prefix(LOOKUP_PREFIX).unwrap_or_default();
-    let key = percent_decode(key);
+    let key = percent_encoding::percent_decode_str(key)
+        .decode_utf8_lossy()
+        .into_owned();
     let found = state.applied.lock().expect("applied lock").get(&key).copied();
     let (status, body) = match (fixed, found) {
         (Some(status), _) => (status, Bytes::from_static(b"{\"error\":\"lookup failed\"}")),
@@ -305,37 +307,6 @@ async fn lookup(state: Arc<State>, parts: http::request::Parts, body: Bytes) -> 
         .headers_mut()
         .insert("content-type", "application/json".parse().expect("header"));
     response
-}
-
-/// `%XX` escapes decoded (what the probe's `{key}` is encoded with).
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut at = 0;
-    while at < bytes.len() {
-        match (bytes[at], bytes.get(at + 1..at + 3)) {
-            (b'%', Some(hex)) => {
-                let decoded = std::str::from_utf8(hex)
-                    .ok()
-                    .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-                match decoded {
-                    Some(byte) => {
-                        out.push(byte);
-                        at += 3;
-                    }
-                    None => {
-                        out.push(b'%');
-                        at += 1;
-                    }
-                }
-            }
-            (byte, _) => {
-                out.push(byte);
-                at += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Response<Full<Bytes>>, BoxError> {
