@@ -488,7 +488,7 @@ struct Window {
     before: Vec<u16>,
     /// Keys the upstream ran twice.
     duplicates: usize,
-    /// `idemproxy_replica_acks_missed_total`, summed over the proxies.
+    /// `idemproxy_replica_acks_missed_total`, summed over the proxies, before the fault.
     acks_missed: f64,
     failover: Failover,
 }
@@ -498,6 +498,23 @@ struct Window {
 /// sent; the primary is SIGKILLed and a stale replica promoted; then the same keys are
 /// retried until they settle. (SIGSTOP on the replicas would not do: the stream waits in
 /// their socket buffers and is applied when they resume.)
+/// `idemproxy_replica_acks_missed_total`, summed over `proxies`.
+async fn replica_acks_missed(proxies: &[ChildProxy]) -> f64 {
+    let mut missed = 0.0;
+    for proxy in proxies {
+        let metrics = send(proxy.admin, "GET", "/metrics", &[], "").await;
+        missed += String::from_utf8_lossy(&metrics.body)
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("idemproxy_replica_acks_missed_total ")?
+                    .parse::<f64>()
+                    .ok()
+            })
+            .expect("the replica_acks_missed metric");
+    }
+    missed
+}
+
 async fn failover_window(min_replica_acks: u32) -> Window {
     const KEYS: usize = 40;
     let mut group = SentinelGroup::start_relayed().await;
@@ -515,6 +532,10 @@ async fn failover_window(min_replica_acks: u32) -> Window {
     for n in 0..KEYS {
         before.push(post_key(proxies[n % proxies.len()].addr, &key(n)).await.status.as_u16());
     }
+    // The claims refused for want of an acknowledgement, counted before the fault:
+    // while the promoted primary's replicas reattach after it, a retry may miss its
+    // acknowledgement too, and is counted as well.
+    let acks_missed = replica_acks_missed(&proxies).await;
     let fault = Instant::now();
     group.node(primary).kill();
     let promoted = when(
@@ -534,18 +555,6 @@ async fn failover_window(min_replica_acks: u32) -> Window {
         assert!(settled.status.is_success(), "{}: {settled:?}", key(n));
     }
     let duplicates = (0..KEYS).filter(|n| upstream.executions(&key(*n)) > 1).count();
-    let mut acks_missed = 0.0;
-    for proxy in &proxies {
-        let metrics = send(proxy.admin, "GET", "/metrics", &[], "").await;
-        acks_missed += String::from_utf8_lossy(&metrics.body)
-            .lines()
-            .find_map(|line| {
-                line.strip_prefix("idemproxy_replica_acks_missed_total ")?
-                    .parse::<f64>()
-                    .ok()
-            })
-            .expect("the replica_acks_missed metric");
-    }
     Window {
         before,
         duplicates,
