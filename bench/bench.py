@@ -20,7 +20,9 @@ against nginx with `http2` on, in front of the same upstream.
 Run it through bench/run.sh, which builds the release binary and installs what is
 missing. Options: --duration SECONDS per case and round (default 5), --rounds N
 (default 3), --connections LIST (default 32,256), --cluster (also run cases (g) and (h)
-against a second idemproxy on a Redis Cluster of three primaries and three replicas).
+against a second idemproxy on a Redis Cluster of three primaries and three replicas),
+--traces (also run cases (q) to (t): tracing on at sample ratios 1.0 and 0.01, beside
+(c) and (d) with tracing off), --cases LIST (only these cases, e.g. b,c,d,q,r,s,t).
 """
 
 import argparse
@@ -66,6 +68,17 @@ CLUSTER_CASES = [
     ("g", "idemproxy POST, fresh key, Redis Cluster 3+3", "cluster", "fresh.lua", "/v1/payments"),
     ("h", "idemproxy POST, replay, Redis Cluster 3+3", "cluster", "replay.lua", "/v1/payments"),
 ]
+
+# With --traces: the GET and fresh-key cases again on idemproxy instances that export
+# traces (sample_ratio 1.0 and 0.01) to a collector (nginx answering 200 to every
+# export), each compared with the same case untraced, (c) or (d), from the same run.
+TRACE_CASES = [
+    ("q", "idemproxy GET pass-through, traces 1.0", "traced", "get.lua", "/v1/payments"),
+    ("r", "idemproxy POST, fresh key, traces 1.0", "traced", "fresh.lua", "/v1/payments"),
+    ("s", "idemproxy GET pass-through, traces 0.01", "traced-1pct", "get.lua", "/v1/payments"),
+    ("t", "idemproxy POST, fresh key, traces 0.01", "traced-1pct", "fresh.lua", "/v1/payments"),
+]
+UNTRACED = {"q": "c", "r": "d", "s": "c", "t": "d"}
 
 # wrk prints one machine-readable line at the end of each run.
 DONE = """
@@ -331,13 +344,21 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", default="32,256")
     parser.add_argument("--cluster", action="store_true")
+    parser.add_argument("--traces", action="store_true")
+    parser.add_argument("--cases", default="")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
-    cases = CASES + (CLUSTER_CASES if args.cluster else [])
+    cases = CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        # The baselines the chosen cases are compared with run too.
+        wanted |= {BASELINE.get(case, "b") for case in wanted} | {UNTRACED[c] for c in wanted if c in UNTRACED}
+        cases = [case for case in cases if case[0] in wanted]
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
     ports = {name: free_port() for name in ("upstream", "nginx", "nginx-h2", "idemproxy", "admin",
-                                            "redis", "cluster", "cluster-admin")}
+                                            "redis", "cluster", "cluster-admin", "collector", "traced",
+                                            "traced-admin", "traced-1pct", "traced-1pct-admin")}
     children = []
     try:
         for name, text in SCRIPTS.items():
@@ -369,6 +390,13 @@ def main():
                 default_type application/octet-stream;
                 error_page 405 =201 $uri;
               }}
+            }}
+            # The trace collector of the --traces cases: takes every export.
+            server {{
+              listen 127.0.0.1:{ports["collector"]} reuseport;
+              location / {{
+                return 200;
+              }}
             }}"""), workers=1))
         children.append(start_nginx(workdir, "proxy", textwrap.dedent(f"""
             upstream backend {{
@@ -394,7 +422,7 @@ def main():
         for name in ("redis", "upstream", "nginx", "nginx-h2"):
             wait_port(ports[name], what=name)
 
-        def idemproxy_config(name, listen, admin, store):
+        def idemproxy_config(name, listen, admin, store, extra=""):
             config = os.path.join(workdir, f"{name}.toml")
             with open(config, "w") as f:
                 f.write(textwrap.dedent(f"""
@@ -416,7 +444,7 @@ def main():
                 upstream = "http://127.0.0.1:{ports["upstream"]}"
                 [route.idempotency]
                 required = false
-                """))
+                """) + extra)
             proxy = subprocess.Popen([IDEMPROXY, "serve", "--config", config],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "RUST_LOG": "warn"})
@@ -435,6 +463,13 @@ def main():
             "idemproxy", ports["idemproxy"], ports["admin"],
             f'backend = "redis"\n                url = "redis://127.0.0.1:{ports["redis"]}/0"')}
         redis_ports = {"idemproxy": [ports["redis"]]}
+        if args.traces:
+            redis_url = f'backend = "redis"\n                url = "redis://127.0.0.1:{ports["redis"]}/0"'
+            for name, ratio in (("traced", "1.0"), ("traced-1pct", "0.01")):
+                tracing = (f'\n[tracing]\notlp_endpoint = "http://127.0.0.1:{ports["collector"]}"\n'
+                           f'sample_ratio = {ratio}\n')
+                proxies[name] = idemproxy_config(name, ports[name], ports[f"{name}-admin"], redis_url, tracing)
+                redis_ports[name] = [ports["redis"]]
         if args.cluster:
             primaries = start_cluster(workdir, children)
             seeds = ", ".join(f'"redis://127.0.0.1:{port}"' for port in primaries)
@@ -466,6 +501,15 @@ def main():
                           file=sys.stderr, flush=True)
 
         print_table(results, connection_counts, args, cases)
+        if args.traces:
+            print()
+            for name in ("traced", "traced-1pct"):
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[name + '-admin']}/metrics") as answer:
+                    text = answer.read().decode()
+                counts = {line.split()[0]: line.split()[1] for line in text.splitlines()
+                          if line.startswith("idemproxy_trace_spans_")}
+                print(f"{name}: spans exported {counts.get('idemproxy_trace_spans_exported_total', '?')}, "
+                      f"dropped {counts.get('idemproxy_trace_spans_dropped_total', '?')}")
     finally:
         for child in reversed(children):
             child.send_signal(signal.SIGTERM)
@@ -501,7 +545,7 @@ def print_table(results, connection_counts, args, cases):
             rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
             requests = sum(run["requests"] for run in runs)
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
-            if target in ("idemproxy", "cluster"):
+            if target in ("idemproxy", "cluster", "traced", "traced-1pct"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
                 trips = f"{max(0, sum(run['reads'] for run in runs)) / requests:.3f}"
                 cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
@@ -513,13 +557,23 @@ def print_table(results, connection_counts, args, cases):
             print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {number(p50, '.2f')} | "
                   f"{number(p99, '.2f')} | {rps / base_rps:.2f}x | {number(p99_ratio, '.2f', 'x')} | {non2xx} | "
                   f"{trips} | {commands} | {cpu} | {rss} |")
-    rounds = {connections: [max(run["rss_mib"] for run in results[(case, connections)])
-                            for case, _, target, _, _ in CASES if target == "idemproxy"]
-              for connections in connection_counts}
+    traced = [case for case in cases if case[0] in UNTRACED]
+    if traced:
+        print()
+        print("| traced case | conns | req/s vs untraced | p50 vs untraced | p99 vs untraced |")
+        print("|---|---|---|---|---|")
+        for connections in connection_counts:
+            for case, label, _, _, _ in traced:
+                runs, plain = results[(case, connections)], results[(UNTRACED[case], connections)]
+                print(f"| ({case}) {label} vs ({UNTRACED[case]}) | {connections} | "
+                      f"{median(runs, 'rps') / median(plain, 'rps'):.2f}x | "
+                      f"{median(runs, 'p50_ms') / median(plain, 'p50_ms'):.2f}x | "
+                      f"{median(runs, 'p99_ms') / median(plain, 'p99_ms'):.2f}x |")
+    idemproxy_cases = [case for case, _, target, _, _ in cases if target == "idemproxy"]
     print()
-    for connections, peaks in rounds.items():
-        per_round = [max(results[(case, connections)][r]["rss_mib"] for case, _, target, _, _ in CASES
-                         if target == "idemproxy") for r in range(args.rounds)]
+    for connections in connection_counts:
+        per_round = [max(results[(case, connections)][r]["rss_mib"] for case in idemproxy_cases)
+                     for r in range(args.rounds)]
         print(f"idemproxy peak RSS per round at c={connections}: "
               + ", ".join(f"{rss:.1f} MiB" for rss in per_round))
 

@@ -35,6 +35,8 @@ pub struct Config {
     pub server: ServerConfig,
     pub admin: Option<AdminConfig>,
     pub store: StoreConfig,
+    /// `[tracing]` with an `otlp_endpoint`: traces exported; `None`: no traces.
+    pub tracing: Option<TracingConfig>,
     pub routes: Vec<Route>,
     /// SHA-256 of the file's bytes, hex: what `sha256sum` prints for it, and what
     /// `/metrics` reports as loaded.
@@ -123,6 +125,19 @@ fn sha256(bytes: &[u8]) -> [u8; 32] {
     let mut out = [0; 32];
     out.copy_from_slice(digest.as_ref());
     out
+}
+
+/// `[tracing]` (DESIGN §16): where spans go, under what service name, and the share of
+/// the traces started here that are sampled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingConfig {
+    /// OTLP over HTTP (protobuf): `/v1/traces` is appended to an endpoint given as a
+    /// bare origin, as OpenTelemetry's own `OTEL_EXPORTER_OTLP_ENDPOINT` does.
+    pub otlp_endpoint: http::Uri,
+    pub service_name: String,
+    /// Parent-based: a client's sampled (or not) trace context decides for its
+    /// request; this ratio decides for the traces the proxy starts.
+    pub sample_ratio: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -504,6 +519,7 @@ impl Config {
             ("store", self.store.backend != new.store.backend),
             ("store.key_prefix", self.store.key_prefix != new.store.key_prefix),
             ("store.timeout", self.store.timeout != new.store.timeout),
+            ("tracing", self.tracing != new.tracing),
         ]
         .into_iter()
         .filter_map(|(name, changed)| changed.then_some(name))
@@ -587,6 +603,14 @@ impl std::fmt::Display for Config {
             self.server.max_guarded_requests,
         )?;
         writeln!(f, "paths  {}", self.server.paths)?;
+        match &self.tracing {
+            None => writeln!(f, "traces off (no [tracing] otlp_endpoint)")?,
+            Some(tracing) => writeln!(
+                f,
+                "traces OTLP/HTTP to {} as service {:?}, sampling {} of new traces (a client's sampled flag wins)",
+                tracing.otlp_endpoint, tracing.service_name, tracing.sample_ratio
+            )?,
+        }
         match &self.store.backend {
             Backend::Memory {
                 max_records,

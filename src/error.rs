@@ -84,6 +84,20 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// The failure in one word, as a span's `error.type` says it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Unavailable(_) => "unavailable",
+            StoreError::Tls(_) => "tls",
+            StoreError::Full { .. } => "full",
+            StoreError::ScopeFull { .. } => "scope_full",
+            StoreError::Protocol(_) => "protocol",
+            StoreError::NotReplicated { .. } => "not_replicated",
+            StoreError::Unready(_) => "unready",
+        }
+    }
+
     /// Whether the operation may have been applied although it failed: a timeout or a
     /// lost connection says nothing about what the store did. Only a refusal the store
     /// itself gave before writing (a full memory store), or a connection that never
@@ -113,6 +127,17 @@ pub(crate) enum UpstreamError {
     /// The request may have been sent, and the exchange broke.
     #[error("the upstream exchange failed")]
     Failed(#[source] BoxError),
+}
+
+impl UpstreamError {
+    /// The failure in one word, as a span's `error.type` says it.
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            UpstreamError::Unavailable(_) => "unavailable",
+            UpstreamError::Timeout(_) => "timeout",
+            UpstreamError::Failed(_) => "failed",
+        }
+    }
 }
 
 /// The proxy broke its own invariant: its fault, never the client's.

@@ -8,7 +8,7 @@
 //! record, and `upstream` to forward. Below them sit the leaves that import nothing
 //! upward: `config` and the values it owns, `error`, `record`, `body`,
 //! `canonical_json`, `tls`. `admin` serves health, metrics and the records API, whose
-//! contract (`records`) the CLI shares. A unit test below keeps the modules free of
+//! contract (`records`) the CLI shares. `trace` makes the spans and exports them. A unit test below keeps the modules free of
 //! import cycles. The binary in `main.rs` only parses the command line. Test seams sit
 //! behind the `test-util` feature.
 
@@ -65,6 +65,7 @@ pub mod server;
 pub mod store;
 pub mod target;
 pub mod tls;
+pub mod trace;
 mod upstream;
 
 pub use config::Config;

@@ -7,8 +7,10 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::Config;
+use idemproxy::config::TracingConfig;
 use idemproxy::records::{self, Answer, RecordedResponse, RecordsAction, RecordsCall, Verdict};
 use idemproxy::server::{ReloadError, Reloader};
+use idemproxy::trace::Export;
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc: fewer cycles per request than the system allocator on this workload
@@ -176,10 +178,13 @@ enum LogFormat {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // `serve` sets up its logging once its config says whether traces are exported.
+    if !matches!(cli.command, Command::Serve { .. }) {
+        let _ = init_logging(cli.log_format, None);
+    }
     let result = match cli.command {
         Command::Check { config } => check(&config),
-        Command::Serve { config } => serve(&config),
+        Command::Serve { config } => serve(&config, cli.log_format),
         Command::Contract { config, format } => contract(&config, format),
         Command::Conformance {
             url,
@@ -225,7 +230,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
+/// Logs to stderr as `format` says, filtered by `RUST_LOG`; with `tracing`, exports
+/// the proxy's spans too (whatever `RUST_LOG` says of the log), and hands back the
+/// export to shut down at the end.
+fn init_logging(format: LogFormat, tracing: Option<&TracingConfig>) -> anyhow::Result<Option<Export>> {
+    use tracing_subscriber::filter::{FilterExt, filter_fn};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{Layer, fmt};
+
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // `server.access_log` is what turns the access log on or off; a `RUST_LOG=warn`
     // meant for the rest should not silence it, unless it names the target itself.
@@ -233,13 +246,26 @@ fn init_logging(format: LogFormat) {
     if !named && let Ok(directive) = format!("{}=info", idemproxy::ACCESS_LOG).parse() {
         filter = filter.add_directive(directive);
     }
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    // The log leaves out the spans that exist for traces only.
+    let filter = filter.and(filter_fn(idemproxy::trace::logged));
+    let log = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+    let log = match format {
+        LogFormat::Text => log.with_filter(filter).boxed(),
+        LogFormat::Json => log.json().with_filter(filter).boxed(),
+    };
+    let registry = tracing_subscriber::registry().with(log);
+    match tracing {
+        None => {
+            registry.init();
+            Ok(None)
+        }
+        Some(tracing) => {
+            let (layer, export) = idemproxy::trace::layer(tracing).context("cannot set up trace export")?;
+            registry.with(layer).init();
+            Ok(Some(export))
+        }
     }
 }
 
@@ -362,8 +388,18 @@ fn records(path: &std::path::Path, call: &RecordsCall, json: bool) -> anyhow::Re
     Ok(ExitCode::SUCCESS)
 }
 
-fn serve(path: &std::path::Path) -> anyhow::Result<()> {
-    let config = Config::load(path)?;
+fn serve(path: &std::path::Path, format: LogFormat) -> anyhow::Result<()> {
+    let loaded = Config::load(path);
+    let export = init_logging(format, loaded.as_ref().ok().and_then(|config| config.tracing.as_ref()))?;
+    let config = loaded?;
+    let served = serve_with(path, config);
+    if let Some(export) = export {
+        export.shutdown();
+    }
+    served
+}
+
+fn serve_with(path: &std::path::Path, config: Config) -> anyhow::Result<()> {
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }

@@ -189,6 +189,7 @@ pub(crate) struct Metrics {
     reconciliations: Family<ReconcileLabels, Counter>,
     probe_latency: Family<RouteLabels, Histogram>,
     config_info: Family<ConfigLabels, Gauge>,
+    _trace_spans: [Counter; 2],
 }
 
 /// One route's metric handles, made once so a request only bumps atomics.
@@ -399,6 +400,21 @@ impl Metrics {
                     Histogram::new(exponential_buckets(0.0005, 2.0, 18))
                 }),
             ),
+            // Registered only: the trace export counts them, process-wide.
+            _trace_spans: [
+                register(
+                    r,
+                    "trace_spans_dropped",
+                    "Finished spans not exported: the queue was full, or the collector did not take their batch in time",
+                    crate::trace::spans_dropped().clone(),
+                ),
+                register(
+                    r,
+                    "trace_spans_exported",
+                    "Finished spans the collector took",
+                    crate::trace::spans_exported().clone(),
+                ),
+            ],
             config_info: register(
                 r,
                 "config_info",

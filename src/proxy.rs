@@ -26,8 +26,10 @@ use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
 use crate::error::{DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
+use crate::record::ExecutionTrace;
 use crate::router::{BodyLimits, RouteState, Router};
 use crate::store::{AnyStore, StoreKey, StoredResponse};
+use crate::trace;
 use crate::upstream::{self, HttpClient};
 
 mod access;
@@ -69,6 +71,9 @@ struct Shared {
     tasks: TaskTracker,
     /// What this process's reconciliation probes share across its workers.
     probes: Probes,
+    /// `[tracing]` is on: requests get their spans, and upstreams the proxy's trace
+    /// context. Fixed at start, as the export is.
+    traced: bool,
 }
 
 /// How a request's steps end, for `finish`.
@@ -80,6 +85,8 @@ struct Answer {
     outcome: Outcome,
     /// How long the upstream took to its response head, when it was asked.
     upstream: Option<Duration>,
+    /// A replay's: the trace of the request that executed it.
+    execution: Option<ExecutionTrace>,
 }
 
 impl Answer {
@@ -88,11 +95,13 @@ impl Answer {
             response,
             outcome: Outcome::Forwarded,
             upstream: Some(upstream),
+            execution: None,
         }
     }
 
     fn replayed(stored: StoredResponse) -> Answer {
         Answer {
+            execution: stored.trace,
             response: stored.into_response(),
             outcome: Outcome::Replayed,
             upstream: None,
@@ -175,13 +184,14 @@ impl Proxy {
                 router: ArcSwap::from_pointee(router),
                 client,
                 metrics: metrics.clone(),
-                ledger: Ledger::new(store, metrics, tasks.clone()),
+                ledger: Ledger::new(store, metrics, tasks.clone(), config.tracing.is_some()),
                 key_prefix: config.store.key_prefix.clone(),
                 guarded,
                 waiting,
                 access_log: AtomicBool::new(config.server.access_log),
                 tasks,
                 probes,
+                traced: config.tracing.is_some(),
             }),
         })
     }
@@ -202,15 +212,41 @@ impl Proxy {
         self.shared.access_log.load(Ordering::Relaxed)
     }
 
+    /// Whether a response is noted with how it ended: for the access log, or for the
+    /// request's span.
+    fn noted(&self) -> bool {
+        self.shared.traced || self.access_log()
+    }
+
     /// Serves one request. Never fails: every error becomes a problem response. With
-    /// the access log on, its line is written when the response body ends.
+    /// the access log on, its line is written when the response body ends; with
+    /// tracing on, the request has its span, which says how it ended.
     pub(crate) async fn handle(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
-        if !self.access_log() {
+        let (logged, traced) = (self.access_log(), self.shared.traced);
+        if !logged && !traced {
             return self.serve(request, client).await;
         }
         let (started, method) = (tokio::time::Instant::now(), request.method().clone());
-        let response = self.serve(request, client).await;
-        access::logged(response, method, started)
+        let (response, trace_id) = if traced {
+            let span = trace::request(&method, request.headers());
+            let response = self.serve(request, client).instrument(span.clone()).await;
+            let note = response.extensions().get::<access::Note>();
+            let ended = trace::Ended {
+                status: response.status().as_u16(),
+                route: note.and_then(|note| note.route.as_deref()),
+                outcome: note.map_or("-", |note| note.outcome.as_str()),
+                record: note.and_then(|note| note.record.as_deref()),
+                execution: note.and_then(|note| note.execution),
+            };
+            let trace_id = ended.record(&span);
+            (response, trace_id)
+        } else {
+            (self.serve(request, client).await, None)
+        };
+        if !logged {
+            return response;
+        }
+        access::logged(response, method, started, trace_id)
     }
 
     async fn serve(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
@@ -233,7 +269,7 @@ impl Proxy {
     /// Forwards a request that needs no idempotency work, streaming both bodies.
     async fn pass(&self, route: &RouteState, mut request: Request<ProxyBody>, client: &ClientInfo) -> Ended {
         upstream::prepare_request(&mut request, &route.route.upstream, client).map_err(ProxyError::Rewrite)?;
-        let (sent, clock, elapsed) = send(route, request).await;
+        let (sent, clock, elapsed) = send(route, request, self.shared.traced).await;
         let response = sent.map_err(|error| Refusal {
             // A body the client broke while it streamed is the client's fault.
             rejection: if body::broken_by_client(&error) {
@@ -266,11 +302,23 @@ impl Proxy {
             Mode::Enforce => tracing::info_span!("guarded", route = %route.name, record),
             Mode::Shadow => tracing::info_span!("shadow", route = %route.name, record),
         };
-        let note = record.filter(|_| self.access_log()).map(str::to_string);
+        let note = record.filter(|_| self.noted()).map(str::to_string);
+        // The request's span (`handle`'s), whose trace and id a record keeps.
+        let execution = if self.shared.traced {
+            trace::reference(&Span::current())
+        } else {
+            None
+        };
         async move {
             let ended = match policy.mode {
-                Mode::Enforce => self.enforce(&route, &policy, identified, request, client).await,
-                Mode::Shadow => self.shadow(&route, &policy, identified, request, client).await,
+                Mode::Enforce => {
+                    self.enforce(&route, &policy, identified, request, client, execution)
+                        .await
+                }
+                Mode::Shadow => {
+                    self.shadow(&route, &policy, identified, request, client, execution)
+                        .await
+                }
             };
             self.finish(Some(&route), note, ended)
         }
@@ -287,10 +335,11 @@ impl Proxy {
         identified: Result<Named, Rejection>,
         request: Request<Incoming>,
         client: ClientInfo,
+        execution: Option<ExecutionTrace>,
     ) -> Ended {
         // Refused at once rather than queued: nothing is read, claimed or forwarded, and
         // the client may retry with the same key.
-        let mut guarded = self.enter(route, policy, &client, identified?)?;
+        let mut guarded = self.enter(route, policy, &client, identified?, execution)?;
         let prepared = self.prepare(&mut guarded, request).await?;
         let decision = match self.claimed(&prepared).await {
             Ok(decision) => decision,
@@ -308,7 +357,11 @@ impl Proxy {
             Decision::Forward(claim) => self.forward(guarded, claim, prepared).await,
             Decision::Replay(stored) => Ok(Answer::replayed(stored)),
             Decision::Reject(first @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
-                self.wait(guarded, prepared, first).await
+                let wait = self.wait(guarded, prepared, first);
+                match self.shared.traced {
+                    true => wait.instrument(trace::wait()).await,
+                    false => wait.await,
+                }
             }
             Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
             Decision::Unknown(probe) => Err(self.unknown(&guarded, probe)),
@@ -333,8 +386,8 @@ impl Proxy {
     /// problem (logged at the level its fault deserves), and notes what the access log
     /// reads. `record` is the record's short hash, for the access log.
     fn finish(&self, route: Option<&RouteState>, record: Option<String>, ended: Ended) -> Response<ProxyBody> {
-        let (mut response, outcome, upstream) = match ended {
-            Ok(answer) => (answer.response, answer.outcome, answer.upstream),
+        let (mut response, outcome, upstream, execution) = match ended {
+            Ok(answer) => (answer.response, answer.outcome, answer.upstream, answer.execution),
             Err(refusal) => {
                 let mut problem = refusal.rejection.problem();
                 problem.operation = refusal.operation;
@@ -360,19 +413,20 @@ impl Proxy {
                     _ => tracing::info!(route = name, status, problem = slug, "problem response"),
                 }
                 let outcome = problem.outcome;
-                (problem.into_response().map(full), outcome, refusal.upstream)
+                (problem.into_response().map(full), outcome, refusal.upstream, None)
             }
         };
         if let Some(route) = route {
             route.metrics.request(outcome);
         }
-        if self.access_log() {
+        if self.noted() {
             let route = route.map(|route| route.name.clone());
             let note = access::Note {
                 outcome,
                 route,
                 upstream,
                 record,
+                execution,
             };
             response.extensions_mut().insert(note);
         }

@@ -16,6 +16,46 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// operator's or a probe's), so every replay of it says so.
 pub const IDEMPOTENCY_RECONCILED: HeaderName = HeaderName::from_static("idempotency-reconciled");
 
+/// The field a record keeps its execution's trace in, inside the store's header
+/// encoding (so neither store's layout changes): never replayed, and an upstream's own
+/// field of that name is never recorded.
+const EXECUTION_TRACE: HeaderName = HeaderName::from_static("idemproxy-execution-trace");
+
+/// The trace of the request that executed a recorded response (its trace id and the
+/// id of its request span), for a replay's span to link to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExecutionTrace {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+}
+
+impl ExecutionTrace {
+    /// The trace id, as 32 lowercase hex digits (as a `traceparent` writes it).
+    pub fn trace_id_hex(self) -> String {
+        const_hex::encode(self.trace_id)
+    }
+
+    /// `<trace id>-<span id>` in hex.
+    fn encode(self) -> String {
+        format!(
+            "{}-{}",
+            const_hex::encode(self.trace_id),
+            const_hex::encode(self.span_id)
+        )
+    }
+
+    fn decode(text: &[u8]) -> Option<ExecutionTrace> {
+        let (trace_id, span_id) = (text.get(..32)?, text.get(33..)?);
+        if text.get(32) != Some(&b'-') {
+            return None;
+        }
+        Some(ExecutionTrace {
+            trace_id: const_hex::decode_to_array(trace_id).ok()?,
+            span_id: const_hex::decode_to_array(span_id).ok()?,
+        })
+    }
+}
+
 /// An upstream response as recorded for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
@@ -24,6 +64,8 @@ pub struct StoredResponse {
     /// which is derived again from the body.
     pub headers: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
+    /// The trace of the request that executed it, when tracing was on.
+    pub trace: Option<ExecutionTrace>,
 }
 
 impl StoredResponse {
@@ -42,7 +84,7 @@ impl StoredResponse {
         let headers = parts
             .headers
             .iter()
-            .filter(|(name, _)| *name != header::CONTENT_LENGTH && !exclude.contains(name))
+            .filter(|(name, _)| *name != header::CONTENT_LENGTH && *name != EXECUTION_TRACE && !exclude.contains(name))
             // Copied: a parsed value may be a slice of the connection's read buffer,
             // which a record would otherwise keep alive for its whole retention.
             .map(|(name, value)| {
@@ -56,7 +98,14 @@ impl StoredResponse {
             status: parts.status,
             headers,
             body,
+            trace: None,
         }
+    }
+
+    /// This response, as executed by the request `trace` names.
+    pub fn traced(mut self, trace: Option<ExecutionTrace>) -> StoredResponse {
+        self.trace = trace;
+        self
     }
 
     /// The response a retry gets: the recorded one, marked as replayed.
@@ -71,9 +120,12 @@ impl StoredResponse {
         response
     }
 
-    /// The bytes this record holds: its body, and every header name and value.
+    /// The bytes this record holds: its body, every header name and value, and its
+    /// execution's trace.
     pub fn size(&self) -> usize {
-        self.body.len()
+        let trace = self.trace.map_or(0, |_| EXECUTION_TRACE.as_str().len() + 49);
+        trace
+            + self.body.len()
             + self
                 .headers
                 .iter()
@@ -82,19 +134,37 @@ impl StoredResponse {
     }
 
     /// The headers in the store's encoding: a sequence of (u32 length, name, u32
-    /// length, value), big-endian.
+    /// length, value), big-endian; the execution's trace last, as one more field.
     pub fn encode_headers(&self) -> Vec<u8> {
-        encode_headers(&self.headers)
+        match self.trace {
+            None => encode_headers(&self.headers),
+            Some(trace) => {
+                let mut headers = self.headers.clone();
+                if let Ok(value) = HeaderValue::try_from(trace.encode()) {
+                    headers.push((EXECUTION_TRACE, value));
+                }
+                encode_headers(&headers)
+            }
+        }
     }
 
     /// Rebuilds a record from the store's fields; `None` when any of them is not what
     /// `encode_headers` and a valid status would have written.
     pub fn decode(status: &[u8], headers: &[u8], body: Bytes) -> Option<StoredResponse> {
         let status = std::str::from_utf8(status).ok()?.parse::<u16>().ok()?;
+        let mut headers = decode_headers(headers)?;
+        let trace = match headers.last() {
+            Some((name, value)) if *name == EXECUTION_TRACE => Some(ExecutionTrace::decode(value.as_bytes())?),
+            _ => None,
+        };
+        if trace.is_some() {
+            headers.pop();
+        }
         Some(StoredResponse {
             status: StatusCode::from_u16(status).ok()?,
-            headers: decode_headers(headers)?,
+            headers,
             body,
+            trace,
         })
     }
 }
@@ -188,6 +258,39 @@ mod tests {
         bad_value.extend_from_slice(&3u32.to_be_bytes());
         bad_value.extend_from_slice(b"x\ny");
         assert_eq!(StoredResponse::decode(b"200", &bad_value, Bytes::new()), None);
+    }
+
+    #[test]
+    fn a_record_keeps_its_execution_trace_and_never_replays_it() {
+        let trace = ExecutionTrace {
+            trace_id: *b"0123456789abcdef",
+            span_id: *b"spanid!!",
+        };
+        let mut parts = Response::new(()).into_parts().0;
+        parts.headers = headers().into_iter().collect();
+        // An upstream's own field of the reserved name is not recorded.
+        parts
+            .headers
+            .insert(EXECUTION_TRACE, HeaderValue::from_static("forged"));
+        let stored = StoredResponse::from_parts(&parts, Bytes::from_static(b"{}"), &[]).traced(Some(trace));
+        assert_eq!(stored.headers.len(), headers().len(), "{:?}", stored.headers);
+        let decoded = StoredResponse::decode(b"201", &stored.encode_headers(), Bytes::from_static(b"{}"));
+        let decoded = decoded.expect("decodes");
+        assert_eq!(decoded.trace, Some(trace));
+        assert_eq!(decoded.headers, stored.headers);
+        assert_eq!(trace.trace_id_hex(), const_hex::encode(b"0123456789abcdef"));
+        let replay = decoded.into_response();
+        assert!(replay.headers().get(&EXECUTION_TRACE).is_none());
+        // Without a trace, the encoding is what it always was.
+        let plain = StoredResponse::from_parts(&parts, Bytes::new(), &[]);
+        assert_eq!(plain.encode_headers(), encode_headers(&headers()));
+        // A malformed trace is a record that does not decode, never a guess.
+        let mut bad = headers();
+        bad.push((EXECUTION_TRACE, HeaderValue::from_static("0123-xyz")));
+        assert_eq!(
+            StoredResponse::decode(b"201", &encode_headers(&bad), Bytes::new()),
+            None
+        );
     }
 
     #[test]

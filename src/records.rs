@@ -147,6 +147,9 @@ pub struct RecordView {
     pub next_probe_ms: Option<u64>,
     /// Completed: the recorded body's size.
     pub response_bytes: Option<u64>,
+    /// Completed, with tracing on: the trace id (32 hex digits) of the request that
+    /// executed it, which every replay's span links to.
+    pub trace_id: Option<String>,
     /// The first request's fingerprint, hex.
     pub fingerprint: String,
 }
@@ -168,6 +171,7 @@ impl RecordView {
             reconciling: None,
             next_probe_ms: None,
             response_bytes: None,
+            trace_id: None,
             fingerprint: summary.fingerprint.to_hex(),
         };
         match summary.state {
@@ -179,10 +183,15 @@ impl RecordView {
                 view.lease_remaining_ms = Some(0);
                 view.reason = Some("lease-expired".into());
             }
-            SummaryState::Completed { status, response_bytes } => {
+            SummaryState::Completed {
+                status,
+                response_bytes,
+                trace_id,
+            } => {
                 view.state = ViewState::Completed;
                 view.status = Some(status);
                 view.response_bytes = Some(response_bytes);
+                view.trace_id = trace_id;
             }
             SummaryState::Unknown { reason, probe } => {
                 view.reason = Some(reason.as_str().into());
@@ -225,6 +234,9 @@ impl std::fmt::Display for RecordView {
         }
         if let Some(bytes) = self.response_bytes {
             writeln!(f, "response     {bytes} bytes")?;
+        }
+        if let Some(trace_id) = &self.trace_id {
+            writeln!(f, "trace        {trace_id} (the request that executed it)")?;
         }
         if let Some(lease) = self.lease_remaining_ms {
             let lease = humantime::format_duration(Duration::from_millis(lease));
@@ -487,6 +499,7 @@ mod tests {
             reconciling: None,
             next_probe_ms: None,
             response_bytes: Some(81),
+            trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".into()),
             fingerprint: "ab".repeat(32),
         };
         let json = serde_json::to_vec(&view).expect("serialize");
@@ -500,6 +513,7 @@ mod tests {
             "state        completed",
             "status       201",
             "response     81 bytes",
+            "trace        4bf92f3577b34da6a3ce929d0e0e4736 (the request that executed it)",
             "expires in   59m",
         ] {
             assert!(printed.contains(line), "{line:?} not in {printed}");

@@ -310,6 +310,8 @@ pub enum SummaryState {
     Completed {
         status: u16,
         response_bytes: u64,
+        /// The trace id of the request that executed it, hex, when tracing was on.
+        trace_id: Option<String>,
     },
     Unknown {
         reason: UnknownReason,

@@ -20,7 +20,7 @@ use crate::error::UpstreamError;
 mod pool;
 
 pub(crate) use self::pool::HttpClient;
-use self::pool::SendError;
+pub(crate) use self::pool::SendError;
 
 /// Builds an upstream client: HTTPS verified against the webpki roots, or with `tls`
 /// (a route's extra roots) when given. Each worker has its own.

@@ -56,6 +56,7 @@ fn response(owner: u8) -> StoredResponse {
         status: StatusCode::from_u16(200 + u16::from(owner)).expect("status"),
         headers: vec![(HeaderName::from_static("x-owner"), HeaderValue::from(u16::from(owner)))],
         body: Bytes::from(format!("from owner {owner}")),
+        trace: None,
     }
 }
 
@@ -65,6 +66,7 @@ fn learned() -> StoredResponse {
         status: StatusCode::ACCEPTED,
         headers: vec![(HeaderName::from_static("x-learned"), HeaderValue::from_static("yes"))],
         body: Bytes::from_static(b"learned from the upstream"),
+        trace: None,
     }
 }
 

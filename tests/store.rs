@@ -14,6 +14,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, StoreTls};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
+use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
     ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken,
@@ -57,6 +58,12 @@ fn response(body: &'static str) -> StoredResponse {
             (HeaderName::from_static("set-cookie"), HeaderValue::from_static("b=2")),
         ],
         body: Bytes::from_static(body.as_bytes()),
+        // Every record these tests complete keeps an execution's trace, so each store
+        // is shown to give it back with the response.
+        trace: Some(ExecutionTrace {
+            trace_id: [0x4b; 16],
+            span_id: [0x1f; 8],
+        }),
     }
 }
 
@@ -155,6 +162,7 @@ async fn an_empty_response_round_trips<S: RecordStore>(store: &S) {
         status: StatusCode::NO_CONTENT,
         headers: vec![],
         body: Bytes::new(),
+        trace: None,
     };
     assert_eq!(
         store.complete(&key, owner, &stored).await.expect("complete"),
@@ -329,7 +337,8 @@ async fn an_operator_sees_every_state_and_never_the_body<S: RecordStore>(store: 
         store.inspect(&done).await.expect("inspect").expect("a record").state,
         SummaryState::Completed {
             status: 201,
-            response_bytes: 12
+            response_bytes: 12,
+            trace_id: Some("4b".repeat(16)),
         }
     );
 
@@ -942,6 +951,7 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
         status: StatusCode::OK,
         headers: vec![(HeaderName::from_static("x-seed"), HeaderValue::from(u16::from(seed)))],
         body: Bytes::from(vec![seed; BODY]),
+        trace: None,
     };
     assert_eq!((store.usage().records, store.usage().bytes), (0, 0));
     // Four 256 KiB bodies and their bookkeeping exceed 1 MiB; the fourth claim is

@@ -4,6 +4,7 @@
 #![allow(dead_code, unused_imports, unreachable_pub)]
 
 pub mod client;
+pub mod collector;
 pub mod h2raw;
 pub mod history;
 pub mod jwt;

@@ -210,6 +210,7 @@ fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
             status,
             headers,
             body: body.into(),
+            trace: None,
         }
         .reconciled(),
     ))

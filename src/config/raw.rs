@@ -20,6 +20,7 @@ pub(super) struct RawConfig {
     pub(super) admin: Option<RawAdmin>,
     #[serde(default)]
     pub(super) store: RawStore,
+    pub(super) tracing: Option<RawTracing>,
     #[serde(rename = "route")]
     pub(super) routes: Option<Spanned<Vec<RawRoute>>>,
 }
@@ -82,6 +83,24 @@ pub(super) struct RawAdmin {
     #[serde(default = "default_admin_listen")]
     pub(super) listen: SocketAddr,
     pub(super) token_file: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    pub(super) otlp_endpoint: Option<Spanned<String>>,
+    #[serde(default = "default_service_name")]
+    pub(super) service_name: Spanned<String>,
+    #[serde(default = "default_sample_ratio")]
+    pub(super) sample_ratio: Spanned<f64>,
+}
+
+fn default_service_name() -> Spanned<String> {
+    Spanned::new(0..0, "idemproxy".into())
+}
+
+fn default_sample_ratio() -> Spanned<f64> {
+    Spanned::new(0..0, 1.0)
 }
 
 fn default_admin_listen() -> SocketAddr {

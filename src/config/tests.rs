@@ -705,3 +705,73 @@ fn docs_url_profile_and_contract_path_are_checked() {
     let message = error(&route("contract_path = \"idempotency\"", ""));
     assert!(message.contains("server.contract_path"), "{message}");
 }
+
+#[test]
+fn tracing_is_off_without_an_endpoint_and_defaults_as_the_design_says() {
+    assert_eq!(parse(ROUTE).expect("valid").tracing, None);
+    let empty = parse(&format!("[tracing]\nservice_name = \"edge\"\n{ROUTE}")).expect("valid");
+    assert_eq!(empty.tracing, None, "no otlp_endpoint: no export");
+    let on = parse(&format!(
+        "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n{ROUTE}"
+    ))
+    .expect("valid");
+    let tracing = on.tracing.clone().expect("on");
+    assert_eq!(tracing.otlp_endpoint.to_string(), "http://127.0.0.1:4318/v1/traces");
+    assert_eq!(tracing.service_name, "idemproxy");
+    assert_eq!(tracing.sample_ratio, 1.0);
+    assert!(
+        on.to_string()
+            .contains("traces OTLP/HTTP to http://127.0.0.1:4318/v1/traces")
+    );
+    // A path of its own is kept as given.
+    let path = parse(&format!(
+        "[tracing]\notlp_endpoint = \"https://otel.example.com/ingest/traces\"\nsample_ratio = 0.01\n{ROUTE}"
+    ))
+    .expect("valid")
+    .tracing
+    .expect("on");
+    assert_eq!(path.otlp_endpoint.to_string(), "https://otel.example.com/ingest/traces");
+    assert_eq!(path.sample_ratio, 0.01);
+}
+
+#[test]
+fn a_bad_tracing_table_is_refused_with_its_field() {
+    for (table, field, reason) in [
+        (
+            "otlp_endpoint = \"grpc://127.0.0.1:4317\"",
+            "tracing.otlp_endpoint",
+            "http:// or https://",
+        ),
+        (
+            "otlp_endpoint = \"not a url\"",
+            "tracing.otlp_endpoint",
+            "not a valid URL",
+        ),
+        (
+            "otlp_endpoint = \"http://c/v1/traces?x=1\"",
+            "tracing.otlp_endpoint",
+            "query",
+        ),
+        ("sample_ratio = 1.5", "tracing.sample_ratio", "between 0.0 and 1.0"),
+        ("sample_ratio = -0.1", "tracing.sample_ratio", "between 0.0 and 1.0"),
+        ("service_name = \" \"", "tracing.service_name", "must not be empty"),
+        ("otlp = \"http://c\"", "otlp", "unknown field"),
+    ] {
+        let message = error(&format!("[tracing]\n{table}\n{ROUTE}"));
+        assert!(
+            message.contains(field) && message.contains(reason),
+            "{table}: {message}"
+        );
+    }
+}
+
+#[test]
+fn a_tracing_change_needs_a_restart() {
+    let off = parse(ROUTE).expect("valid");
+    let on = parse(&format!(
+        "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n{ROUTE}"
+    ))
+    .expect("valid");
+    assert_eq!(off.needs_restart(&on), ["tracing"]);
+    assert!(on.needs_restart(&on.clone()).is_empty());
+}

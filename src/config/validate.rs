@@ -15,13 +15,13 @@ use toml::Spanned;
 
 use super::raw::{
     BackendKind, RawConfig, RawFingerprintBody, RawIdempotency, RawReconcile, RawRoute, RawScopeJwt, RawServer,
-    RawStore, RawTls,
+    RawStore, RawTls, RawTracing,
 };
 use super::{
     AdminConfig, AdminToken, Backend, ClientIdentity, Config, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS,
     DEFAULT_REPLICA_ACK_TIMEOUT, DEFAULT_STORE_CONNECTIONS, FingerprintBody, IdempotencyPolicy, JsonPointer,
     LEASE_GRACE, PathPolicy, ProbePath, ProbePiece, Reconcile, RedisConfig, RedisTopology, Route, ServerConfig,
-    ServerTls, StoreConfig, StoreTls, Target, UpstreamKey,
+    ServerTls, StoreConfig, StoreTls, Target, TracingConfig, UpstreamKey,
 };
 use crate::error::ConfigError;
 use crate::jwt::{JwtVerifier, KeySource};
@@ -151,13 +151,58 @@ impl Validator<'_> {
                 token: admin.token_file.map(|file| self.admin_token(&file)).transpose()?,
             }),
         };
+        let tracing = raw.tracing.map(|raw| self.tracing(raw)).transpose()?.flatten();
         Ok(Config {
             server,
             admin,
             store,
+            tracing,
             routes,
             sha256: const_hex::encode(ring::digest::digest(&ring::digest::SHA256, self.source.as_bytes())),
         })
+    }
+
+    /// `[tracing]`: `None` without an `otlp_endpoint` (no export, nothing traced).
+    fn tracing(&self, raw: RawTracing) -> Result<Option<TracingConfig>, ConfigError> {
+        let ratio = *raw.sample_ratio.get_ref();
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(self.error(
+                raw.sample_ratio.span(),
+                "tracing.sample_ratio",
+                "must be between 0.0 and 1.0",
+            ));
+        }
+        let name = raw.service_name.get_ref().trim();
+        if name.is_empty() {
+            return Err(self.error(raw.service_name.span(), "tracing.service_name", "must not be empty"));
+        }
+        let Some(endpoint) = raw.otlp_endpoint else {
+            return Ok(None);
+        };
+        let field = "tracing.otlp_endpoint";
+        let bad = |reason: &str| self.error(endpoint.span(), field, reason.to_string());
+        let uri: http::Uri = endpoint.get_ref().parse().map_err(|_| bad("not a valid URL"))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+            return Err(bad("must be an http:// or https:// URL with a host (OTLP over HTTP)"));
+        }
+        if uri.query().is_some() {
+            return Err(bad("must not have a query"));
+        }
+        let uri = match uri.path() {
+            "" | "/" => format!(
+                "{}://{}/v1/traces",
+                uri.scheme_str().unwrap_or("http"),
+                uri.authority().map_or("", |a| a.as_str())
+            )
+            .parse()
+            .map_err(|_| bad("not a valid URL"))?,
+            _ => uri,
+        };
+        Ok(Some(TracingConfig {
+            otlp_endpoint: uri,
+            service_name: name.to_string(),
+            sample_ratio: ratio,
+        }))
     }
 
     /// The admin token: at least 16 bytes, read now so that `check` tells a bad file.

@@ -181,6 +181,7 @@ fn decisions_follow_the_record() {
         status: http::StatusCode::CREATED,
         headers: vec![],
         body: bytes::Bytes::from_static(b"ok"),
+        trace: None,
     };
     assert!(matches!(
         decide(existing(mine, RecordState::Completed(stored.clone())), mine),

@@ -2,8 +2,8 @@
 //! `idemproxy::access`, written when the response body has been sent (or the client
 //! went away). What it says besides the method, status and time is noted on the
 //! response, once, where the request ends (`Proxy::finish`): the outcome, the route,
-//! the upstream's time, the record hash. Never a raw key, a query string or a header
-//! value.
+//! the upstream's time, the record hash, and with tracing on the trace id. Never a raw
+//! key, a query string or a header value.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use crate::body::ProxyBody;
 use crate::error::BoxError;
 use crate::error::Outcome;
+use crate::record::ExecutionTrace;
 
 /// What the access log says of a request besides its method, status and time: how it
 /// ended, on which route, how long the upstream took to its response head (when it was
@@ -30,10 +31,18 @@ pub(crate) struct Note {
     pub(crate) route: Option<Arc<str>>,
     pub(crate) upstream: Option<Duration>,
     pub(crate) record: Option<String>,
+    /// A replay's: the trace of the request that executed it (for its span's link).
+    pub(crate) execution: Option<ExecutionTrace>,
 }
 
-/// Wraps `response`'s body so that one line is logged when it ends.
-pub(crate) fn logged(response: Response<ProxyBody>, method: Method, started: Instant) -> Response<ProxyBody> {
+/// Wraps `response`'s body so that one line is logged when it ends; `trace_id` is the
+/// request's trace, when tracing is on.
+pub(crate) fn logged(
+    response: Response<ProxyBody>,
+    method: Method,
+    started: Instant,
+    trace_id: Option<String>,
+) -> Response<ProxyBody> {
     let (mut parts, body) = response.into_parts();
     let note = parts.extensions.remove::<Note>();
     let line = Line {
@@ -41,6 +50,7 @@ pub(crate) fn logged(response: Response<ProxyBody>, method: Method, started: Ins
         method,
         status: parts.status.as_u16(),
         note,
+        trace_id,
     };
     let body = AccessBody {
         inner: body,
@@ -55,6 +65,7 @@ struct Line {
     method: Method,
     status: u16,
     note: Option<Note>,
+    trace_id: Option<String>,
 }
 
 impl Line {
@@ -71,6 +82,7 @@ impl Line {
             duration_ms = millis(self.started.elapsed()),
             upstream_ms = note.and_then(|note| note.upstream).map(millis),
             record = note.and_then(|note| note.record.as_deref()),
+            trace_id = self.trace_id.as_deref(),
             bytes,
             complete,
             "access"

@@ -15,6 +15,7 @@ use crate::error::{StoreError, UpstreamError};
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::{AnyStore, ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, StoreKey, StoredResponse};
 use crate::store::{ProbeSchedule, UnknownReason, Write};
+use crate::trace;
 
 /// The first pause between two tries of a background write, and the longest.
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -27,11 +28,18 @@ pub(super) struct Ledger {
     store: AnyStore,
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
+    /// `[tracing]` is on: each operation runs in a span of its own.
+    traced: bool,
 }
 
 impl Ledger {
-    pub(super) fn new(store: AnyStore, metrics: Arc<Metrics>, tasks: TaskTracker) -> Ledger {
-        Ledger { store, metrics, tasks }
+    pub(super) fn new(store: AnyStore, metrics: Arc<Metrics>, tasks: TaskTracker, traced: bool) -> Ledger {
+        Ledger {
+            store,
+            metrics,
+            tasks,
+            traced,
+        }
     }
 
     /// Claims `request.key` for `request.owner`. Acquired, the claim is the caller's to
@@ -77,14 +85,24 @@ impl Ledger {
         &self.store
     }
 
-    /// Runs one store operation and records its latency.
+    /// Runs one store operation and records its latency; with tracing on, in a span of
+    /// its own.
     pub(super) async fn timed<T>(
         &self,
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let started = Instant::now();
-        let result = call.await;
+        let result = if self.traced {
+            let span = trace::store(op.as_str());
+            let result = call.instrument(span.clone()).await;
+            if let Err(error) = &result {
+                span.record("error.type", error.kind());
+            }
+            result
+        } else {
+            call.await
+        };
         self.metrics.store_op(op, result.is_ok(), started.elapsed());
         result
     }

@@ -18,6 +18,7 @@ use crate::config::IdempotencyPolicy;
 use crate::error::{Bound, KeyError, ProxyError, Rejection};
 use crate::idempotency::{self, IdempotencyKey};
 use crate::metrics::Metrics;
+use crate::record::ExecutionTrace;
 use crate::router::RouteState;
 use crate::scope;
 use crate::store::{ClaimRequest, Fingerprint, OwnerToken, ScopeId, StoreKey};
@@ -138,6 +139,8 @@ pub(super) struct Guarded {
     /// The client's key: what a probe's `{key}` is, with `upstream_key = "client"`.
     pub(super) key: IdempotencyKey,
     pub(super) share: Share,
+    /// The trace of this request's span, which the record keeps, with tracing on.
+    pub(super) execution: Option<ExecutionTrace>,
 }
 
 /// The record a guarded request names, and the client (route and scope) it is
@@ -220,6 +223,7 @@ impl Proxy {
         policy: &Arc<IdempotencyPolicy>,
         client: &ClientInfo,
         named: Named,
+        execution: Option<ExecutionTrace>,
     ) -> Result<Guarded, Rejection> {
         Ok(Guarded {
             share: self.shared.guarded.try_enter()?,
@@ -229,6 +233,7 @@ impl Proxy {
             record: named.record,
             scope: named.scope,
             key: named.key,
+            execution,
         })
     }
 

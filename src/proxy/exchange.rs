@@ -17,19 +17,48 @@ use crate::error::{ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, Recording};
 use crate::router::RouteState;
 use crate::store::{StoreKey, StoredResponse, UnknownReason};
+use crate::trace;
 use crate::upstream::{self, Clock};
 
 /// Sends `request` on `route`'s upstream within its timeout, and times the response
-/// head in the route's metrics.
+/// head in the route's metrics. `traced`: in a span of its own, which the upstream
+/// gets as its parent.
 pub(super) async fn send(
     route: &RouteState,
     request: Request<ProxyBody>,
+    traced: bool,
 ) -> (Result<Response<Incoming>, UpstreamError>, Clock, Duration) {
     let clock = Clock::start(route.route.upstream_timeout);
-    let sent = upstream::send(&route.client, request, &clock).await;
+    let sent = upstream_traced(&route.client, request, &clock, traced).await;
     let elapsed = clock.started.elapsed();
     route.metrics.upstream(elapsed);
     (sent, clock, elapsed)
+}
+
+/// `upstream::send`, in an `upstream` span when `traced`: its trace context replaces
+/// the client's in `request`, and it records the status, or the kind of failure.
+pub(super) async fn upstream_traced(
+    client: &upstream::HttpClient,
+    mut request: Request<ProxyBody>,
+    clock: &Clock,
+    traced: bool,
+) -> Result<Response<Incoming>, UpstreamError> {
+    if !traced {
+        return upstream::send(client, request, clock).await;
+    }
+    let authority = request.uri().authority().map_or("", |authority| authority.as_str());
+    let span = trace::upstream(request.method(), authority);
+    trace::inject(&span, request.headers_mut());
+    let sent = upstream::send(client, request, clock).instrument(span.clone()).await;
+    match &sent {
+        Ok(response) => {
+            span.record("http.response.status_code", response.status().as_u16());
+        }
+        Err(error) => {
+            span.record("error.type", error.kind());
+        }
+    }
+    sent
 }
 
 impl Proxy {
@@ -65,7 +94,7 @@ impl Proxy {
     /// what came back.
     async fn exchange(&self, guarded: &mut Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Ended {
         claim.forwarding();
-        let (sent, clock, elapsed) = send(&guarded.route, request).await;
+        let (sent, clock, elapsed) = send(&guarded.route, request, self.shared.traced).await;
         let failed = |rejection: Rejection| Refusal {
             rejection,
             upstream: Some(elapsed),
@@ -100,7 +129,8 @@ impl Proxy {
             Ok(Buffered::Whole(body)) => {
                 match recording {
                     Recording::Record => {
-                        let stored = StoredResponse::from_parts(&parts, body.clone(), &policy.replay_exclude_headers);
+                        let stored = StoredResponse::from_parts(&parts, body.clone(), &policy.replay_exclude_headers)
+                            .traced(guarded.execution);
                         claim.complete(stored).await;
                     }
                     Recording::Release => claim.release().await,

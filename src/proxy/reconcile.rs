@@ -17,18 +17,21 @@ use http::header::{HOST, USER_AGENT};
 use http::{HeaderValue, Request, StatusCode, Uri};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
 use super::Proxy;
 use super::context::Guarded;
+use super::exchange::upstream_traced;
 use crate::body::{self, Buffered, full};
 use crate::config::{IdempotencyPolicy, Reconcile, UpstreamKey};
 use crate::error::UpstreamError;
 use crate::metrics::{Reconciliation, StoreOp};
+use crate::record::ExecutionTrace;
 use crate::router::RouteState;
 use crate::store::{
     Deferred, OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordStore, Resolution, Resolved, StoreKey, StoredResponse,
 };
+use crate::trace;
 use crate::upstream::{self, Clock};
 
 /// How early a probe may find itself against the store's clock and still wait for its
@@ -120,6 +123,8 @@ struct Job {
     record: StoreKey,
     /// The key as the upstream was sent it: what `{key}` is.
     key: String,
+    /// The trace of the request that began the chain, for each probe's span to link to.
+    execution: Option<ExecutionTrace>,
 }
 
 /// What one probe learned.
@@ -174,6 +179,7 @@ impl Proxy {
             reconcile: reconcile.clone(),
             record: guarded.record.clone(),
             key,
+            execution: guarded.execution,
         };
         let span =
             tracing::info_span!(parent: None, "reconcile", route = %job.route.name, record = job.record.short_hash());
@@ -210,10 +216,16 @@ impl Proxy {
             let Ok(permit) = permits.acquire().await else {
                 return;
             };
+            // Each probe is a trace of its own, linked to the request that began the
+            // chain: a chain may last minutes.
+            let span = match self.shared.traced {
+                true => trace::probe(&job.route.name, job.record.short_hash(), job.execution),
+                false => Span::none(),
+            };
             let start = ledger
                 .store()
                 .begin_probe(&job.record, schedule(reconcile), reconcile.lease());
-            let claim = match ledger.timed(StoreOp::BeginProbe, start).await {
+            let claim = match ledger.timed(StoreOp::BeginProbe, start).instrument(span.clone()).await {
                 Ok(ProbeStart::Leased(claim)) => claim,
                 Ok(ProbeStart::NotDue(next)) if next <= CLOCK_SLACK => {
                     wait = next;
@@ -232,9 +244,9 @@ impl Proxy {
                     continue;
                 }
             };
-            let learned = self.probe(&job).await;
+            let learned = self.probe(&job).instrument(span.clone()).await;
             drop(permit);
-            wait = match self.settle(&job, claim, learned).await {
+            wait = match self.settle(&job, claim, learned).instrument(span).await {
                 Some(next) => next,
                 None => return,
             };
@@ -309,7 +321,7 @@ impl Proxy {
         let clock = Clock::start(reconcile.timeout);
         let (learned, status) = match probe_request(job) {
             Err(_) => (Learned::Nothing("the probe's path does not make a URI"), None),
-            Ok(request) => match upstream::send(&job.route.client, request, &clock).await {
+            Ok(request) => match upstream_traced(&job.route.client, request, &clock, self.shared.traced).await {
                 Err(error) => (Learned::Nothing(unsettled(&error)), None),
                 Ok(response) => {
                     let status = response.status();
@@ -359,7 +371,9 @@ impl Proxy {
         let limit = job.policy.max_response_body_bytes;
         match body::buffer_response(body, limit, clock.deadline, clock.timeout, |_| true).await {
             Ok(Buffered::Whole(body)) => Learned::Applied(
-                StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers).reconciled(),
+                StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers)
+                    .reconciled()
+                    .traced(trace::reference(&Span::current())),
             ),
             Ok(Buffered::Cut { .. }) => Learned::Nothing("the probe's answer is larger than max_response_body_bytes"),
             Err(error) => Learned::Nothing(unsettled(&error)),

@@ -19,6 +19,7 @@ use crate::config::IdempotencyPolicy;
 use crate::error::{KeyError, Rejection};
 use crate::idempotency::Decision;
 use crate::metrics::Would;
+use crate::record::ExecutionTrace;
 use crate::router::RouteState;
 
 impl Proxy {
@@ -32,8 +33,9 @@ impl Proxy {
         identified: Result<Named, Rejection>,
         request: Request<Incoming>,
         client: ClientInfo,
+        execution: Option<ExecutionTrace>,
     ) -> Ended {
-        let entered = identified.and_then(|named| self.enter(route, policy, &client, named));
+        let entered = identified.and_then(|named| self.enter(route, policy, &client, named, execution));
         let mut guarded = match entered {
             Ok(guarded) => guarded,
             Err(rejection) => {

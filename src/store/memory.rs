@@ -544,6 +544,7 @@ impl RecordStore for MemoryStore {
             State::Completed(response) => SummaryState::Completed {
                 status: response.status.as_u16(),
                 response_bytes: response.body.len() as u64,
+                trace_id: response.trace.map(crate::record::ExecutionTrace::trace_id_hex),
             },
             State::Unknown { reason, schedule, .. } => SummaryState::Unknown {
                 reason: *reason,

@@ -253,6 +253,7 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
         Read::Completed(response) => SummaryState::Completed {
             status: response.status.as_u16(),
             response_bytes: response.body.len() as u64,
+            trace_id: response.trace.map(crate::record::ExecutionTrace::trace_id_hex),
         },
         Read::Unknown { reason, probe, .. } => SummaryState::Unknown { reason, probe },
     };
@@ -312,6 +313,7 @@ mod tests {
             status: StatusCode::CREATED,
             headers: vec![(HeaderName::from_static("x-a"), HeaderValue::from_static("b:c"))],
             body: Bytes::from_static(b"body with : colons"),
+            trace: None,
         };
         let mut completed = value.get(..66).expect("prefix").to_vec();
         completed[1] = b'C';
