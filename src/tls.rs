@@ -130,3 +130,111 @@ pub fn upstream_client_config(ca_file: &Path) -> Result<Arc<rustls::ClientConfig
         .with_no_client_auth();
     Ok(Arc::new(config))
 }
+
+#[cfg(test)]
+mod tests {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+        KeyUsagePurpose,
+    };
+    use rustls_pki_types::{PrivatePkcs8KeyDer, ServerName};
+
+    use super::*;
+
+    fn authority(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign];
+        CertifiedIssuer::self_signed(params, KeyPair::generate().expect("key")).expect("a CA")
+    }
+
+    fn issue(
+        by: &CertifiedIssuer<'static, KeyPair>,
+        names: &[&str],
+        usage: ExtendedKeyUsagePurpose,
+    ) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+        let mut params =
+            CertificateParams::new(names.iter().map(|name| name.to_string()).collect::<Vec<_>>()).expect("params");
+        params.extended_key_usages = vec![usage];
+        let key = KeyPair::generate().expect("key");
+        let certificate = params.signed_by(&key, by).expect("sign");
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+        (vec![certificate.der().clone()], key)
+    }
+
+    /// A handshake in memory between `server` and a client that trusts `ca` and
+    /// presents `identity`; the first error either side meets.
+    fn handshake(
+        server: Arc<rustls::ServerConfig>,
+        ca: &CertifiedIssuer<'static, KeyPair>,
+        identity: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    ) -> Result<(), rustls::Error> {
+        let mut roots = RootCertStore::empty();
+        roots.add(ca.der().clone()).expect("the CA");
+        let builder = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots);
+        let client = match identity {
+            None => builder.with_no_client_auth(),
+            Some((chain, key)) => builder.with_client_auth_cert(chain, key)?,
+        };
+        let name = ServerName::try_from("localhost").expect("a name");
+        let mut client = rustls::ClientConnection::new(Arc::new(client), name)?;
+        let mut server = rustls::ServerConnection::new(server)?;
+        let io = |error: std::io::Error| rustls::Error::General(error.to_string());
+        for _ in 0..8 {
+            let mut wire = Vec::new();
+            while client.wants_write() {
+                client.write_tls(&mut wire).map_err(io)?;
+            }
+            let mut read = &wire[..];
+            while !read.is_empty() {
+                server.read_tls(&mut read).map_err(io)?;
+                server.process_new_packets()?;
+            }
+            let mut wire = Vec::new();
+            while server.wants_write() {
+                server.write_tls(&mut wire).map_err(io)?;
+            }
+            let mut read = &wire[..];
+            while !read.is_empty() {
+                client.read_tls(&mut read).map_err(io)?;
+                client.process_new_packets()?;
+            }
+            if !client.is_handshaking() && !server.is_handshaking() {
+                return Ok(());
+            }
+        }
+        Err(rustls::Error::General("the handshake did not finish".into()))
+    }
+
+    /// With client roots, the listener takes a client certificate they signed and
+    /// refuses none, a foreign CA's, and a server certificate of its own CA; without,
+    /// it asks for none.
+    #[test]
+    fn a_listener_with_client_roots_takes_only_the_certificates_they_signed() {
+        let (ca, foreign) = (authority("listener CA"), authority("foreign CA"));
+        let (chain, key) = issue(&ca, &["localhost"], ExtendedKeyUsagePurpose::ServerAuth);
+        let mut client_roots = RootCertStore::empty();
+        client_roots.add(ca.der().clone()).expect("the CA");
+        let mtls = server_config(chain.clone(), key.clone_key(), Some(client_roots)).expect("config");
+        let client = || issue(&ca, &[], ExtendedKeyUsagePurpose::ClientAuth);
+        assert_eq!(handshake(mtls.clone(), &ca, Some(client())), Ok(()));
+        for (what, identity) in [
+            ("no certificate", None),
+            (
+                "a foreign CA's",
+                Some(issue(&foreign, &[], ExtendedKeyUsagePurpose::ClientAuth)),
+            ),
+            (
+                "a server certificate",
+                Some(issue(&ca, &["localhost"], ExtendedKeyUsagePurpose::ServerAuth)),
+            ),
+        ] {
+            assert!(handshake(mtls.clone(), &ca, identity).is_err(), "{what} was taken");
+        }
+        let plain = server_config(chain, key, None).expect("config");
+        assert_eq!(handshake(plain, &ca, None), Ok(()));
+    }
+}

@@ -257,6 +257,64 @@ async fn max_connections_holds_exactly_across_the_workers_sockets() {
     }
 }
 
+/// The connections that reached the proxy on `port` and wait for it, from
+/// `/proc/net/tcp`: in a listening socket's accept queue, or accepted with their
+/// request's bytes still unread.
+fn waiting_clients(port: u16) -> usize {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let local_port = u16::from_str_radix(fields.get(1)?.rsplit(':').next()?, 16).ok()?;
+            let rx = usize::from_str_radix(fields.get(4)?.split(':').nth(1)?, 16).ok()?;
+            match *fields.get(3)? {
+                "0A" if local_port == port => Some(rx),
+                "01" if local_port == port && rx > 0 => Some(1),
+                _ => None,
+            }
+        })
+        .sum()
+}
+
+/// `max_connections` bounds from above too, across the workers' sockets: with four
+/// held, a fifth client is accepted or queued but not read, whichever worker's socket
+/// it reached, until one of the four ends; then it is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_connections_holds_a_fifth_client_until_a_slot_frees() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    config.server = "workers = 4\nmax_connections = 4".into();
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    let held: Vec<_> = ["a", "b", "c", "d"]
+        .into_iter()
+        .map(|gate| tokio::spawn(async move { send(addr, "GET", "/v1/reads/x", &[("x-test-hold", gate)], "").await }))
+        .collect();
+    upstream.wait_for_total(4).await;
+    let fifth = tokio::spawn(async move { send(addr, "GET", "/v1/reads/fifth", &[], "").await });
+    let started = tokio::time::Instant::now();
+    while waiting_clients(addr.port()) < 1 {
+        assert_eq!(upstream.total(), 4, "a fifth connection was served under a limit of 4");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the fifth client never reached the proxy"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(upstream.total(), 4, "a fifth connection was served under a limit of 4");
+    upstream.release("a");
+    assert_eq!(fifth.await.expect("the fifth").status, 201);
+    for gate in ["b", "c", "d"] {
+        upstream.release(gate);
+    }
+    for client in held {
+        assert_eq!(client.await.expect("a held client").status, 201);
+    }
+}
+
 /// One HTTP/2 connection's requests: `streams` guarded POSTs at once, keys
 /// `h2-{connection}-{stream}`, each held at the upstream behind `gate` when one is given.
 async fn h2_posts(addr: SocketAddr, connection: usize, streams: usize, gate: Option<&'static str>) -> Vec<(u16, bool)> {

@@ -451,6 +451,65 @@ async fn server_errors_are_replayed_with_on_server_error_store() {
     assert_eq!(upstream.total(), 1);
 }
 
+/// The memory store's accounting through `/metrics`: every claim released (a 500 on
+/// the default `on_server_error = "release"`, and a request whose key is released by
+/// an operator) gives back exactly the records and bytes it held, and a completed
+/// record holds some until it is purged.
+#[tokio::test]
+async fn released_claims_give_back_every_byte_they_held() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("a directory");
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "s3cret-admin-token-for-tests\n").expect("write the token");
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.admin_extra = format!("token_file = {:?}", token_file.display().to_string());
+    let proxy = config.start().await;
+    let (records, bytes) = (
+        "idemproxy_store_records{backend=\"memory\"}",
+        "idemproxy_store_bytes{backend=\"memory\"}",
+    );
+    for n in 0..20 {
+        let key = format!("released-{n}");
+        let headers = [("idempotency-key", key.as_str()), ("x-test-status", "500")];
+        let answer = send(proxy.addr(), "POST", "/v1/payments", &headers, "{\"amount\":1}").await;
+        assert_eq!(answer.status, 500);
+    }
+    assert_eq!(upstream.total(), 20);
+    assert_eq!(metric(proxy.admin(), records).await, Some(0.0));
+    assert_eq!(
+        metric(proxy.admin(), bytes).await,
+        Some(0.0),
+        "every released claim's bytes given back"
+    );
+    let kept = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "kept")],
+        "{}",
+    )
+    .await;
+    assert_eq!(kept.status, 201);
+    assert_eq!(metric(proxy.admin(), records).await, Some(1.0));
+    let held = metric(proxy.admin(), bytes).await.expect("the bytes gauge");
+    assert!(held > kept.body.len() as f64, "{held}");
+    let purged = send(
+        proxy.admin(),
+        "DELETE",
+        "/records/payments?key=kept",
+        &[("authorization", "Bearer s3cret-admin-token-for-tests")],
+        "",
+    )
+    .await;
+    assert_eq!(purged.status, 204, "{purged:?}");
+    assert_eq!(metric(proxy.admin(), records).await, Some(0.0));
+    assert_eq!(
+        metric(proxy.admin(), bytes).await,
+        Some(0.0),
+        "a purged record's bytes given back"
+    );
+}
+
 #[tokio::test]
 async fn an_oversized_response_reaches_the_client_in_full_and_its_key_becomes_unknown() {
     let upstream = Upstream::start().await;

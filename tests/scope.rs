@@ -25,8 +25,9 @@ async fn setup() -> Setup {
     let upstream = Upstream::start().await;
     let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
     config.idempotency = format!(
-        "[route.idempotency.scope_jwt]\njwks_file = \"{}\"\naudience = \"payments\"\nleeway = \"0s\"",
-        jwks.path().display()
+        "[route.idempotency.scope_jwt]\njwks_file = \"{}\"\naudience = \"payments\"\nissuer = \"{}\"\nleeway = \"0s\"",
+        jwks.path().display(),
+        support::jwt::ISSUER
     );
     let proxy = config.start().await;
     Setup {
@@ -91,14 +92,28 @@ async fn tokens_that_do_not_verify_get_401_and_nothing_is_forwarded_or_stored() 
         ("a tampered signature", tampered),
         ("another key", other_key),
         ("expired", issuer.token_with(&claims("alice", "old", -3600))),
-        ("no exp", issuer.token_with(&json!({"sub": "alice", "aud": "payments"}))),
+        (
+            "no exp",
+            issuer.token_with(&json!({"sub": "alice", "aud": "payments", "iss": support::jwt::ISSUER})),
+        ),
         (
             "no sub",
-            issuer.token_with(&json!({"exp": now() + 600, "aud": "payments"})),
+            issuer.token_with(&json!({"exp": now() + 600, "aud": "payments", "iss": support::jwt::ISSUER})),
         ),
         (
             "another audience",
-            issuer.token_with(&json!({"sub": "alice", "exp": now() + 600, "aud": "orders"})),
+            issuer
+                .token_with(&json!({"sub": "alice", "exp": now() + 600, "aud": "orders", "iss": support::jwt::ISSUER})),
+        ),
+        (
+            "another issuer",
+            issuer.token_with(
+                &json!({"sub": "alice", "exp": now() + 600, "aud": "payments", "iss": "https://evil.example.com/"}),
+            ),
+        ),
+        (
+            "no iss",
+            issuer.token_with(&json!({"sub": "alice", "exp": now() + 600, "aud": "payments"})),
         ),
         ("not a JWT", "garbage".to_string()),
     ];
@@ -149,7 +164,7 @@ async fn a_numeric_claim_is_its_own_scope_and_fractional_dates_verify() {
     let issued = |sub: serde_json::Value, exp: serde_json::Value| {
         setup
             .issuer
-            .token_with(&json!({"sub": sub, "exp": exp, "aud": "payments"}))
+            .token_with(&json!({"sub": sub, "exp": exp, "aud": "payments", "iss": support::jwt::ISSUER}))
     };
     let later = now() + 600;
     let number = pay(&setup, "typed-1", &issued(json!(123), json!(later))).await;

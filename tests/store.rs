@@ -1319,3 +1319,55 @@ async fn the_memory_store_keeps_the_probe_schedule_on_its_clock() {
         Deferred::GaveUp
     );
 }
+
+/// `min_replica_acks` reads `WAIT`'s own reply: a primary with no replica acknowledges
+/// none (the claim is refused as not replicated, with 0 of 1); with one replica in
+/// sync, a claim that wants one is acquired, and one that wants two is refused with
+/// the one that came.
+#[tokio::test]
+async fn a_claim_counts_the_replicas_that_wait_reports() {
+    let primary = RedisServer::start();
+    let store = |acks: u32| {
+        let config = RedisConfig {
+            topology: RedisTopology::Standalone { url: primary.url() },
+            min_replica_acks: acks,
+            replica_ack_timeout: Duration::from_millis(200),
+            tls: None,
+            connections: 1,
+        };
+        RedisStore::new(&config, Duration::from_secs(2)).expect("store")
+    };
+    match store(1).claim(&claim(&key("wait-0"), new_owner(), LONG)).await {
+        Err(StoreError::NotReplicated { acks: 0, wanted: 1 }) => {}
+        other => panic!("no replica, yet {other:?}"),
+    }
+    let _replica = RedisServer::start_with_args(
+        false,
+        vec!["--replicaof".into(), "127.0.0.1".into(), primary.port.to_string()],
+    );
+    let client = redis::Client::open(primary.url()).expect("a client");
+    let mut connection = client.get_connection().expect("connect");
+    let started = tokio::time::Instant::now();
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut connection)
+            .expect("INFO");
+        if info.contains("state=online") {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the replica never came online: {info}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(matches!(
+        store(1).claim(&claim(&key("wait-1"), new_owner(), LONG)).await,
+        Ok(ClaimOutcome::Acquired(()))
+    ));
+    match store(2).claim(&claim(&key("wait-2"), new_owner(), LONG)).await {
+        Err(StoreError::NotReplicated { acks: 1, wanted: 2 }) => {}
+        other => panic!("one replica, yet {other:?}"),
+    }
+}

@@ -495,3 +495,221 @@ async fn ten_thousand_waiters_on_one_process() {
         (rss_waiting.saturating_sub(rss_before)) as f64 / COUNT as f64
     );
 }
+
+/// Waiters whose deadline (60 s) and lease (the 90 s upstream timeout and a second) are
+/// far longer than any wake-up: Redis restarts while they wait, and the first request
+/// completes as it comes back, so its notification may go to a subscriber that is not
+/// there yet. The reconnected subscriber wakes every waiter to read again: each has
+/// its replay, counted `replayed`, within seconds, never at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnected_subscriber_wakes_waiters_long_before_their_deadline() {
+    let mut redis = RedisServer::start_persistent();
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Redis(redis.url()), &upstream, "60s");
+    config.upstream_timeout = "90s".into();
+    config.store_timeout = "500ms".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let keys: Vec<String> = (0..8).map(|index| format!("long-{index}")).collect();
+    let mut firsts = Vec::new();
+    for key in &keys {
+        let key = key.clone();
+        firsts.push(tokio::spawn(async move {
+            post(addr, Some(&key), "{}", &[("x-test-hold", "long")]).await
+        }));
+    }
+    upstream.wait_for_total(keys.len()).await;
+    let mut waiters = Vec::new();
+    for key in &keys {
+        for _ in 0..4 {
+            let key = key.clone();
+            waiters.push((
+                key.clone(),
+                tokio::spawn(async move { post(addr, Some(&key), "{}", &[]).await }),
+            ));
+        }
+    }
+    until_metric(admin, WAITERS, 32.0).await;
+    redis.restart();
+    let released = tokio::time::Instant::now();
+    upstream.release("long");
+    for (key, first) in keys.iter().zip(firsts) {
+        let first = first.await.expect("a first request");
+        assert_eq!(first.status, 201, "{key}: {first:?}");
+    }
+    let mut slowest = std::time::Duration::ZERO;
+    for (key, waiter) in waiters {
+        let answer = waiter.await.expect("a waiter");
+        slowest = slowest.max(released.elapsed());
+        assert_eq!(answer.status, 201, "{key}: {answer:?}");
+        assert!(answer.replayed(), "{key}: {answer:?}");
+    }
+    println!("after a Redis restart, the last of 32 waiters had its replay {slowest:?} after the release");
+    assert!(
+        slowest < std::time::Duration::from_secs(20),
+        "a waiter was not woken: {slowest:?} (its deadline is 60 s)"
+    );
+    assert_eq!(metric(admin, &waits("replayed")).await, Some(32.0));
+    assert_eq!(metric(admin, WAITERS).await, Some(0.0));
+    for key in &keys {
+        assert_eq!(upstream.executions(key), 1, "{key} ran once");
+    }
+}
+
+/// The redis key a test record of `key` has on the payments route.
+fn record_key(key: &str) -> String {
+    let key = idemproxy::idempotency::parse_key_value(key.as_bytes()).expect("a valid key");
+    idemproxy::idempotency::store_key("idemproxy", "payments", &[], &key)
+        .as_str()
+        .to_string()
+}
+
+/// Two keys whose records live on each primary at `ports`: a plain `EXISTS` answers on
+/// the node that owns the key's slot and is redirected by every other.
+fn keys_on_every_primary(ports: &[u16]) -> Vec<(u16, String)> {
+    let mut found = Vec::new();
+    for port in ports {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("a client");
+        let mut connection = client.get_connection().expect("connect");
+        let mine: Vec<String> = (0..)
+            .map(|index| format!("spread-{index}"))
+            .filter(|key| {
+                redis::cmd("EXISTS")
+                    .arg(record_key(key))
+                    .query::<i64>(&mut connection)
+                    .is_ok()
+            })
+            .take(2)
+            .collect();
+        found.extend(mine.into_iter().map(|key| (*port, key)));
+    }
+    found
+}
+
+/// On a cluster, keys whose records live on every primary: each record's waiters are
+/// woken by its own shard channel, which shares the record's slot (the hash tag), so
+/// every waiter has its replay within seconds of the release, far from its 30 s
+/// deadline and the 61 s lease, on every primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_woken_on_every_primary_of_a_cluster() {
+    let cluster = RedisCluster::start();
+    let primaries = cluster.primaries();
+    let keys = keys_on_every_primary(&primaries);
+    assert_eq!(keys.len(), 2 * primaries.len());
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Cluster(cluster.urls()), &upstream, "30s");
+    config.upstream_timeout = "60s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let mut firsts = Vec::new();
+    for (_, key) in &keys {
+        let key = key.clone();
+        firsts.push(tokio::spawn(async move {
+            post(addr, Some(&key), "{}", &[("x-test-hold", "spread")]).await
+        }));
+    }
+    upstream.wait_for_total(keys.len()).await;
+    let mut waiters = Vec::new();
+    for (port, key) in &keys {
+        for _ in 0..3 {
+            let key = key.clone();
+            waiters.push((
+                *port,
+                key.clone(),
+                tokio::spawn(async move { post(addr, Some(&key), "{}", &[]).await }),
+            ));
+        }
+    }
+    let count = waiters.len();
+    until_metric(admin, WAITERS, count as f64).await;
+    let released = tokio::time::Instant::now();
+    upstream.release("spread");
+    for first in firsts {
+        assert_eq!(first.await.expect("a first request").status, 201);
+    }
+    let mut slowest: BTreeMap<u16, std::time::Duration> = BTreeMap::new();
+    for (port, key, waiter) in waiters {
+        let answer = waiter.await.expect("a waiter");
+        assert_eq!(answer.status, 201, "{key}: {answer:?}");
+        assert!(answer.replayed(), "{key}: {answer:?}");
+        let took = released.elapsed();
+        let entry = slowest.entry(port).or_default();
+        *entry = (*entry).max(took);
+    }
+    println!("cluster: slowest replay per primary after the release: {slowest:?}");
+    assert_eq!(slowest.len(), primaries.len(), "waiters on every primary");
+    for (port, took) in &slowest {
+        assert!(
+            *took < std::time::Duration::from_secs(10),
+            "the waiters on the primary at {port} were not woken: {took:?}"
+        );
+    }
+    assert_eq!(metric(admin, &waits("replayed")).await, Some(count as f64));
+}
+
+/// A released key across three processes on one Redis: the first request fails with a
+/// 500, which releases its key, while 12 waiters (4 on each process) wait for it.
+/// Exactly one of them, on whichever process, claims it and runs: each key runs twice
+/// in all (the failed first and the one winner), and the 11 others replay the winner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_key_runs_once_more_across_processes() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Redis(redis.url()), &upstream, "10s");
+    config.upstream_timeout = "10s".into();
+    let proxies = [
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+    ];
+    let keys: Vec<String> = (0..10).map(|index| format!("released-{index}")).collect();
+    let first_addr = proxies[0].addr;
+    let mut firsts = Vec::new();
+    for key in &keys {
+        let key = key.clone();
+        firsts.push(tokio::spawn(async move {
+            post(
+                first_addr,
+                Some(&key),
+                "{}",
+                &[("x-test-hold", "released"), ("x-test-status", "500")],
+            )
+            .await
+        }));
+    }
+    upstream.wait_for_total(keys.len()).await;
+    let mut waiters = Vec::new();
+    for proxy in &proxies {
+        for key in &keys {
+            for _ in 0..4 {
+                let (addr, key) = (proxy.addr, key.clone());
+                waiters.push((
+                    key.clone(),
+                    tokio::spawn(async move { post(addr, Some(&key), "{}", &[]).await }),
+                ));
+            }
+        }
+    }
+    // Each waiter is counted once its subscription is in place.
+    for proxy in &proxies {
+        until_metric(proxy.admin, WAITERS, 40.0).await;
+    }
+    upstream.release("released");
+    for first in firsts {
+        assert_eq!(first.await.expect("a first request").status, 500);
+    }
+    let mut answers: BTreeMap<String, Vec<TestResponse>> = BTreeMap::new();
+    for (key, waiter) in waiters {
+        answers.entry(key).or_default().push(waiter.await.expect("a waiter"));
+    }
+    for key in &keys {
+        assert_eq!(upstream.executions(key), 2, "{key}: the failed first and one winner");
+        let answers = &answers[key];
+        let ran: Vec<&TestResponse> = answers.iter().filter(|answer| !answer.replayed()).collect();
+        assert_eq!(ran.len(), 1, "{key}: exactly one waiter ran: {answers:?}");
+        for answer in answers {
+            assert_eq!(answer.status, 201, "{key}: {answer:?}");
+            assert_eq!(answer.body, ran[0].body, "{key}: the others replay the winner");
+        }
+    }
+}

@@ -342,6 +342,47 @@ fn json_response(status: StatusCode, body: &impl serde::Serialize) -> Response<P
 mod tests {
     use super::*;
 
+    /// The records API's door, below HTTP: only the configured token, presented whole
+    /// as a Bearer token (the scheme in any case), gets past it.
+    #[tokio::test]
+    async fn only_the_configured_token_opens_the_records_api() {
+        const TOKEN: &str = "0123456789abcdef-the-token";
+        let dir = tempfile::tempdir().expect("a directory");
+        let file = dir.path().join("token");
+        std::fs::write(&file, format!("{TOKEN}\n")).expect("write the token");
+        let source = format!(
+            "[admin]\ntoken_file = {:?}\n[[route]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\n\
+             upstream = \"http://127.0.0.1:9\"\n[route.idempotency]\n",
+            file.display().to_string()
+        );
+        let config = Config::parse(&source, &dir.path().join("t.toml")).expect("a valid config");
+        let store = AnyStore::Memory(crate::store::MemoryStore::new(100, 1 << 20));
+        let status = async |authorization: Option<String>| {
+            let mut headers = HeaderMap::new();
+            if let Some(value) = authorization {
+                headers.insert(AUTHORIZATION, HeaderValue::try_from(value).expect("a header value"));
+            }
+            let path = "/records/payments";
+            let answer = handle(&config, &store, &Method::GET, path, Some("key=k"), &headers, b"").await;
+            answer.expect("the records API is on").status()
+        };
+        for refused in [
+            None,
+            Some(format!("Bearer {}", &TOKEN[..TOKEN.len() - 1])),
+            Some(format!("Bearer {TOKEN}x")),
+            Some(format!("Bearer {}", TOKEN.to_uppercase())),
+            Some(format!("Basic {TOKEN}")),
+            Some(TOKEN.to_string()),
+            Some("Bearer ".into()),
+        ] {
+            assert_eq!(status(refused.clone()).await, StatusCode::UNAUTHORIZED, "{refused:?}");
+        }
+        for taken in [format!("Bearer {TOKEN}"), format!("bearer {TOKEN}")] {
+            // Past the door: the key has no record.
+            assert_eq!(status(Some(taken.clone())).await, StatusCode::NOT_FOUND, "{taken}");
+        }
+    }
+
     #[test]
     fn a_jwt_scope_names_its_claim_exactly_and_its_json_type() {
         assert_eq!(

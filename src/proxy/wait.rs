@@ -39,24 +39,34 @@ impl Waiting {
     }
 }
 
-/// Counts one wait: the waiters gauge while it lasts, and how it ended. A wait
-/// dropped before it ended is a client that went away.
+/// Counts one wait: the waiters gauge from the moment the waiter will be woken (its
+/// subscription in place) to its end, and how it ended. A wait dropped before it ended
+/// is a client that went away.
 struct Tally {
     metrics: Arc<Metrics>,
     started: Instant,
     ended: bool,
+    /// In the waiters gauge: the waiter is subscribed.
+    counted: bool,
     _slot: OwnedSemaphorePermit,
 }
 
 impl Tally {
     fn new(metrics: Arc<Metrics>, slot: OwnedSemaphorePermit) -> Tally {
-        metrics.waiters().inc();
         Tally {
             metrics,
             started: Instant::now(),
             ended: false,
+            counted: false,
             _slot: slot,
         }
+    }
+
+    /// The waiter is subscribed (or has no subscription to wait for): it counts as
+    /// waiting from now on.
+    fn subscribed(&mut self) {
+        self.counted = true;
+        self.metrics.waiters().inc();
     }
 
     fn end(&mut self, end: WaitEnd) {
@@ -70,7 +80,9 @@ impl Drop for Tally {
         if !self.ended {
             self.metrics.wait_ended(WaitEnd::Gone, self.started.elapsed());
         }
-        self.metrics.waiters().dec();
+        if self.counted {
+            self.metrics.waiters().dec();
+        }
     }
 }
 
@@ -90,6 +102,7 @@ impl Proxy {
         // Without a subscription (the store's subscriber cannot connect), the waiter
         // still re-reads at the lease's end and at its deadline.
         let watch = waiting.watcher.watch(&prepared.claim.key).await;
+        tally.subscribed();
         let notify = watch.as_ref().map_or_else(|| Arc::new(Notify::new()), Watch::notify);
         loop {
             // Registered before the record is read, so a change between the read and

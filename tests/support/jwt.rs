@@ -84,6 +84,9 @@ impl Issuer {
     }
 }
 
+/// The `iss` of every token `claims` makes.
+pub const ISSUER: &str = "https://auth.example.com/";
+
 pub fn now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -91,5 +94,8 @@ pub fn now() -> u64 {
 }
 
 pub fn claims(sub: &str, jti: &str, valid_for: i64) -> Value {
-    json!({"sub": sub, "jti": jti, "iat": now(), "exp": now().saturating_add_signed(valid_for), "aud": "payments"})
+    json!({
+        "sub": sub, "jti": jti, "iat": now(), "exp": now().saturating_add_signed(valid_for),
+        "aud": "payments", "iss": ISSUER,
+    })
 }
