@@ -97,3 +97,72 @@ async fn shadow_mode_forwards_every_request_and_counts_what_enforce_would_have_d
         .count();
     assert_eq!(records, 11, "ten fresh keys and the held one");
 }
+
+/// Reads from `stream` into `buffer` until `done` holds of it or the peer closes.
+async fn read_until(stream: &mut tokio::net::TcpStream, buffer: &mut Vec<u8>, done: impl Fn(&[u8]) -> bool) {
+    use tokio::io::AsyncReadExt;
+    let mut chunk = [0u8; 8192];
+    while !done(buffer) {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => buffer.extend_from_slice(&chunk[..read]),
+        }
+    }
+}
+
+fn head_end(buffer: &[u8]) -> Option<usize> {
+    buffer
+        .windows(4)
+        .position(|window| window == b"\r\n\r\n")
+        .map(|at| at + 4)
+}
+
+/// A body too large to peek on a shadow route is streamed to the upstream as it
+/// comes, within the upstream timeout from then: the last 3,096 of its 4,096 bytes,
+/// sent only once the upstream has the request's head, still reach it, and the
+/// client gets the upstream's answer.
+#[tokio::test]
+async fn a_body_too_large_to_peek_is_streamed_to_the_upstream_as_it_comes() {
+    use tokio::io::AsyncWriteExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let upstream_addr = listener.local_addr().expect("addr");
+    let mut config = TestConfig::new(StoreKind::Memory, &format!("http://{upstream_addr}"));
+    config.idempotency = "mode = \"shadow\"".into();
+    config.server = "max_request_body_bytes = 1024".into();
+    let proxy = config.start().await;
+    let (head_seen, head_arrived) = tokio::sync::oneshot::channel();
+    let upstream = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("the forwarded connection");
+        let mut buffer = Vec::new();
+        read_until(&mut stream, &mut buffer, |buffer| head_end(buffer).is_some()).await;
+        let _ = head_seen.send(());
+        let end = head_end(&buffer).expect("a request head");
+        read_until(&mut stream, &mut buffer, |buffer| buffer.len() >= end + 4096).await;
+        let body = buffer.len() - end;
+        let _ = stream
+            .write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n")
+            .await;
+        body
+    });
+    let mut client = tokio::net::TcpStream::connect(proxy.addr()).await.expect("connect");
+    let head = "POST /v1/payments HTTP/1.1\r\nhost: proxy\r\nidempotency-key: streamed\r\ncontent-length: 4096\r\n\r\n";
+    client.write_all(head.as_bytes()).await.expect("write the head");
+    client.write_all(&[b'x'; 1000]).await.expect("write the first part");
+    tokio::time::timeout(std::time::Duration::from_secs(10), head_arrived)
+        .await
+        .expect("the upstream never had the request's head")
+        .expect("the upstream task");
+    client.write_all(&[b'x'; 3096]).await.expect("write the rest");
+    let mut answer = Vec::new();
+    read_until(&mut client, &mut answer, |answer| head_end(answer).is_some()).await;
+    assert!(
+        answer.starts_with(b"HTTP/1.1 201"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(
+        upstream.await.expect("the upstream task"),
+        4096,
+        "the whole body reached the upstream"
+    );
+}

@@ -15,7 +15,7 @@ use support::client::{metric, post, until_metric};
 use support::history::{History, OpResult};
 use support::storm::Storm;
 use support::topology::{MASTER_NAME, RedisCluster, SentinelGroup};
-use support::{ChildProxy, RedisServer, StoreKind, TestConfig, TestResponse, Upstream};
+use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, TestResponse, Upstream};
 
 const WAITERS: &str = "idemproxy_waiters";
 
@@ -712,4 +712,62 @@ async fn a_released_key_runs_once_more_across_processes() {
             assert_eq!(answer.body, ran[0].body, "{key}: the others replay the winner");
         }
     }
+}
+
+/// At its deadline, a waiter whose store is gone answers 503 at once: it does not go
+/// on waiting for the store past the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_store_is_gone_at_its_deadline_answers_503() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Redis(relay.url("redis")), &upstream, "1s");
+    config.upstream_timeout = "30s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let first = tokio::spawn(async move { post(addr, Some("gone"), "{}", &[("x-test-hold", "gone")]).await });
+    upstream.wait_for_key("gone").await;
+    let waiter = tokio::spawn(async move { post(addr, Some("gone"), "{}", &[]).await });
+    until_metric(admin, WAITERS, 1.0).await;
+    relay.set(Mode::Reset);
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(15), waiter)
+        .await
+        .expect("the waiter went on waiting past its deadline")
+        .expect("the waiter");
+    assert_eq!(
+        (answer.status.as_u16(), answer.problem().as_str()),
+        (503, "store-unavailable"),
+        "{answer:?}"
+    );
+    relay.set(Mode::Pass);
+    upstream.release("gone");
+    assert_eq!(first.await.expect("the first").status, 201);
+}
+
+/// A waiter does not poll: until its deadline or the lease's end it sleeps unless
+/// notified. Its first request times out after a second (held upstream), and in that
+/// second the waiter reads its record twice in all: once on arrival, once when the
+/// first request is marked unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_reads_its_record_only_when_there_is_news() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Redis(redis.url()), &upstream, "2s");
+    config.upstream_timeout = "1s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let first = tokio::spawn(async move { post(addr, Some("quiet"), "{}", &[("x-test-hold", "quiet")]).await });
+    upstream.wait_for_key("quiet").await;
+    let waiter = tokio::spawn(async move { post(addr, Some("quiet"), "{}", &[]).await });
+    let answer = waiter.await.expect("the waiter");
+    assert_eq!(
+        (answer.status.as_u16(), answer.problem().as_str()),
+        (409, "outcome-unknown"),
+        "{answer:?}"
+    );
+    assert_eq!(first.await.expect("the first").status, 504);
+    let claims = "idemproxy_store_operation_seconds_count{op=\"claim\",result=\"ok\"}";
+    let reads = metric(admin, claims).await.expect("the claim count");
+    assert!(reads <= 4.0, "the first's claim and the waiter's reads: {reads}");
+    upstream.release("quiet");
 }
