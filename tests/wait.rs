@@ -771,3 +771,91 @@ async fn a_waiter_reads_its_record_only_when_there_is_news() {
     assert!(reads <= 4.0, "the first's claim and the waiter's reads: {reads}");
     upstream.release("quiet");
 }
+
+/// A waiter whose store fails before its deadline waits on: woken by a notification
+/// (published by the test) while Redis refuses writes (`maxmemory` at 1 byte: its
+/// claim gets `OOM`), it reads again a moment later, not in a spin, and once Redis
+/// takes writes again it has the replay of the first request, never a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_waits_on_through_a_store_that_refuses_it_for_a_moment() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Redis(redis.url()), &upstream, "5s");
+    config.upstream_timeout = "5s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let first = tokio::spawn(async move { post(addr, Some("oom"), "{}", &[("x-test-hold", "oom")]).await });
+    upstream.wait_for_key("oom").await;
+    let waiter = tokio::spawn(async move { post(addr, Some("oom"), "{}", &[]).await });
+    until_metric(admin, WAITERS, 1.0).await;
+    let client = redis::Client::open(redis.url()).expect("a client");
+    let mut connection = client.get_connection().expect("connect");
+    let set = |connection: &mut redis::Connection, bytes: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory")
+            .arg(bytes)
+            .query::<()>(connection)
+            .expect("CONFIG SET maxmemory");
+    };
+    set(&mut connection, "1");
+    let channel = format!("{}:w", record_key("oom"));
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg(&channel)
+        .arg("x")
+        .query(&mut connection)
+        .expect("PUBLISH");
+    let failed = "idemproxy_store_operation_seconds_count{op=\"claim\",result=\"error\"}";
+    let started = tokio::time::Instant::now();
+    while metric(admin, failed).await.unwrap_or(0.0) < 1.0 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(4),
+            "the woken waiter never read"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    set(&mut connection, "0");
+    let refused = metric(admin, failed).await.unwrap_or(0.0);
+    upstream.release("oom");
+    assert_eq!(first.await.expect("the first").status, 201);
+    let answer = waiter.await.expect("the waiter");
+    assert_eq!(answer.status, 201, "{answer:?}");
+    assert!(answer.replayed(), "{answer:?}");
+    // One read refused, perhaps two (100 ms apart), while the test saw the first.
+    assert!(refused <= 3.0, "the waiter re-read in a spin: {refused} refused reads");
+    assert_eq!(upstream.executions("oom"), 1);
+}
+
+/// One waiter leaving does not take the others' notifications: with two waiting on a
+/// record, one client goes away; the record's channel stays subscribed, and the other
+/// waiter has its replay as soon as the first request completes, long before its
+/// 20 s deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_leaves_keeps_the_others_subscribed() {
+    let redis = RedisServer::start();
+    let port = redis.port;
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Redis(redis.url()), &upstream, "20s");
+    config.upstream_timeout = "30s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let first = tokio::spawn(async move { post(addr, Some("pair"), "{}", &[("x-test-hold", "pair")]).await });
+    upstream.wait_for_key("pair").await;
+    let leaving = tokio::spawn(async move { post(addr, Some("pair"), "{}", &[]).await });
+    let staying = tokio::spawn(async move { post(addr, Some("pair"), "{}", &[]).await });
+    until_metric(admin, WAITERS, 2.0).await;
+    leaving.abort();
+    until_metric(admin, WAITERS, 1.0).await;
+    assert_eq!(channels(&[port], false), 1, "the record's channel is still subscribed");
+    let released = tokio::time::Instant::now();
+    upstream.release("pair");
+    assert_eq!(first.await.expect("the first").status, 201);
+    let answer = staying.await.expect("the staying waiter");
+    assert!(answer.replayed(), "{answer:?}");
+    assert!(
+        released.elapsed() < std::time::Duration::from_secs(10),
+        "the staying waiter was not woken: {:?}",
+        released.elapsed()
+    );
+    assert_eq!(metric(admin, &waits("gone")).await, Some(1.0));
+}

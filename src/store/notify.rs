@@ -35,14 +35,14 @@ impl Hub {
         self.records.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Registers one more waiter on `key`; whether it is the first.
-    fn enter(&self, key: &str) -> (Arc<Notify>, bool) {
+    /// Registers one more waiter on `key`, and hands back what wakes it.
+    fn enter(&self, key: &str) -> Arc<Notify> {
         let mut records = self.records();
         let entry = records
             .entry(key.to_string())
             .or_insert_with(|| (Arc::new(Notify::new()), 0));
         entry.1 += 1;
-        (entry.0.clone(), entry.1 == 1)
+        entry.0.clone()
     }
 
     /// One waiter on `key` fewer; whether it was the last.
@@ -148,7 +148,7 @@ impl Watcher {
             }
             Watcher::Local(hub) | Watcher::Redis { hub, .. } => hub,
         };
-        let (notify, _) = hub.enter(&key);
+        let notify = hub.enter(&key);
         let watch = Watch {
             notify,
             key: key.clone(),
@@ -157,9 +157,10 @@ impl Watcher {
         if let Watcher::Redis { commands, .. } = self {
             let (ack, subscribed) = oneshot::channel();
             commands.send(Command::Subscribe(key, ack)).ok()?;
-            if !subscribed.await.unwrap_or(false) {
-                tracing::debug!("a waiter has no subscription yet; it re-reads when the subscriber connects");
-            }
+            // Awaited so that the waiter counts as waiting only once subscribed; without a
+            // connection (the answer is then `false`), it re-reads when the subscriber
+            // connects, as every waiter does.
+            let _subscribed = subscribed.await;
         }
         Some(watch)
     }
@@ -236,10 +237,9 @@ where
                 break;
             }
         }
-        if let Some((key, ack)) = pending.take() {
-            let done = !lost && subscribe(&mut connection, &mut subscribed, key).await;
-            lost |= !done;
-            let _ = ack.send(done);
+        // The pending waiter's key was in the hub before it asked: subscribed above.
+        if let Some((_, ack)) = pending.take() {
+            let _ = ack.send(!lost);
         }
         // A change published while there was no subscription: every waiter re-reads.
         hub.wake_all();
