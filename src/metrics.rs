@@ -189,7 +189,6 @@ pub(crate) struct Metrics {
     reconciliations: Family<ReconcileLabels, Counter>,
     probe_latency: Family<RouteLabels, Histogram>,
     config_info: Family<ConfigLabels, Gauge>,
-    _trace_spans: [Counter; 2],
 }
 
 /// One route's metric handles, made once so a request only bumps atomics.
@@ -301,6 +300,17 @@ impl Metrics {
             ("store_max_bytes", "The store's bound on bytes held (store.max_bytes)"),
         ]
         .map(|(name, help)| register(r, name, help, Family::<BackendLabels, Gauge>::default()));
+        // Registered only: the trace export counts them, process-wide.
+        r.register(
+            "trace_spans_dropped",
+            "Finished spans not exported: the queue was full, or the collector did not take their batch in time",
+            crate::trace::spans_dropped().clone(),
+        );
+        r.register(
+            "trace_spans_exported",
+            "Finished spans the collector took",
+            crate::trace::spans_exported().clone(),
+        );
         Metrics {
             requests: register(r, "requests", "Requests by route and outcome", Family::default()),
             shadow_decisions: register(
@@ -400,21 +410,6 @@ impl Metrics {
                     Histogram::new(exponential_buckets(0.0005, 2.0, 18))
                 }),
             ),
-            // Registered only: the trace export counts them, process-wide.
-            _trace_spans: [
-                register(
-                    r,
-                    "trace_spans_dropped",
-                    "Finished spans not exported: the queue was full, or the collector did not take their batch in time",
-                    crate::trace::spans_dropped().clone(),
-                ),
-                register(
-                    r,
-                    "trace_spans_exported",
-                    "Finished spans the collector took",
-                    crate::trace::spans_exported().clone(),
-                ),
-            ],
             config_info: register(
                 r,
                 "config_info",

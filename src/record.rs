@@ -21,6 +21,9 @@ pub const IDEMPOTENCY_RECONCILED: HeaderName = HeaderName::from_static("idempote
 /// field of that name is never recorded.
 const EXECUTION_TRACE: HeaderName = HeaderName::from_static("idemproxy-execution-trace");
 
+/// `<trace id>-<span id>` in hex: 32 digits, a dash, 16 digits.
+const TRACE_TEXT: usize = 32 + 1 + 16;
+
 /// The trace of the request that executed a recorded response (its trace id and the
 /// id of its request span), for a replay's span to link to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,19 +39,17 @@ impl ExecutionTrace {
     }
 
     /// `<trace id>-<span id>` in hex.
-    fn encode(self) -> String {
-        format!(
-            "{}-{}",
-            const_hex::encode(self.trace_id),
-            const_hex::encode(self.span_id)
-        )
+    fn encode(self) -> [u8; TRACE_TEXT] {
+        let mut text = [b'-'; TRACE_TEXT];
+        // Both halves are exactly twice their bytes' length: encoding cannot fail.
+        let _ = const_hex::encode_to_slice(self.trace_id, &mut text[..32]);
+        let _ = const_hex::encode_to_slice(self.span_id, &mut text[33..]);
+        text
     }
 
     fn decode(text: &[u8]) -> Option<ExecutionTrace> {
-        let (trace_id, span_id) = (text.get(..32)?, text.get(33..)?);
-        if text.get(32) != Some(&b'-') {
-            return None;
-        }
+        let (trace_id, rest) = text.split_at_checked(32)?;
+        let span_id = rest.strip_prefix(b"-")?;
         Some(ExecutionTrace {
             trace_id: const_hex::decode_to_array(trace_id).ok()?,
             span_id: const_hex::decode_to_array(span_id).ok()?,
@@ -123,7 +124,7 @@ impl StoredResponse {
     /// The bytes this record holds: its body, every header name and value, and its
     /// execution's trace.
     pub fn size(&self) -> usize {
-        let trace = self.trace.map_or(0, |_| EXECUTION_TRACE.as_str().len() + 49);
+        let trace = self.trace.map_or(0, |_| EXECUTION_TRACE.as_str().len() + TRACE_TEXT);
         trace
             + self.body.len()
             + self
@@ -136,14 +137,15 @@ impl StoredResponse {
     /// The headers in the store's encoding: a sequence of (u32 length, name, u32
     /// length, value), big-endian; the execution's trace last, as one more field.
     pub fn encode_headers(&self) -> Vec<u8> {
+        let fields = self
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes()));
         match self.trace {
-            None => encode_headers(&self.headers),
+            None => encode_fields(fields),
             Some(trace) => {
-                let mut headers = self.headers.clone();
-                if let Ok(value) = HeaderValue::try_from(trace.encode()) {
-                    headers.push((EXECUTION_TRACE, value));
-                }
-                encode_headers(&headers)
+                let text = trace.encode();
+                encode_fields(fields.chain([(EXECUTION_TRACE.as_str().as_bytes(), &text[..])]))
             }
         }
     }
@@ -153,13 +155,10 @@ impl StoredResponse {
     pub fn decode(status: &[u8], headers: &[u8], body: Bytes) -> Option<StoredResponse> {
         let status = std::str::from_utf8(status).ok()?.parse::<u16>().ok()?;
         let mut headers = decode_headers(headers)?;
-        let trace = match headers.last() {
-            Some((name, value)) if *name == EXECUTION_TRACE => Some(ExecutionTrace::decode(value.as_bytes())?),
-            _ => None,
+        let trace = match headers.pop_if(|(name, _)| *name == EXECUTION_TRACE) {
+            Some((_, value)) => Some(ExecutionTrace::decode(value.as_bytes())?),
+            None => None,
         };
-        if trace.is_some() {
-            headers.pop();
-        }
         Some(StoredResponse {
             status: StatusCode::from_u16(status).ok()?,
             headers,
@@ -171,10 +170,19 @@ impl StoredResponse {
 
 /// Encodes response headers as a sequence of (u32 length, name, u32 length, value).
 pub fn encode_headers(headers: &[(HeaderName, HeaderValue)]) -> Vec<u8> {
-    let size = headers.iter().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum();
+    encode_fields(
+        headers
+            .iter()
+            .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes())),
+    )
+}
+
+/// `encode_headers` over (name, value) byte pairs, allocated once at its exact size.
+fn encode_fields<'a>(fields: impl Iterator<Item = (&'a [u8], &'a [u8])> + Clone) -> Vec<u8> {
+    let size = fields.clone().map(|(name, value)| 8 + name.len() + value.len()).sum();
     let mut out = Vec::with_capacity(size);
-    for (name, value) in headers {
-        for field in [name.as_str().as_bytes(), value.as_bytes()] {
+    for (name, value) in fields {
+        for field in [name, value] {
             // Header names and values are far below 4 GiB: hyper refuses heads over 64 KiB.
             out.extend_from_slice(&u32::try_from(field.len()).unwrap_or(u32::MAX).to_be_bytes());
             out.extend_from_slice(field);
@@ -274,7 +282,9 @@ mod tests {
             .insert(EXECUTION_TRACE, HeaderValue::from_static("forged"));
         let stored = StoredResponse::from_parts(&parts, Bytes::from_static(b"{}"), &[]).traced(Some(trace));
         assert_eq!(stored.headers.len(), headers().len(), "{:?}", stored.headers);
-        let decoded = StoredResponse::decode(b"201", &stored.encode_headers(), Bytes::from_static(b"{}"));
+        let encoded = stored.encode_headers();
+        assert_eq!(encoded.capacity(), encoded.len(), "allocated once, at its exact size");
+        let decoded = StoredResponse::decode(b"201", &encoded, Bytes::from_static(b"{}"));
         let decoded = decoded.expect("decodes");
         assert_eq!(decoded.trace, Some(trace));
         assert_eq!(decoded.headers, stored.headers);

@@ -380,35 +380,30 @@ impl SpanProcessor for Processor {
 /// one batch at a time; at `stop`, sends what is queued and ends.
 async fn export<E: SpanExporter>(exporter: E, mut received: mpsc::Receiver<SpanData>, stop: CancellationToken) {
     let mut batch = Vec::with_capacity(BATCH);
-    loop {
-        let mut stopping = tokio::select! {
-            received = received.recv_many(&mut batch, BATCH) => received == 0,
-            () = stop.cancelled() => true,
-        };
-        if !stopping {
-            let deadline = tokio::time::Instant::now() + DELAY;
-            while batch.len() < BATCH && !stopping {
-                let room = BATCH - batch.len();
-                tokio::select! {
-                    received = received.recv_many(&mut batch, room) => stopping = received == 0,
-                    () = tokio::time::sleep_until(deadline) => break,
-                    () = stop.cancelled() => stopping = true,
-                }
+    // A batch's first span, then what comes within `DELAY`, up to `BATCH`.
+    while tokio::select! {
+        biased;
+        () = stop.cancelled() => false,
+        received = received.recv_many(&mut batch, BATCH) => received > 0,
+    } {
+        let deadline = tokio::time::sleep(DELAY);
+        tokio::pin!(deadline);
+        while batch.len() < BATCH && !stop.is_cancelled() {
+            let room = BATCH - batch.len();
+            tokio::select! {
+                received = received.recv_many(&mut batch, room) => if received == 0 { break },
+                () = &mut deadline => break,
+                () = stop.cancelled() => break,
             }
-        }
-        if stopping {
-            while let Ok(message) = received.try_recv() {
-                batch.push(message);
-                if batch.len() == BATCH {
-                    send(&exporter, &mut batch).await;
-                }
-            }
-            send(&exporter, &mut batch).await;
-            let _ = exporter.shutdown();
-            return;
         }
         send(&exporter, &mut batch).await;
     }
+    // Stopping (or every sender gone): what is queued goes out, in batches.
+    received.close();
+    while received.recv_many(&mut batch, BATCH).await > 0 {
+        send(&exporter, &mut batch).await;
+    }
+    let _ = exporter.shutdown();
 }
 
 async fn send<E: SpanExporter>(exporter: &E, batch: &mut Vec<SpanData>) {

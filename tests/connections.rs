@@ -116,19 +116,10 @@ async fn an_idle_http1_keep_alive_connection_is_closed_after_the_header_read_tim
 /// The number of connections waiting in the accept queue of the socket listening on
 /// `port`, from `/proc/net/tcp` (for a listening socket, `rx_queue` is that queue).
 fn accept_queue(port: u16) -> usize {
-    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let local = fields.get(1)?;
-            let state = fields.get(3)?;
-            let queues = fields.get(4)?;
-            let local_port = u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?;
-            let rx = usize::from_str_radix(queues.split(':').nth(1)?, 16).ok()?;
-            (local_port == port && *state == "0A").then_some(rx)
-        })
+    support::client::tcp_sockets(port)
+        .into_iter()
+        .filter(|(state, _)| state == "0A")
+        .map(|(_, rx)| rx)
         .sum()
 }
 

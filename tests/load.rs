@@ -261,19 +261,12 @@ async fn max_connections_holds_exactly_across_the_workers_sockets() {
 /// `/proc/net/tcp`: in a listening socket's accept queue, or accepted with their
 /// request's bytes still unread.
 fn waiting_clients(port: u16) -> usize {
-    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let local_port = u16::from_str_radix(fields.get(1)?.rsplit(':').next()?, 16).ok()?;
-            let rx = usize::from_str_radix(fields.get(4)?.split(':').nth(1)?, 16).ok()?;
-            match *fields.get(3)? {
-                "0A" if local_port == port => Some(rx),
-                "01" if local_port == port && rx > 0 => Some(1),
-                _ => None,
-            }
+    support::client::tcp_sockets(port)
+        .into_iter()
+        .map(|(state, rx)| match state.as_str() {
+            "0A" => rx,
+            "01" => usize::from(rx > 0),
+            _ => 0,
         })
         .sum()
 }

@@ -189,13 +189,11 @@ impl Validator<'_> {
             return Err(bad("must not have a query"));
         }
         let uri = match uri.path() {
-            "" | "/" => format!(
-                "{}://{}/v1/traces",
-                uri.scheme_str().unwrap_or("http"),
-                uri.authority().map_or("", |a| a.as_str())
-            )
-            .parse()
-            .map_err(|_| bad("not a valid URL"))?,
+            "" | "/" => {
+                let mut parts = uri.into_parts();
+                parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/v1/traces"));
+                http::Uri::from_parts(parts).map_err(|_| bad("not a valid URL"))?
+            }
             _ => uri,
         };
         Ok(Some(TracingConfig {

@@ -210,3 +210,21 @@ pub async fn post(addr: SocketAddr, key: Option<&str>, body: &str, extra: &[(&st
     headers.extend_from_slice(extra);
     send(addr, "POST", "/v1/payments", &headers, body).await
 }
+
+/// The IPv4 sockets on local `port`, from `/proc/net/tcp`: each one's state (`0A`
+/// listening, `01` established) and its receive queue (for a listening socket, the
+/// connections in its accept queue; for an established one, the bytes nobody read).
+pub fn tcp_sockets(port: u16) -> Vec<(String, usize)> {
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("read /proc/net/tcp");
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let local_port = u16::from_str_radix(fields.get(1)?.rsplit(':').next()?, 16).ok()?;
+            let rx = usize::from_str_radix(fields.get(4)?.split(':').nth(1)?, 16).ok()?;
+            let state = fields.get(3)?;
+            (local_port == port).then(|| (state.to_string(), rx))
+        })
+        .collect()
+}
