@@ -10,7 +10,7 @@ mod support;
 use std::net::SocketAddr;
 
 use serde_json::Value;
-use support::{ChildProxy, RedisServer, StoreKind, TestConfig, TestResponse, Upstream, send};
+use support::{ChildProxy, Mode, RedisServer, Relay, StoreKind, TestConfig, TestResponse, Upstream, send};
 
 const TOKEN: &str = "s3cret-admin-token-for-tests";
 /// The route's scope: records are per `Authorization`.
@@ -526,4 +526,39 @@ async fn the_cli_resolves_as_applied_or_not_applied() {
     let (code, _, stderr) = cli(file, &["show", "--route", "payments", "--key", "k", "--not-applied"]);
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("are for resolve"), "{stderr}");
+}
+
+/// With the store gone (a relay that resets every connection to Redis), every records
+/// call answers 503 and says the store failed, nothing else; once the store is back
+/// the same calls answer as before.
+#[tokio::test]
+async fn each_records_call_answers_503_while_the_store_is_gone() {
+    let redis = RedisServer::start();
+    let relay = Relay::start(([127, 0, 0, 1], redis.port).into()).await;
+    let upstream = Upstream::start().await;
+    let (mut config, _dir) = config(StoreKind::Redis(relay.url("redis")), &upstream);
+    config.store_timeout = "200ms".into();
+    let proxy = config.start().await;
+    let (addr, at) = (proxy.addr(), proxy.admin());
+    assert_eq!(post(addr, "kept", &[]).await.status, 201);
+    let query = "key=kept&scope=authorization:Bearer%20alice";
+    let calls = [
+        ("GET", format!("/records/payments?{query}")),
+        ("DELETE", format!("/records/payments?{query}")),
+        ("POST", format!("/records/payments/release?{query}")),
+        ("POST", format!("/records/payments/resolve?{query}&as=not-applied")),
+    ];
+    relay.set(Mode::Reset);
+    for (method, path) in &calls {
+        let answer = admin(at, method, path, Some(TOKEN)).await;
+        assert_eq!(answer.status, 503, "{method} {path}: {answer:?}");
+        assert_eq!(json(&answer)["error"], "the store failed; try again", "{method} {path}");
+    }
+    relay.set(Mode::Pass);
+    let shown = admin(at, "GET", &calls[0].1, Some(TOKEN)).await;
+    assert_eq!(
+        (shown.status.as_u16(), json(&shown)["state"].as_str()),
+        (200, Some("completed"))
+    );
+    assert_eq!(admin(at, "DELETE", &calls[1].1, Some(TOKEN)).await.status, 204);
 }

@@ -296,3 +296,71 @@ async fn reload_picks_up_a_renewed_certificate_and_a_rotated_admin_token() {
     assert_eq!(records(TOKEN).await, 401);
     assert_eq!(records(ROTATED).await, 404);
 }
+
+/// Every worker serves a reloaded config, and a reload that changes the store is
+/// refused. Two workers, each with its own socket on the port, so that the kernel
+/// spreads new connections over both: after a reload that moves the payments route
+/// from A to B, 64 requests on 64 new connections all reach B (had one worker kept
+/// the old routes, about half would reach A). Then a file that also names another
+/// Redis is refused, said so in the log, and changes nothing: the requests after it
+/// still reach B and their records are in the first Redis, none in the second.
+#[tokio::test]
+async fn a_reload_reaches_every_worker_and_one_that_changes_the_store_is_refused() {
+    let (redis, other) = (RedisServer::start(), RedisServer::start());
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let log = dir.path().join("proxy.log");
+    let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &a.url());
+    config.server = "workers = 2".into();
+    let proxy = ChildProxy::start_logged(&config, &log, &[]).await;
+    let (addr, admin) = (proxy.addr, proxy.admin);
+    let post = |key: String| async move {
+        send(addr, "POST", "/v1/payments", &[("idempotency-key", key.as_str())], "{}").await
+    };
+    for index in 0..8 {
+        assert_eq!(post(format!("before-{index}")).await.status, 201);
+    }
+    assert_eq!(a.total(), 8);
+
+    let mut to_b = config.clone();
+    to_b.upstream = b.url();
+    proxy.rewrite(&to_b);
+    proxy.signal("HUP");
+    reloaded(admin, "ok", 1.0).await;
+    for index in 0..64 {
+        let answer = post(format!("after-{index}")).await;
+        assert_eq!((answer.status.as_u16(), answer.replayed()), (201, false));
+    }
+    assert_eq!(
+        (a.total(), b.total()),
+        (8, 64),
+        "every worker serves the reloaded routes"
+    );
+
+    let serving = loaded_sha256(admin).await;
+    let mut moved = to_b.clone();
+    moved.store = StoreKind::Redis(other.url());
+    moved.upstream = a.url();
+    proxy.rewrite(&moved);
+    proxy.signal("HUP");
+    reloaded(admin, "refused", 1.0).await;
+    assert_eq!(loaded_sha256(admin).await, serving, "the refused file is not serving");
+    // Logged just after it is counted.
+    support::topology::until("the log says why", std::time::Duration::from_secs(10), || {
+        std::fs::read_to_string(&log)
+            .expect("the proxy's log")
+            .contains("store cannot change without a restart")
+    });
+    for index in 0..16 {
+        assert_eq!(post(format!("refused-{index}")).await.status, 201);
+    }
+    assert_eq!((a.total(), b.total()), (8, 80), "the refused file changed no route");
+    let records = |server: &RedisServer| {
+        server
+            .keys()
+            .into_iter()
+            .filter(|key| key.starts_with("idemproxy:payments:"))
+            .count()
+    };
+    assert_eq!((records(&redis), records(&other)), (88, 0), "the store did not change");
+}

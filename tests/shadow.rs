@@ -166,3 +166,98 @@ async fn a_body_too_large_to_peek_is_streamed_to_the_upstream_as_it_comes() {
         "the whole body reached the upstream"
     );
 }
+
+/// What enforce mode did with a request, as the shadow decision it names.
+fn enforced(answer: &support::TestResponse) -> &'static str {
+    let body = String::from_utf8_lossy(&answer.body);
+    match answer.status.as_u16() {
+        201 if answer.replayed() => "replay",
+        201 => "forward",
+        409 => "conflict",
+        422 => "mismatch",
+        400 if body.contains("missing-idempotency-key") => "missing_key",
+        400 if body.contains("invalid-idempotency-key") => "invalid_key",
+        413 => "rejected",
+        _ => panic!("enforce answered something the mix does not hold: {answer:?}"),
+    }
+}
+
+/// The shadow decisions, by `would`, on the payments route.
+async fn decisions(admin: std::net::SocketAddr) -> std::collections::BTreeMap<String, f64> {
+    let metrics = support::client::send(admin, "GET", "/metrics", &[], "").await;
+    let prefix = "idemproxy_shadow_decisions_total{route=\"payments\",would=\"";
+    String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .filter_map(|line| line.strip_prefix(prefix))
+        .filter_map(|rest| {
+            let (would, count) = rest.split_once("\"} ")?;
+            Some((would.to_string(), count.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The shadow counters checked against enforce mode itself, on the memory store: the
+/// same requests go to an enforcing proxy and then to a shadow one, and after each the
+/// shadow proxy has counted exactly one decision, the one that names what the
+/// enforcing proxy answered.
+#[tokio::test]
+async fn each_shadow_decision_is_what_an_enforcing_proxy_answers() {
+    let (upstream, shadowed) = (Upstream::start().await, Upstream::start().await);
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = "max_request_body_bytes = 1024".into();
+    let enforcing = config.start().await;
+    config.upstream = shadowed.url();
+    config.idempotency = "mode = \"shadow\"".into();
+    let shadow = config.start().await;
+    let large = "x".repeat(4096);
+    let too_long = "k".repeat(300);
+    let mix: Vec<(Option<&str>, &str)> = vec![
+        (Some("a"), "{}"),
+        (Some("a"), "{}"),
+        (Some("a"), "{\"other\":1}"),
+        (None, "{}"),
+        (Some(&too_long), "{}"),
+        (Some("\"unterminated"), "{}"),
+        (Some("b"), &large),
+        (Some("c"), "{}"),
+        (Some("b"), "{}"),
+        (Some("c"), "{}"),
+    ];
+    let mut seen = std::collections::BTreeSet::new();
+    for (index, (key, body)) in mix.into_iter().enumerate() {
+        let want = enforced(&post(enforcing.addr(), key, body, &[]).await);
+        let before = decisions(shadow.admin()).await;
+        let answer = post(shadow.addr(), key, body, &[]).await;
+        assert!(!answer.replayed(), "request {index}: shadow mode never replays");
+        let after = decisions(shadow.admin()).await;
+        let counted: Vec<(&String, f64)> = after
+            .iter()
+            .map(|(would, count)| (would, count - before.get(would).copied().unwrap_or(0.0)))
+            .filter(|(_, delta)| *delta != 0.0)
+            .collect();
+        assert_eq!(
+            counted,
+            vec![(&want.to_string(), 1.0)],
+            "request {index}: enforce did {want}"
+        );
+        seen.insert(want);
+    }
+    // A duplicate of a request held upstream: enforce answers 409.
+    let (addr, shadow_addr) = (enforcing.addr(), shadow.addr());
+    let held = tokio::spawn(async move { post(addr, Some("held"), "{}", &[("x-test-hold", "held")]).await });
+    upstream.wait_for_key("held").await;
+    let want = enforced(&post(addr, Some("held"), "{}", &[]).await);
+    upstream.release("held");
+    held.await.expect("the held request");
+    let held = tokio::spawn(async move { post(shadow_addr, Some("held"), "{}", &[("x-test-hold", "held")]).await });
+    shadowed.wait_for_key("held").await;
+    let before = decisions(shadow.admin()).await;
+    post(shadow_addr, Some("held"), "{}", &[]).await;
+    let after = decisions(shadow.admin()).await;
+    shadowed.release("held");
+    held.await.expect("the held shadow request");
+    assert_eq!(want, "conflict");
+    assert_eq!(after[want] - before.get(want).copied().unwrap_or(0.0), 1.0, "{after:?}");
+    seen.insert(want);
+    assert_eq!(seen.len(), 7, "the mix covers seven decisions: {seen:?}");
+}

@@ -859,3 +859,92 @@ async fn a_waiter_that_leaves_keeps_the_others_subscribed() {
     );
     assert_eq!(metric(admin, &waits("gone")).await, Some(1.0));
 }
+
+/// On a cluster, a subscriber that loses its connection to one primary while that
+/// primary publishes a change: the test kills the subscriber's connection there
+/// (`CLIENT KILL ID`, found by its shard subscription) and keeps it from connecting
+/// again (`maxclients 1`, the test's own connection being the one) while the first
+/// request completes, so its notification reaches nobody. The subscriber reports the
+/// loss and connects again (to the other primaries at once, to this one once it takes
+/// connections again), and each time it connects it wakes every waiter to re-read:
+/// the waiter has its replay within seconds, not at its 30 s deadline, and nothing ran
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_subscriber_cut_off_from_one_primary_wakes_its_waiters() {
+    let cluster = RedisCluster::start();
+    let primaries = cluster.primaries();
+    let (port, key) = keys_on_every_primary(&primaries).swap_remove(0);
+    let upstream = Upstream::start().await;
+    let mut config = waiting_config(StoreKind::Cluster(cluster.urls()), &upstream, "30s");
+    config.upstream_timeout = "60s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let first = {
+        let key = key.clone();
+        tokio::spawn(async move { post(addr, Some(&key), "{}", &[("x-test-hold", "cut")]).await })
+    };
+    upstream.wait_for_key(&key).await;
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move { post(addr, Some(&key), "{}", &[]).await })
+    };
+    until_metric(admin, WAITERS, 1.0).await;
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("a client");
+    let mut connection = client.get_connection().expect("connect");
+    let maxclients = |connection: &mut redis::Connection, count: &str| {
+        redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxclients")
+            .arg(count)
+            .query::<()>(connection)
+            .expect("CONFIG SET maxclients");
+    };
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query(&mut connection)
+        .expect("CLIENT LIST");
+    let subscribers: Vec<&str> = list
+        .lines()
+        .filter(|line| {
+            line.split(' ')
+                .any(|field| field.starts_with("ssub=") && field != "ssub=0")
+        })
+        .filter_map(|line| line.split(' ').find_map(|field| field.strip_prefix("id=")))
+        .collect();
+    assert_eq!(
+        subscribers.len(),
+        1,
+        "one shard subscriber on the primary at {port}: {list}"
+    );
+    maxclients(&mut connection, "1");
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(subscribers[0])
+        .query(&mut connection)
+        .expect("CLIENT KILL");
+    assert_eq!(killed, 1);
+    upstream.release("cut");
+    assert_eq!(first.await.expect("the first").status, 201);
+    let completed = tokio::time::Instant::now();
+    let shard_channels: Vec<String> = redis::cmd("PUBSUB")
+        .arg("SHARDCHANNELS")
+        .query(&mut connection)
+        .expect("PUBSUB SHARDCHANNELS");
+    assert!(
+        shard_channels.is_empty(),
+        "the notification had a subscriber: {shard_channels:?}"
+    );
+    maxclients(&mut connection, "10000");
+    let answer = waiter.await.expect("the waiter");
+    let took = completed.elapsed();
+    println!("cut off from one primary: the waiter had its replay {took:?} after the first request's answer");
+    assert_eq!(answer.status, 201, "{answer:?}");
+    assert!(answer.replayed(), "{answer:?}");
+    assert!(
+        took < std::time::Duration::from_secs(10),
+        "the waiter was not woken: {took:?} (its deadline is 30 s)"
+    );
+    assert_eq!(metric(admin, &waits("replayed")).await, Some(1.0));
+    assert_eq!(upstream.executions(&key), 1);
+}

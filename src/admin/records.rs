@@ -383,6 +383,49 @@ mod tests {
         }
     }
 
+    /// Each action takes its own parameters and, given another, names the ones it
+    /// takes: `claim` on release and resolve only, `as` on resolve only.
+    #[test]
+    fn each_action_takes_its_own_parameters_and_names_them() {
+        use RecordsAction::{Purge, Release, Resolve, Show};
+        let source = "[[route]]\nname = \"payments\"\npath_prefix = \"/v1/payments\"\n\
+                      upstream = \"http://127.0.0.1:9\"\n[route.idempotency]\n";
+        let config = Config::parse(source, std::path::Path::new("t.toml")).expect("a valid config");
+        let policy = config.routes[0].idempotency.as_ref().expect("a guarded route");
+        let claim = "0123456789abcdef0123456789abcdef";
+        let name = |action, query: &str| record_key(&config, "payments", policy, query, action);
+        let refused = |action, query: &str| match name(action, query) {
+            Ok(_) => panic!("{action:?} took {query}"),
+            Err(reason) => reason,
+        };
+        let released = name(Release, &format!("key=k&claim={claim}")).expect("release takes a claim");
+        assert_eq!(released.claim.map(OwnerToken::to_hex).as_deref(), Some(claim));
+        assert_eq!(released.verdict, None);
+        let resolved = name(Resolve, &format!("key=k&claim={claim}&as=not-applied")).expect("resolve takes both");
+        assert_eq!(resolved.claim.map(OwnerToken::to_hex).as_deref(), Some(claim));
+        assert_eq!(resolved.verdict, Some(Verdict::NotApplied));
+        let takes = [
+            (Show, "key and scope"),
+            (Purge, "key and scope"),
+            (Release, "key, scope and claim"),
+            (Resolve, "key, scope, claim and as"),
+        ];
+        for (action, parameters) in takes {
+            let unknown = |parameter: &str| format!("unknown parameter {parameter:?}: the query takes {parameters}");
+            assert_eq!(refused(action, "key=k&other=1"), unknown("other"), "{action:?}");
+            if !matches!(action, Release | Resolve) {
+                assert_eq!(
+                    refused(action, &format!("key=k&claim={claim}")),
+                    unknown("claim"),
+                    "{action:?}"
+                );
+            }
+            if action != Resolve {
+                assert_eq!(refused(action, "key=k&as=applied"), unknown("as"), "{action:?}");
+            }
+        }
+    }
+
     #[test]
     fn a_jwt_scope_names_its_claim_exactly_and_its_json_type() {
         assert_eq!(
