@@ -407,6 +407,27 @@ mod tests {
             canon("12345678901234567890124", &[])
         );
         assert_eq!(canon(r#""\ud83d\ude00""#, &[]).as_deref(), Some("\"😀\""));
+        // Control characters are escaped, a space is not: the form is stored in every
+        // record's fingerprint, so it must not change.
+        assert_eq!(
+            canon(r#"" a\u001f\u007f""#, &[]).as_deref(),
+            Some("\" a\\u001f\u{7f}\"")
+        );
+        // Each short escape is the character it names.
+        for (escape, named) in [
+            (r#""\"""#, r#""\u0022""#),
+            (r#""\\""#, r#""\u005c""#),
+            (r#""\/""#, r#""/""#),
+            (r#""\b""#, r#""\u0008""#),
+            (r#""\f""#, r#""\u000c""#),
+            (r#""\n""#, r#""\u000a""#),
+            (r#""\r""#, r#""\u000d""#),
+            (r#""\t""#, r#""\u0009""#),
+        ] {
+            let canonical = canon(escape, &[]);
+            assert!(canonical.is_some(), "{escape}");
+            assert_eq!(canonical, canon(named, &[]), "{escape}");
+        }
     }
 
     #[test]
@@ -478,6 +499,19 @@ mod tests {
         assert_eq!(canon(&deep, &[]), None);
         let deep_enough = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
         assert!(canon(&deep_enough, &[]).is_some());
+        // An exponent of 18 digits is taken, one of 19 is not.
+        assert_eq!(
+            canon("1e123456789012345678", &[]).as_deref(),
+            Some("1e123456789012345678")
+        );
+        assert_eq!(canon("1e1234567890123456789", &[]), None);
+        // Objects count their depth as arrays do, and the two mix.
+        let objects = |depth: usize| format!("{}1{}", "{\"a\":".repeat(depth), "}".repeat(depth));
+        assert!(canon(&objects(MAX_DEPTH), &[]).is_some());
+        assert_eq!(canon(&objects(MAX_DEPTH + 1), &[]), None);
+        let mixed = format!("[{}]", objects(MAX_DEPTH - 1));
+        assert!(canon(&mixed, &[]).is_some());
+        assert_eq!(canon(&format!("[{mixed}]"), &[]), None);
         // A duplicate is refused even where the pointer drops it.
         assert_eq!(canon("{\"a\":1,\"a\":2}", &["/a"]), None);
     }
@@ -492,6 +526,10 @@ mod tests {
             JsonPointer::parse("/").expect("valid"),
             JsonPointer(vec![String::new()])
         );
+        // Written back as RFC 6901 spells it (the contract document lists them so).
+        for text in ["/a~1b/~0c/0", "/", "/meta/ts", "//x"] {
+            assert_eq!(JsonPointer::parse(text).expect("valid").to_string(), text);
+        }
         for bad in ["", "a", "/a~2", "/a~"] {
             assert!(JsonPointer::parse(bad).is_err(), "{bad:?}");
         }
