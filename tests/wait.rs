@@ -772,6 +772,16 @@ async fn a_waiter_reads_its_record_only_when_there_is_news() {
     upstream.release("quiet");
 }
 
+/// `CONFIG SET name value` on a Redis the test holds a connection to.
+fn config_set(connection: &mut redis::Connection, name: &str, value: &str) {
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg(name)
+        .arg(value)
+        .query::<()>(connection)
+        .unwrap_or_else(|error| panic!("CONFIG SET {name} {value}: {error}"));
+}
+
 /// A waiter whose store fails before its deadline waits on: woken by a notification
 /// (published by the test) while Redis refuses writes (`maxmemory` at 1 byte: its
 /// claim gets `OOM`), it reads again a moment later, not in a spin, and once Redis
@@ -790,15 +800,7 @@ async fn a_waiter_waits_on_through_a_store_that_refuses_it_for_a_moment() {
     until_metric(admin, WAITERS, 1.0).await;
     let client = redis::Client::open(redis.url()).expect("a client");
     let mut connection = client.get_connection().expect("connect");
-    let set = |connection: &mut redis::Connection, bytes: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxmemory")
-            .arg(bytes)
-            .query::<()>(connection)
-            .expect("CONFIG SET maxmemory");
-    };
-    set(&mut connection, "1");
+    config_set(&mut connection, "maxmemory", "1");
     let channel = format!("{}:w", record_key("oom"));
     let _: i64 = redis::cmd("PUBLISH")
         .arg(&channel)
@@ -814,7 +816,7 @@ async fn a_waiter_waits_on_through_a_store_that_refuses_it_for_a_moment() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    set(&mut connection, "0");
+    config_set(&mut connection, "maxmemory", "0");
     let refused = metric(admin, failed).await.unwrap_or(0.0);
     upstream.release("oom");
     assert_eq!(first.await.expect("the first").status, 201);
@@ -891,14 +893,6 @@ async fn a_cluster_subscriber_cut_off_from_one_primary_wakes_its_waiters() {
     until_metric(admin, WAITERS, 1.0).await;
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).expect("a client");
     let mut connection = client.get_connection().expect("connect");
-    let maxclients = |connection: &mut redis::Connection, count: &str| {
-        redis::cmd("CONFIG")
-            .arg("SET")
-            .arg("maxclients")
-            .arg(count)
-            .query::<()>(connection)
-            .expect("CONFIG SET maxclients");
-    };
     let list: String = redis::cmd("CLIENT")
         .arg("LIST")
         .query(&mut connection)
@@ -916,7 +910,7 @@ async fn a_cluster_subscriber_cut_off_from_one_primary_wakes_its_waiters() {
         1,
         "one shard subscriber on the primary at {port}: {list}"
     );
-    maxclients(&mut connection, "1");
+    config_set(&mut connection, "maxclients", "1");
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("ID")
@@ -935,7 +929,7 @@ async fn a_cluster_subscriber_cut_off_from_one_primary_wakes_its_waiters() {
         shard_channels.is_empty(),
         "the notification had a subscriber: {shard_channels:?}"
     );
-    maxclients(&mut connection, "10000");
+    config_set(&mut connection, "maxclients", "10000");
     let answer = waiter.await.expect("the waiter");
     let took = completed.elapsed();
     println!("cut off from one primary: the waiter had its replay {took:?} after the first request's answer");
