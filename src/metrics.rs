@@ -188,6 +188,7 @@ pub(crate) struct Metrics {
     wait_seconds: Histogram,
     reconciliations: Family<ReconcileLabels, Counter>,
     probe_latency: Family<RouteLabels, Histogram>,
+    probes_waiting: Family<RouteLabels, Gauge>,
     config_info: Family<ConfigLabels, Gauge>,
 }
 
@@ -198,8 +199,28 @@ pub(crate) struct RouteMetrics {
     /// For a shadow-mode route: what enforce would have done.
     shadow: Option<[Counter; Would::ALL.len()]>,
     upstream_latency: Histogram,
-    /// For a route with a probe: how its probes ended, and how long they took.
-    reconcile: Option<([Counter; Reconciliation::ALL.len()], Histogram)>,
+    /// For a route with a probe: how its probes ended, how long they took, and how many
+    /// wait for a place among the route's `max_concurrent`.
+    reconcile: Option<ProbeMetrics>,
+}
+
+#[derive(Clone)]
+struct ProbeMetrics {
+    results: [Counter; Reconciliation::ALL.len()],
+    latency: Histogram,
+    waiting: Gauge,
+}
+
+/// A probe waiting for its place among the route's `max_concurrent`, counted in
+/// `idemproxy_probes_waiting` until it is dropped.
+pub(crate) struct WaitingProbe(Option<Gauge>);
+
+impl Drop for WaitingProbe {
+    fn drop(&mut self) {
+        if let Some(gauge) = &self.0 {
+            gauge.dec();
+        }
+    }
 }
 
 impl RouteMetrics {
@@ -218,15 +239,24 @@ impl RouteMetrics {
     }
 
     pub(crate) fn reconciled(&self, result: Reconciliation) {
-        if let Some((counters, _)) = &self.reconcile {
-            counters[result as usize].inc();
+        if let Some(probes) = &self.reconcile {
+            probes.results[result as usize].inc();
         }
     }
 
     pub(crate) fn probe(&self, elapsed: Duration) {
-        if let Some((_, latency)) = &self.reconcile {
-            latency.observe(elapsed.as_secs_f64());
+        if let Some(probes) = &self.reconcile {
+            probes.latency.observe(elapsed.as_secs_f64());
         }
+    }
+
+    /// A probe begins to wait for its place among the route's `max_concurrent`.
+    pub(crate) fn probe_waiting(&self) -> WaitingProbe {
+        let gauge = self.reconcile.as_ref().map(|probes| probes.waiting.clone());
+        if let Some(gauge) = &gauge {
+            gauge.inc();
+        }
+        WaitingProbe(gauge)
     }
 }
 
@@ -410,6 +440,12 @@ impl Metrics {
                     Histogram::new(exponential_buckets(0.0005, 2.0, 18))
                 }),
             ),
+            probes_waiting: register(
+                r,
+                "probes_waiting",
+                "Reconciliation probes due and waiting for a place among their route's max_concurrent, by route",
+                Family::default(),
+            ),
             config_info: register(
                 r,
                 "config_info",
@@ -425,7 +461,7 @@ impl Metrics {
     pub(crate) fn route(&self, route: &str, shadow: bool, reconcile: bool) -> RouteMetrics {
         RouteMetrics {
             reconcile: reconcile.then(|| {
-                let counters = Reconciliation::ALL.map(|result| {
+                let results = Reconciliation::ALL.map(|result| {
                     self.reconciliations
                         .get_or_create(&ReconcileLabels {
                             route: route.to_string(),
@@ -433,13 +469,14 @@ impl Metrics {
                         })
                         .clone()
                 });
-                let latency = self
-                    .probe_latency
-                    .get_or_create(&RouteLabels {
-                        route: route.to_string(),
-                    })
-                    .clone();
-                (counters, latency)
+                let labels = RouteLabels {
+                    route: route.to_string(),
+                };
+                ProbeMetrics {
+                    results,
+                    latency: self.probe_latency.get_or_create(&labels).clone(),
+                    waiting: self.probes_waiting.get_or_create(&labels).clone(),
+                }
             }),
             shadow: shadow.then(|| {
                 Would::ALL.map(|would| {

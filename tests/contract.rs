@@ -123,7 +123,15 @@ async fn the_well_known_document_lists_the_routes_of_the_requests_host_and_is_ca
     // Cached: the tag comes back as 304, weak or strong; another tag gets the document.
     let tag = any.header("etag").expect("an ETag").to_string();
     assert!(tag.starts_with('"') && tag.ends_with('"'), "{tag}");
-    for matching in [tag.clone(), format!("W/{tag}"), format!("\"other\", {tag}"), "*".into()] {
+    // A list is split on its commas, with or without spaces (RFC 9110 §8.8.3).
+    for matching in [
+        tag.clone(),
+        format!("W/{tag}"),
+        format!("\"other\", {tag}"),
+        format!("\"other\",{tag}"),
+        format!("\"other\" ,\tW/{tag}"),
+        "*".into(),
+    ] {
         let again = get("api.example", vec![("if-none-match", matching.clone())]).await;
         assert_eq!(again.status, 304, "{matching}: {again:?}");
         assert!(again.body.is_empty());
@@ -146,6 +154,55 @@ async fn the_well_known_document_lists_the_routes_of_the_requests_host_and_is_ca
     let spelled = send(proxy.addr(), "GET", "/.well-known//idempotency", &[], "").await;
     assert_eq!(spelled.status, 200, "{spelled:?}");
     assert_eq!(upstream.total(), 0, "the contract is the proxy's, never the upstream's");
+}
+
+/// A request that names no host (HTTP/1.0 without `Host`, HTTP/2 without
+/// `:authority`) is shown only the routes for any host: a route bound to one host is
+/// that host's, and a client that names none has not reached it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_names_no_host_is_shown_only_the_routes_for_any_host() {
+    use support::h2raw::{self, DATA, END_HEADERS, END_STREAM, HEADERS, frame};
+    let upstream = Upstream::start().await;
+    let proxy = config(&upstream).start().await;
+    let for_any_host = ["customers", "payments", "orders"];
+
+    let raw = support::send_raw(
+        proxy.addr(),
+        b"GET /.well-known/idempotency HTTP/1.0\r\n\r\n",
+        std::time::Duration::from_secs(5),
+    )
+    .await;
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.0 200"), "{head}");
+    let document: serde_json::Value = serde_json::from_str(body).expect("a JSON document");
+    assert_eq!(names(&document), for_any_host, "HTTP/1.0 without Host: {document}");
+
+    let mut connection = h2raw::Connection::open(proxy.addr()).await;
+    let block = h2raw::request_for("GET", "/.well-known/idempotency", None, &[]);
+    use tokio::io::AsyncWriteExt as _;
+    connection
+        .writer
+        .write_all(&frame(HEADERS, END_HEADERS | END_STREAM, 1, &block))
+        .await
+        .expect("send the request");
+    let (mut status, mut body) = (None, Vec::new());
+    while let Some(received) = connection.next(std::time::Duration::from_secs(5)).await {
+        match received.kind {
+            // `:status: 200` is the static table's entry 8, indexed: 0x88.
+            HEADERS if received.stream == 1 => status = received.payload.first().copied(),
+            DATA if received.stream == 1 => {
+                body.extend_from_slice(&received.payload);
+                if received.flags & END_STREAM != 0 {
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(status, Some(0x88), "HTTP/2 without :authority answers 200");
+    let document: serde_json::Value = serde_json::from_slice(&body).expect("a JSON document");
+    assert_eq!(names(&document), for_any_host, "HTTP/2 without :authority: {document}");
+    assert_eq!(upstream.total(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,6 +301,48 @@ async fn the_stripe_profile_answers_as_stripe_does() {
     assert_eq!(error(&in_flight)["code"], "idempotency_key_in_use");
     upstream.release("cus-2");
     assert_eq!(held.await.expect("the first").status, 201);
+}
+
+/// An unknown outcome on a Stripe-profile route keeps what the contract publishes for
+/// it: Stripe's `idempotency_error`, and beside it the operation and whether the probe
+/// is reconciling it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_on_a_stripe_route_names_its_operation_and_reconciliation() {
+    let upstream = Upstream::start().await;
+    upstream.set_lookups(support::upstream::Lookups::Hold("stripe-lookup".into()));
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.upstream_timeout = "500ms".into();
+    config.idempotency = "profile = \"stripe\"\n\
+        reconcile = { path = \"/v1/payments/by-key/{key}\", first_after = \"100ms\", give_up_after = \"30s\" }"
+        .into();
+    let proxy = config.start().await;
+    let headers = [("idempotency-key", "stripe-unknown"), ("x-test-hold", "forever")];
+    let timed_out = send(proxy.addr(), "POST", "/v1/payments", &headers, "name=a").await;
+    assert_eq!(timed_out.status, 504, "{timed_out:?}");
+    assert_eq!(json(&timed_out)["error"]["type"], "api_error", "{timed_out:?}");
+    upstream.wait_for_lookups(1).await;
+    let retry = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "stripe-unknown")],
+        "name=a",
+    )
+    .await;
+    assert_eq!(retry.status, 409, "{retry:?}");
+    assert_eq!(retry.header("content-type"), Some("application/json"));
+    let error = json(&retry)["error"].clone();
+    assert_eq!(error["type"], "idempotency_error", "{error}");
+    assert_eq!(error["code"], "outcome_unknown", "{error}");
+    assert_eq!(error["reconciling"], true, "{error}");
+    let operation = error["operation"].as_str().expect("the operation");
+    assert!(
+        operation.len() == 32 && operation.bytes().all(|byte| byte.is_ascii_hexdigit()),
+        "{error}"
+    );
+    assert!(retry.header("retry-after").is_some(), "{retry:?}");
+    upstream.release("stripe-lookup");
+    assert_eq!(upstream.executions("stripe-unknown"), 1);
 }
 
 /// Runs `python3 -c script args…` and returns its stdout, failing with how to install

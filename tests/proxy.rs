@@ -1096,3 +1096,33 @@ async fn one_client_cannot_fill_the_memory_store() {
     let rejected = "idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"}";
     assert_eq!(support::client::metric(proxy.admin(), rejected).await, Some(2.0));
 }
+
+/// A share is a client's on one route: the same scope value on two scoped routes is two
+/// clients, so a tenant whose payments fill their share still places orders.
+#[tokio::test]
+async fn a_scope_share_is_per_route() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.store_extra = "max_records_per_scope = 2".into();
+    config.idempotency = "scope_headers = [\"x-tenant\"]".into();
+    config.extra_routes = format!(
+        "[[route]]\nname = \"refunds\"\npath_prefix = \"/v1/refunds\"\nupstream = \"{}\"\n\n\
+         [route.idempotency]\nscope_headers = [\"x-tenant\"]\n",
+        upstream.url()
+    );
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    let post = |path: &'static str, key: &'static str| async move {
+        let headers = [("idempotency-key", key), ("x-tenant", "alice")];
+        send(addr, "POST", path, &headers, "{}").await
+    };
+    for key in ["p1", "p2"] {
+        assert_eq!(post("/v1/payments", key).await.status, 201, "{key}");
+    }
+    assert_eq!(post("/v1/payments", "p3").await.problem(), "scope-full");
+    for key in ["r1", "r2"] {
+        let answer = post("/v1/refunds", key).await;
+        assert_eq!(answer.status, 201, "alice's refunds are not her payments: {answer:?}");
+    }
+    assert_eq!(post("/v1/refunds", "r3").await.problem(), "scope-full");
+}

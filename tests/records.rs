@@ -459,6 +459,133 @@ async fn resolve_settles_an_unknown_record_once_with_redis() {
     resolutions(StoreKind::Redis(redis.url())).await;
 }
 
+/// `claim=` fences a release or a resolution on the request it names: with another
+/// request's claim each is 409 and changes nothing; with the record's own (as `show`
+/// gives it) it wins. Through the API.
+async fn claim_fences(store: StoreKind) {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(store, &upstream);
+    let proxy = config.start().await;
+    let (addr, at) = (proxy.addr(), proxy.admin());
+    let scope = "scope=authorization:Bearer%20alice";
+    assert_eq!(post(addr, "fenced", &[("x-test-hold", "fenced")]).await.status, 504);
+    upstream.release("fenced");
+    let shown = json(&admin(at, "GET", &format!("/records/payments?key=fenced&{scope}"), Some(TOKEN)).await);
+    let own = shown["claim"]
+        .as_str()
+        .expect("an unknown record shows its claim")
+        .to_string();
+    let other = "0123456789abcdef0123456789abcdef";
+    assert_ne!(own, other);
+    let recorded = r#"{"status":201,"headers":[],"body":""}"#;
+    for (path, body) in [
+        (
+            format!("/records/payments/release?key=fenced&{scope}&claim={other}"),
+            "",
+        ),
+        (
+            format!("/records/payments/resolve?key=fenced&{scope}&as=not-applied&claim={other}"),
+            "",
+        ),
+        (
+            format!("/records/payments/resolve?key=fenced&{scope}&as=applied&claim={other}"),
+            recorded,
+        ),
+    ] {
+        let refused = admin_with(at, &path, body).await;
+        assert_eq!(refused.status, 409, "{path}: {refused:?}");
+        let error = json(&refused)["error"].as_str().unwrap_or_default().to_string();
+        assert!(
+            error.contains("another request than the claim named"),
+            "{path}: {error}"
+        );
+    }
+    let after = json(&admin(at, "GET", &format!("/records/payments?key=fenced&{scope}"), Some(TOKEN)).await);
+    assert_eq!(
+        (after["state"].as_str(), after["claim"].as_str()),
+        (Some("unknown"), Some(own.as_str())),
+        "{after}"
+    );
+    assert_eq!(post(addr, "fenced", &[]).await.problem(), "outcome-unknown");
+    let released = admin_with(
+        at,
+        &format!("/records/payments/release?key=fenced&{scope}&claim={own}"),
+        "",
+    )
+    .await;
+    assert_eq!(released.status, 200, "{released:?}");
+    let retry = post(addr, "fenced", &[]).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false));
+    assert_eq!(upstream.executions("fenced"), 2);
+}
+
+#[tokio::test]
+async fn a_release_or_resolution_fenced_on_another_claim_is_refused_with_the_memory_store() {
+    claim_fences(StoreKind::Memory).await;
+}
+
+#[tokio::test]
+async fn a_release_or_resolution_fenced_on_another_claim_is_refused_with_redis() {
+    let redis = RedisServer::start();
+    claim_fences(StoreKind::Redis(redis.url())).await;
+}
+
+/// `--claim` on the CLI fences as `claim=` does: another request's claim exits 4 and
+/// changes nothing, on release and on resolve; the record's own wins.
+#[tokio::test]
+async fn the_cli_fences_release_and_resolve_on_the_claim_named() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(StoreKind::Redis(redis.url()), &upstream);
+    let proxy = ChildProxy::start_via(&config, &[], None).await;
+    let file = proxy.config_path();
+    let args = |action: &'static str, rest: &[&str]| -> Vec<String> {
+        let mut args: Vec<String> = [action, "--route", "payments", "--key", "cli-fence", "--scope"]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        args.push("authorization:Bearer alice".into());
+        args.extend(rest.iter().map(ToString::to_string));
+        args
+    };
+    let run = |args: Vec<String>| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cli(file, &args)
+    };
+    assert_eq!(
+        post(proxy.addr, "cli-fence", &[("x-test-hold", "cli-fence")])
+            .await
+            .status,
+        504
+    );
+    upstream.release("cli-fence");
+    let (code, stdout, _) = run(args("show", &["--json"]));
+    assert_eq!(code, 0);
+    let shown: Value = serde_json::from_str(&stdout).expect("--json prints JSON");
+    let own = shown["claim"].as_str().expect("the claim").to_string();
+    let other = "fedcba9876543210fedcba9876543210";
+    for refused in [
+        args("release", &["--claim", other]),
+        args("resolve", &["--not-applied", "--claim", other]),
+    ] {
+        let (code, _, stderr) = run(refused.clone());
+        assert_eq!(code, 4, "{refused:?}: {stderr}");
+        assert!(stderr.contains("another request than the claim named"), "{stderr}");
+    }
+    let (code, stdout, _) = run(args("show", &["--json"]));
+    assert_eq!(code, 0);
+    let still: Value = serde_json::from_str(&stdout).expect("JSON");
+    assert_eq!(
+        (still["state"].as_str(), still["claim"].as_str()),
+        (Some("unknown"), Some(own.as_str()))
+    );
+    let (code, stdout, stderr) = run(args("resolve", &["--not-applied", "--claim", &own]));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.starts_with("resolved as not applied"), "{stdout}");
+    assert!(!post(proxy.addr, "cli-fence", &[]).await.replayed());
+    assert_eq!(upstream.executions("cli-fence"), 2);
+}
+
 #[tokio::test]
 async fn the_cli_resolves_as_applied_or_not_applied() {
     let upstream = Upstream::start().await;

@@ -97,6 +97,36 @@ async fn h2(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]
     (status, slug)
 }
 
+/// The path the upstream is sent is the canonical one the guard decided on, byte for
+/// byte: a trailing dot segment leaves its directory's slash, and with
+/// `escaped_slashes = "keep"` an encoded slash stays encoded (never a separator
+/// upstream). Over a real socket, as the upstream logs it.
+#[tokio::test]
+async fn the_upstream_is_sent_the_canonical_path() {
+    let upstream = Upstream::start().await;
+    let default = config(&upstream).start().await;
+    let mut keep = config(&upstream);
+    keep.server = "escaped_slashes = \"keep\"\nmerge_slashes = false".into();
+    let keep = keep.start().await;
+    let cases = [
+        (default.addr(), "/v1/reads/a/b/..", "/v1/reads/a/"),
+        (default.addr(), "/v1/reads/a/b/.", "/v1/reads/a/b/"),
+        (default.addr(), "/v1/reads/a/./b/../c", "/v1/reads/a/c"),
+        (default.addr(), "/v1//reads/x", "/v1/reads/x"),
+        (keep.addr(), "/v1/reads/a%2Fb", "/v1/reads/a%2Fb"),
+        (keep.addr(), "/v1/reads/a%2fb/..", "/v1/reads/"),
+        (keep.addr(), "/v1/reads//a", "/v1/reads//a"),
+    ];
+    for (n, (addr, sent, forwarded)) in cases.iter().enumerate() {
+        let request = format!("GET {sent} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n");
+        let raw = send_raw(*addr, request.as_bytes(), Duration::from_secs(5)).await;
+        assert_eq!(answer(&raw).0, 201, "{sent}: {raw}");
+        let log = upstream.log();
+        assert_eq!(log.len(), n + 1, "{sent}");
+        assert_eq!(log[n].path, *forwarded, "{sent} was forwarded as {}", log[n].path);
+    }
+}
+
 /// The probe's spellings of the guarded path, none with an idempotency key: each is
 /// guarded (400 for the missing key) or refused as a path, over HTTP/1.1 and HTTP/2,
 /// and the upstream sees none of them.

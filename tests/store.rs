@@ -710,6 +710,79 @@ async fn an_ended_probe_lease_is_taken_over<S: RecordStore>(store: &S) {
     }
 }
 
+/// Whether a probe taken long after it fell due (overdue by more than a lease: nobody
+/// retried for a while) is leased from now, not from when it was due, so that a second
+/// caller finds it not due and two instances never probe it together. (A function
+/// that answers, so a broken script can be shown to fail it.)
+async fn an_overdue_probe_lease_starts_now<S: RecordStore>(store: &S) -> bool {
+    let record = key(&format!("probe-overdue-{}", new_owner().to_hex()));
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule(LONG * 4)))
+        .await
+        .expect("mark");
+    let lease = Duration::from_millis(200);
+    // Due at once, and left due for three leases.
+    tokio::time::sleep(lease * 3).await;
+    assert_eq!(probe_of(store, &record).await, Probe::Next(Duration::ZERO));
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(LONG * 4), lease)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    let second = store
+        .begin_probe(&record, schedule(LONG * 4), lease)
+        .await
+        .expect("begin");
+    matches!(second, ProbeStart::NotDue(wait) if wait > lease / 2)
+}
+
+/// An overdue probe is leased from now; and a deferred probe is next due `every` from
+/// now, whatever the lease was (an interval far from the lease, so that a reschedule
+/// that kept the lease's due time shows).
+async fn an_overdue_probe_is_leased_from_now_and_deferred_by_its_interval<S: RecordStore>(store: &S) {
+    assert!(
+        an_overdue_probe_lease_starts_now(store).await,
+        "a second caller took an overdue probe's lease"
+    );
+    let record = key("probe-deferred");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule(LONG * 4)))
+        .await
+        .expect("mark");
+    let lease = Duration::from_millis(200);
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(LONG * 4), lease)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    let every = Duration::from_secs(20);
+    assert_eq!(
+        store.defer_probe(&record, owner, every).await.expect("defer"),
+        Deferred::Scheduled
+    );
+    let near = |wait: Duration| wait > every - Duration::from_secs(2) && wait <= every;
+    match store
+        .begin_probe(&record, schedule(LONG * 4), lease)
+        .await
+        .expect("begin")
+    {
+        ProbeStart::NotDue(wait) => assert!(near(wait), "deferred by {every:?}, due in {wait:?}"),
+        other => panic!("{other:?}"),
+    }
+    match probe_of(store, &record).await {
+        Probe::Next(wait) => assert!(near(wait), "deferred by {every:?}, due in {wait:?}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 async fn a_probe_gives_up_past_its_schedule<S: RecordStore>(store: &S) {
     let record = key("probe-gives-up");
     let owner = new_owner();
@@ -883,6 +956,7 @@ against_both_stores!(
     a_probe_lease_is_held_by_one_caller_at_a_time,
     a_probe_is_fenced_on_its_claim_and_ends_with_the_record,
     an_ended_probe_lease_is_taken_over,
+    an_overdue_probe_is_leased_from_now_and_deferred_by_its_interval,
     a_probe_gives_up_past_its_schedule,
     a_lapsed_lease_or_an_unscheduled_record_is_probed_when_found,
 );
@@ -1259,6 +1333,29 @@ async fn a_begin_probe_without_its_due_check_is_caught() {
     );
     let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
     assert!(probe_lease_is_exclusive(&store).await);
+}
+
+/// The store suite catches a `begin_probe` that leases an overdue probe from its old
+/// due time instead of from now (so the new due time is still in the past).
+#[tokio::test]
+async fn a_begin_probe_that_leases_from_the_old_due_time_is_caught() {
+    let server = RedisServer::start();
+    let lua = include_str!("../src/store/scripts/begin_probe.lua");
+    let fixed = "reason .. ':' .. math.max(pttl - lease, 0) .. ':' .. give_up, 'KEEPTTL')";
+    let broken = lua.replace(
+        fixed,
+        "reason .. ':' .. math.max((due or pttl) - lease, 0) .. ':' .. give_up, 'KEEPTTL')",
+    );
+    assert_ne!(broken, lua, "the planted bug must change the script");
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2))
+        .expect("store")
+        .with_script(idemproxy::store::redis::ScriptName::BeginProbe, &broken);
+    assert!(
+        !an_overdue_probe_lease_starts_now(&store).await,
+        "an overdue probe leased twice at once went unnoticed"
+    );
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
+    assert!(an_overdue_probe_lease_starts_now(&store).await);
 }
 
 /// The memory store's probe lease holds against a paused clock too: the lease and

@@ -54,14 +54,24 @@ async fn operation(admin: SocketAddr, tenant: &str, key: &str) -> String {
     json(&shown)["operation"].as_str().expect("operation").to_string()
 }
 
-/// What the upstream saw in `field` on its `n`th execution (from 0).
+/// What the upstream saw in `field` on its `n`th execution (from 0): every value of it,
+/// which must be at most one (a key set beside the client's, not in its place, would
+/// be a second).
 fn seen(upstream: &Upstream, n: usize, field: &str) -> Option<String> {
     let log = upstream.log();
     let execution = log.get(n).expect("that many executions");
-    execution
+    let values: Vec<String> = execution
         .headers
-        .get(field)
+        .get_all(field)
+        .iter()
         .map(|value| value.to_str().expect("visible ASCII").to_string())
+        .collect();
+    assert!(
+        values.len() <= 1,
+        "{field} went upstream {} times: {values:?}",
+        values.len()
+    );
+    values.into_iter().next()
 }
 
 async fn derived_keys_are_per_tenant(store: StoreKind) {

@@ -744,10 +744,14 @@ async fn a_waiter_whose_store_is_gone_at_its_deadline_answers_503() {
     assert_eq!(first.await.expect("the first").status, 201);
 }
 
-/// A waiter does not poll: until its deadline or the lease's end it sleeps unless
-/// notified. Its first request times out after a second (held upstream), and in that
-/// second the waiter reads its record twice in all: once on arrival, once when the
-/// first request is marked unknown.
+/// A waiter does not poll: between two points the test controls, it reads its record
+/// exactly once, when there is news. The subscriber is connected first (by a waiter on
+/// another record), so that no connect wakes the waiter; then, from the moment the
+/// waiter has made its first read in the wait (the claims counted are the first
+/// request's, the waiter's own and that read), until its answer, it reads once more:
+/// when the first request, held upstream, times out and its record is marked unknown.
+/// A wake-up computed in the past (a spin) reads many times; a missed notification
+/// reads at the lease's end, after the 1 s timeout, still once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_reads_its_record_only_when_there_is_news() {
     let redis = RedisServer::start();
@@ -756,19 +760,36 @@ async fn a_waiter_reads_its_record_only_when_there_is_news() {
     config.upstream_timeout = "1s".into();
     let proxy = config.start().await;
     let (addr, admin) = (proxy.addr(), proxy.admin());
+    let warm = tokio::spawn(async move { post(addr, Some("warm"), "{}", &[("x-test-hold", "warm")]).await });
+    upstream.wait_for_key("warm").await;
+    let warm_waiter = tokio::spawn(async move { post(addr, Some("warm"), "{}", &[]).await });
+    until_metric(admin, WAITERS, 1.0).await;
+    upstream.release("warm");
+    assert_eq!(warm.await.expect("the warm-up").status, 201);
+    assert!(warm_waiter.await.expect("the warm-up waiter").replayed());
+    until_metric(admin, WAITERS, 0.0).await;
+
+    let claims = "idemproxy_store_operation_seconds_count{op=\"claim\",result=\"ok\"}";
+    let before = metric(admin, claims).await.expect("the claim count");
     let first = tokio::spawn(async move { post(addr, Some("quiet"), "{}", &[("x-test-hold", "quiet")]).await });
     upstream.wait_for_key("quiet").await;
     let waiter = tokio::spawn(async move { post(addr, Some("quiet"), "{}", &[]).await });
+    until_metric(admin, WAITERS, 1.0).await;
+    until_metric(admin, claims, before + 3.0).await;
     let answer = waiter.await.expect("the waiter");
     assert_eq!(
         (answer.status.as_u16(), answer.problem().as_str()),
         (409, "outcome-unknown"),
         "{answer:?}"
     );
+    let after = metric(admin, claims).await.expect("the claim count");
+    assert_eq!(
+        after - before,
+        4.0,
+        "reads after the wait began: {}",
+        after - before - 3.0
+    );
     assert_eq!(first.await.expect("the first").status, 504);
-    let claims = "idemproxy_store_operation_seconds_count{op=\"claim\",result=\"ok\"}";
-    let reads = metric(admin, claims).await.expect("the claim count");
-    assert!(reads <= 4.0, "the first's claim and the waiter's reads: {reads}");
     upstream.release("quiet");
 }
 

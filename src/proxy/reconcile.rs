@@ -213,9 +213,11 @@ impl Proxy {
             let Some(permits) = &job.route.probes else {
                 return;
             };
+            let waiting = metrics.probe_waiting();
             let Ok(permit) = permits.acquire().await else {
                 return;
             };
+            drop(waiting);
             // Each probe is a trace of its own, linked to the request that began the
             // chain: a chain may last minutes.
             let span = match self.shared.traced {

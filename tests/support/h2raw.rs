@@ -64,14 +64,18 @@ pub fn literal(out: &mut Vec<u8>, name: &str, value: &str) {
 
 /// The header block of a request.
 pub fn request(method: &str, path: &str, extra: &[(&str, &str)]) -> Vec<u8> {
+    request_for(method, path, Some("localhost"), extra)
+}
+
+/// The header block of a request with `authority` as its `:authority`, or none (a
+/// client may leave it out, RFC 9113 §8.3.1).
+pub fn request_for(method: &str, path: &str, authority: Option<&str>, extra: &[(&str, &str)]) -> Vec<u8> {
     let mut block = Vec::new();
-    for (name, value) in [
-        (":method", method),
-        (":scheme", "http"),
-        (":path", path),
-        (":authority", "localhost"),
-    ] {
+    for (name, value) in [(":method", method), (":scheme", "http"), (":path", path)] {
         literal(&mut block, name, value);
+    }
+    if let Some(authority) = authority {
+        literal(&mut block, ":authority", authority);
     }
     for (name, value) in extra {
         literal(&mut block, name, value);

@@ -37,6 +37,11 @@ if ARGV[2] ~= '' and string.sub(record, 67, 98) ~= ARGV[2] then
   return -2
 end
 
+-- Both branches tell the record's waiters, as every write that changes a record does,
+-- so that no waiter's wake depends on which writer changed it. Here no test can see
+-- it: a waiter waits only on a record in flight, leaves with a 409 once it reads as
+-- unknown, and re-reads by itself at the lease's end, which is the earliest a record in
+-- flight can be resolved. Kept for that uniformity (the memory store wakes alike).
 if ARGV[3] then
   redis.call('SET', KEYS[1], '2C' .. string.sub(record, 3, 66) .. ARGV[3], 'KEEPTTL')
   redis.call(ARGV[1], KEYS[1] .. ':w', 'completed')
