@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Load shaped like a slow legacy API (DESIGN §13), idemproxy beside nginx in front of
+"""Load shaped like a slow legacy API (docs/design.md §13), idemproxy beside nginx in front of
 the same upstream, in one run, on this machine:
 
 1. A slow upstream (bench/slow_upstream.rs: 201 after 200 ms or 2 s) under 2,000 and
    10,000 concurrent HTTP/1.1 clients (bench/loadgen.rs), each request with a fresh
    idempotency key, idemproxy on Redis: requests per second, p50 and p99, the 503s,
-   and the proxy's peak RSS (VmHWM; nginx: its workers' sum). Then DESIGN §13's own
+   and the proxy's peak RSS (VmHWM; nginx: its workers' sum). Then docs/design.md §13's own
    case, open loop: 2,000 requests per second to the 2 s upstream (4,000 in flight)
    over 5,000 connections. idemproxy runs on its defaults (store.timeout 500 ms).
 2. HTTP/2 at 32, 256 and 1,000 connections x 10 streams (320, 2,560 and 10,000 in

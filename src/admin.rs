@@ -11,11 +11,11 @@ use hyper::body::Incoming;
 use arc_swap::ArcSwap;
 
 use crate::body::{self, ProxyBody, full};
+use crate::bounds::GuardedRequests;
 use crate::config::Config;
 use crate::error::DisplayChain;
 use crate::error::StoreError;
 use crate::metrics::{Metrics, StoreOp};
-use crate::proxy::GuardedRequests;
 use crate::store::{AnyStore, RecordStore};
 
 mod records;
@@ -89,7 +89,7 @@ impl Admin {
                 Ok(body) => body,
                 Err(rejection) => {
                     let problem = rejection.problem();
-                    return records::error(problem.status, &problem.detail);
+                    return records::error(problem.row().status, &problem.detail);
                 }
             };
             let answer = records::handle(

@@ -15,15 +15,15 @@ use serde::Deserialize;
 
 pub use crate::canonical_json::JsonPointer;
 use crate::error::ConfigError;
-pub use crate::error::Profile;
 use crate::jwt::JwtVerifier;
-pub use crate::target::{PathPolicy, Spelling};
+pub use crate::problem::Profile;
+pub use crate::request_target::{PathPolicy, Spelling};
 
 mod raw;
-mod target;
+mod upstream;
 mod validate;
 
-pub use self::target::Target;
+pub use self::upstream::Upstream;
 
 /// One second beyond the upstream timeout: how long an owner may hold a claim.
 pub const LEASE_GRACE: Duration = Duration::from_secs(1);
@@ -127,7 +127,7 @@ fn sha256(bytes: &[u8]) -> [u8; 32] {
     out
 }
 
-/// `[tracing]` (DESIGN §16): where spans go, under what service name, and the share of
+/// `[tracing]` (docs/design.md §16): where spans go, under what service name, and the share of
 /// the traces started here that are sampled.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TracingConfig {
@@ -268,7 +268,7 @@ pub struct Route {
     pub name: String,
     pub path_prefix: String,
     pub host: Option<String>,
-    pub upstream: Target,
+    pub upstream: Upstream,
     pub upstream_timeout: Duration,
     /// An HTTPS upstream's extra roots (`upstream_ca_file`), beside the webpki roots.
     pub upstream_tls: Option<Arc<rustls::ClientConfig>>,
@@ -311,7 +311,7 @@ pub struct IdempotencyPolicy {
     pub profile: Profile,
 }
 
-/// A route's reconciliation probe (DESIGN §14): a read-only request to the route's
+/// A route's reconciliation probe (docs/design.md §14): a read-only request to the route's
 /// upstream that says whether an operation whose outcome is unknown took effect.
 #[derive(Debug, Clone)]
 pub struct Reconcile {

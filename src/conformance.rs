@@ -1,5 +1,5 @@
 //! `idemproxy conformance URL`: the published contract's black-box cases, run against
-//! any endpoint (DESIGN §15): first use, a replay identical and marked, the key reused
+//! any endpoint (docs/design.md §15): first use, a replay identical and marked, the key reused
 //! with another request, a duplicate while the first is in flight, a missing key, an
 //! over-long key, a key sent twice. A dozen requests at most, each with a fresh random
 //! key. Every case passes, fails (the endpoint did what the contract rules out), or
@@ -16,7 +16,7 @@ use crate::upstream::{self, HttpClient};
 
 /// What to run the cases against.
 #[derive(Debug, Clone)]
-pub struct Target {
+pub struct Endpoint {
     /// The endpoint's base URL, `http://` or `https://`.
     pub base: String,
     /// The guarded path the cases POST to.
@@ -35,28 +35,28 @@ pub struct Target {
 
 /// How a case ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum Finding {
     Pass,
     Fail,
     /// The answers decide neither way (the endpoint refused the first request, say).
     Unknown,
 }
 
-impl Verdict {
+impl Finding {
     pub fn as_str(self) -> &'static str {
         match self {
-            Verdict::Pass => "pass",
-            Verdict::Fail => "FAIL",
-            Verdict::Unknown => "could not tell",
+            Finding::Pass => "pass",
+            Finding::Fail => "FAIL",
+            Finding::Unknown => "could not tell",
         }
     }
 }
 
-/// One case's result: its name, verdict and what was seen.
+/// One case's result: its name, finding and what was seen.
 #[derive(Debug, Clone)]
 pub struct Case {
     pub name: &'static str,
-    pub verdict: Verdict,
+    pub finding: Finding,
     pub saw: String,
 }
 
@@ -87,25 +87,25 @@ pub enum ConformanceError {
 
 struct Runner {
     client: HttpClient,
-    target: Target,
+    endpoint: Endpoint,
     base: Uri,
     prefix: String,
 }
 
-/// Runs every case against `target`, in order.
-pub async fn run(target: Target) -> Result<Vec<Case>, ConformanceError> {
-    let base: Uri = target
+/// Runs every case against `endpoint`, in order.
+pub async fn run(endpoint: Endpoint) -> Result<Vec<Case>, ConformanceError> {
+    let base: Uri = endpoint
         .base
         .parse()
-        .map_err(|_| ConformanceError::Url(target.base.clone()))?;
+        .map_err(|_| ConformanceError::Url(endpoint.base.clone()))?;
     if !matches!(base.scheme_str(), Some("http" | "https")) || base.authority().is_none() {
-        return Err(ConformanceError::Url(target.base.clone()));
+        return Err(ConformanceError::Url(endpoint.base.clone()));
     }
     let token = crate::store::OwnerToken::generate().map_err(|_| ConformanceError::Random)?;
     let runner = Runner {
         client: upstream::client(None).map_err(ConformanceError::Client)?,
         prefix: format!("conformance-{}", &token.to_hex()[..12]),
-        target,
+        endpoint,
         base,
     };
     Ok(runner.cases().await)
@@ -117,7 +117,7 @@ impl Runner {
     }
 
     async fn send(&self, path: &str, keys: &[&str], body: &str) -> Result<Seen, String> {
-        let base = self.target.base.trim_end_matches('/');
+        let base = self.endpoint.base.trim_end_matches('/');
         let uri: Uri = format!("{base}{path}")
             .parse()
             .map_err(|_| format!("{base}{path} is not a URL"))?;
@@ -131,12 +131,12 @@ impl Runner {
             headers.insert(http::header::HOST, host);
         }
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        for (name, value) in &self.target.headers {
+        for (name, value) in &self.endpoint.headers {
             headers.insert(name.clone(), value.clone());
         }
         for key in keys {
             let value = HeaderValue::try_from(*key).map_err(|_| "a key that is not a header value".to_string())?;
-            headers.append(self.target.key_header.clone(), value);
+            headers.append(self.endpoint.key_header.clone(), value);
         }
         let exchange = async {
             let response = self
@@ -152,45 +152,45 @@ impl Runner {
                 body,
             })
         };
-        tokio::time::timeout(self.target.timeout, exchange)
+        tokio::time::timeout(self.endpoint.timeout, exchange)
             .await
-            .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.target.timeout)))
+            .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.endpoint.timeout)))
     }
 
     async fn cases(&self) -> Vec<Case> {
-        let path = &self.target.path;
-        let body = &self.target.body;
+        let path = &self.endpoint.path;
+        let body = &self.endpoint.body;
         let mut cases = Vec::new();
-        let case = |name, verdict, saw: String| Case { name, verdict, saw };
+        let case = |name, finding, saw: String| Case { name, finding, saw };
 
         // First use, and its replay.
         let key = self.key("first");
         let first = self.send(path, &[&key], body).await;
         let first = match first {
             Ok(seen) if seen.status.is_success() => {
-                cases.push(case("first use", Verdict::Pass, format!("{}", seen.status)));
+                cases.push(case("first use", Finding::Pass, format!("{}", seen.status)));
                 Some(seen)
             }
             Ok(seen) => {
                 cases.push(case(
                     "first use",
-                    Verdict::Unknown,
+                    Finding::Unknown,
                     format!("{} (not a 2xx: check --path, --header and --body)", seen.status),
                 ));
                 None
             }
             Err(error) => {
-                cases.push(case("first use", Verdict::Unknown, error));
+                cases.push(case("first use", Finding::Unknown, error));
                 None
             }
         };
         match &first {
-            None => cases.push(case("replay", Verdict::Unknown, "no first answer to replay".into())),
+            None => cases.push(case("replay", Finding::Unknown, "no first answer to replay".into())),
             Some(first) => cases.push(match self.send(path, &[&key], body).await {
-                Err(error) => case("replay", Verdict::Unknown, error),
+                Err(error) => case("replay", Finding::Unknown, error),
                 Ok(again) if again.status != first.status || again.body != first.body => case(
                     "replay",
-                    Verdict::Fail,
+                    Finding::Fail,
                     format!(
                         "{} with another body: the operation ran again (first {})",
                         again.status, first.status
@@ -198,12 +198,12 @@ impl Runner {
                 ),
                 Ok(again) if !again.replayed() => case(
                     "replay",
-                    Verdict::Fail,
+                    Finding::Fail,
                     format!("{}, the same body, but no Idempotent-Replayed: true", again.status),
                 ),
                 Ok(again) => case(
                     "replay",
-                    Verdict::Pass,
+                    Finding::Pass,
                     format!("{}, the same body, Idempotent-Replayed: true", again.status),
                 ),
             }),
@@ -212,16 +212,16 @@ impl Runner {
         // The same key with another request.
         let other = other_body(body);
         cases.push(match (&first, self.send(path, &[&key], &other).await) {
-            (_, Err(error)) => case("key reuse", Verdict::Unknown, error),
+            (_, Err(error)) => case("key reuse", Finding::Unknown, error),
             (_, Ok(seen)) if matches!(seen.status.as_u16(), 400 | 409 | 422) => {
-                case("key reuse", Verdict::Pass, format!("{}", seen.status))
+                case("key reuse", Finding::Pass, format!("{}", seen.status))
             }
             (_, Ok(seen)) if seen.status.is_success() => case(
                 "key reuse",
-                Verdict::Fail,
+                Finding::Fail,
                 format!("{}: another request with the same key was accepted", seen.status),
             ),
-            (_, Ok(seen)) => case("key reuse", Verdict::Unknown, format!("{}", seen.status)),
+            (_, Ok(seen)) => case("key reuse", Finding::Unknown, format!("{}", seen.status)),
         });
 
         cases.push(self.in_flight().await);
@@ -235,16 +235,16 @@ impl Runner {
             ("key sent twice", vec![twice[0].as_str(), twice[1].as_str()]),
         ] {
             cases.push(match self.send(path, &keys, body).await {
-                Err(error) => case(name, Verdict::Unknown, error),
+                Err(error) => case(name, Finding::Unknown, error),
                 Ok(seen) if seen.status == StatusCode::BAD_REQUEST => {
-                    case(name, Verdict::Pass, format!("{}", seen.status))
+                    case(name, Finding::Pass, format!("{}", seen.status))
                 }
                 Ok(seen) if seen.status.is_success() => case(
                     name,
-                    Verdict::Fail,
+                    Finding::Fail,
                     format!("{}: accepted, so it ran unguarded", seen.status),
                 ),
-                Ok(seen) => case(name, Verdict::Unknown, format!("{}", seen.status)),
+                Ok(seen) => case(name, Finding::Unknown, format!("{}", seen.status)),
             });
         }
         cases
@@ -254,16 +254,16 @@ impl Runner {
     /// be refused, not run a second time.
     async fn in_flight(&self) -> Case {
         const NAME: &str = "in-flight duplicate";
-        let Some(slow) = &self.target.slow_path else {
+        let Some(slow) = &self.endpoint.slow_path else {
             return Case {
                 name: NAME,
-                verdict: Verdict::Unknown,
+                finding: Finding::Unknown,
                 saw: "no --slow-path given: nothing stays in flight long enough".into(),
             };
         };
         let key = self.key("in-flight");
         let keys = [key.as_str()];
-        let body = &self.target.body;
+        let body = &self.endpoint.body;
         let first = self.send(slow, &keys, body);
         let duplicate = async {
             // Sent once the first has had time to reach the endpoint.
@@ -271,27 +271,27 @@ impl Runner {
             self.send(slow, &keys, body).await
         };
         let (first, duplicate) = tokio::join!(first, duplicate);
-        let (verdict, saw) = match (first, duplicate) {
-            (_, Err(error)) => (Verdict::Unknown, error),
+        let (finding, saw) = match (first, duplicate) {
+            (_, Err(error)) => (Finding::Unknown, error),
             (_, Ok(seen)) if seen.status == StatusCode::CONFLICT => {
-                (Verdict::Pass, format!("{} while the first was in flight", seen.status))
+                (Finding::Pass, format!("{} while the first was in flight", seen.status))
             }
             (Ok(first), Ok(seen)) if seen.status.is_success() && seen.replayed() && seen.body == first.body => (
-                Verdict::Unknown,
+                Finding::Unknown,
                 format!(
                     "{} replayed: the first had already finished (use a slower --slow-path)",
                     seen.status
                 ),
             ),
             (_, Ok(seen)) if seen.status.is_success() => (
-                Verdict::Fail,
+                Finding::Fail,
                 format!("{}: the duplicate ran while the first was in flight", seen.status),
             ),
-            (_, Ok(seen)) => (Verdict::Unknown, format!("{}", seen.status)),
+            (_, Ok(seen)) => (Finding::Unknown, format!("{}", seen.status)),
         };
         Case {
             name: NAME,
-            verdict,
+            finding,
             saw,
         }
     }

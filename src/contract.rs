@@ -1,4 +1,4 @@
-//! The published idempotency contract (DESIGN §15): what a client of each guarded route
+//! The published idempotency contract (docs/design.md §15): what a client of each guarded route
 //! may rely on (its key rules, how long a key lives, what the fingerprint covers, every
 //! status and problem it can answer with), as the `/.well-known/idempotency` document,
 //! an OpenAPI 3.1 fragment, and a Markdown page for an API portal. Made from the
@@ -8,121 +8,10 @@ use serde_json::{Value, json};
 
 use crate::config::{FingerprintBody, IdempotencyPolicy, Mode, Profile, Route, UpstreamKey};
 use crate::idempotency::MAX_KEY_LEN;
+use crate::problem::{Listed, ProblemKind, problem_type};
 
 /// The draft this contract follows.
 pub const SPECIFICATION: &str = "https://datatracker.ietf.org/doc/draft-ietf-httpapi-idempotency-key-header/";
-
-/// One answer a guarded route can give besides the upstream's own: its status (under
-/// the IETF profile), its problem slug, what it means, and on which routes it occurs.
-struct Answer {
-    status: u16,
-    slug: &'static str,
-    meaning: &'static str,
-    when: fn(&IdempotencyPolicy) -> bool,
-}
-
-const ALWAYS: fn(&IdempotencyPolicy) -> bool = |_| true;
-
-/// Every problem a guarded route can answer with. `tests` holds each row to the one
-/// mapping in `error.rs`, so that the contract cannot drift from what is answered.
-const ANSWERS: &[Answer] = &[
-    Answer {
-        status: 400,
-        slug: "missing-idempotency-key",
-        meaning: "the route requires a key and the request has none; nothing was forwarded",
-        when: |policy| policy.required,
-    },
-    Answer {
-        status: 400,
-        slug: "invalid-idempotency-key",
-        meaning: "the key is empty, too long, repeated, a list, or not visible ASCII; nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 422,
-        slug: "idempotency-key-reused",
-        meaning: "the key was first used with a different request (method, path, query, fingerprinted headers or body); nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 409,
-        slug: "request-in-progress",
-        meaning: "the first request with this key is still in flight; retry after Retry-After",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 409,
-        slug: "outcome-unknown",
-        meaning: "the first request with this key was sent but its outcome could not be learned; `operation` names it, and `reconciling` says whether the proxy is asking the upstream (retry after Retry-After) or an operator must resolve it",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 401,
-        slug: "unverified-scope",
-        meaning: "the bearer token that scopes the key is missing or does not verify; nothing was forwarded",
-        when: |policy| policy.scope_jwt.is_some(),
-    },
-    Answer {
-        status: 413,
-        slug: "request-body-too-large",
-        meaning: "the body is over the proxy's limit; nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 408,
-        slug: "request-body-timeout",
-        meaning: "the body did not arrive in time; nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 400,
-        slug: "request-body-incomplete",
-        meaning: "the body broke off; nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 429,
-        slug: "scope-full",
-        meaning: "this client's live keys hold its share of the store; retry after Retry-After, nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 503,
-        slug: "overloaded",
-        meaning: "the proxy is at its bound on guarded requests in flight; retry, nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 503,
-        slug: "store-unavailable",
-        meaning: "the idempotency store did not answer; retry, nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 503,
-        slug: "store-full",
-        meaning: "the idempotency store is full; retry, nothing was forwarded",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 502,
-        slug: "upstream-unavailable",
-        meaning: "the upstream refused the connection; nothing was sent, and a retry runs again",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 504,
-        slug: "upstream-timeout",
-        meaning: "the upstream did not answer in time; the outcome is unknown, and retries get 409 outcome-unknown until it is learned",
-        when: ALWAYS,
-    },
-    Answer {
-        status: 502,
-        slug: "upstream-failed",
-        meaning: "the exchange broke after the request was sent; the outcome is unknown, and retries get 409 outcome-unknown until it is learned",
-        when: ALWAYS,
-    },
-];
 
 /// The contract of `routes` (the guarded ones among them), as the well-known document.
 pub fn document<'a>(routes: impl IntoIterator<Item = &'a Route>) -> Value {
@@ -142,12 +31,12 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
         FingerprintBody::Json { ignore } => ("json", ignore.iter().map(ToString::to_string).collect()),
     };
     let responses: Vec<Value> = answers(policy)
-        .map(|(status, answer)| {
+        .map(|(status, kind)| {
             json!({
                 "status": status,
-                "problem": answer.slug,
-                "type": crate::error::problem_type(route.docs_url.as_deref(), answer.slug),
-                "meaning": answer.meaning,
+                "problem": kind.slug(),
+                "type": problem_type(route.docs_url.as_deref(), kind.slug()),
+                "meaning": kind.row().meaning,
             })
         })
         .collect();
@@ -231,12 +120,18 @@ fn header_name(policy: &IdempotencyPolicy) -> String {
         .join("-")
 }
 
-/// The answers `policy`'s route can give, each with its status under its profile.
-fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, &'static Answer)> + '_ {
-    ANSWERS.iter().filter(|answer| (answer.when)(policy)).map(|answer| {
-        let status = http::StatusCode::from_u16(answer.status).unwrap_or(http::StatusCode::INTERNAL_SERVER_ERROR);
-        (policy.profile.status(status, answer.slug).as_u16(), answer)
-    })
+/// The problems `policy`'s route can answer with, each with its status under the
+/// route's profile, in the rows' order.
+fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, ProblemKind)> + '_ {
+    ProblemKind::ALL
+        .into_iter()
+        .filter(|kind| match kind.row().listed {
+            Listed::Always => true,
+            Listed::WhenRequired => policy.required,
+            Listed::WhenScopeJwt => policy.scope_jwt.is_some(),
+            Listed::Never => false,
+        })
+        .map(|kind| (policy.profile.status(kind).as_u16(), kind))
 }
 
 /// An OpenAPI 3.1 fragment: for each guarded route, its methods on its path prefix
@@ -272,14 +167,14 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
             Profile::Stripe => "application/json",
         };
         let mut responses = serde_json::Map::new();
-        for (status, answer) in answers(policy) {
+        for (status, kind) in answers(policy) {
             let entry = responses.entry(status.to_string()).or_insert_with(|| {
                 json!({
                     "description": "",
                     "content": {media: {"schema": {"$ref": schema}}},
                 })
             });
-            let line = format!("`{}`: {}.", answer.slug, answer.meaning);
+            let line = format!("`{}`: {}.", kind.slug(), kind.row().meaning);
             if let Some(description) = entry.get_mut("description") {
                 let text = description.as_str().unwrap_or_default();
                 *description = Value::String(if text.is_empty() {
@@ -389,8 +284,8 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
             page.push_str(&format!("- Errors are documented at <{docs}>.\n"));
         }
         page.push_str("\n| status | problem | meaning |\n|---|---|---|\n");
-        for (status, answer) in answers(policy) {
-            page.push_str(&format!("| {status} | `{}` | {} |\n", answer.slug, answer.meaning));
+        for (status, kind) in answers(policy) {
+            page.push_str(&format!("| {status} | `{}` | {} |\n", kind.slug(), kind.row().meaning));
         }
     }
     page
@@ -398,51 +293,30 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::error::{Bound, KeyError, Rejection, StoreError, UpstreamError};
 
-    /// Every row of the contract is what the proxy really answers: the same status
-    /// and slug as the one mapping in `error.rs`.
+    /// A route lists every guarded route's problem, and the conditional ones only where
+    /// they can occur: `missing-idempotency-key` where the key is required,
+    /// `unverified-scope` where a JWT scopes it; never one any request may get.
     #[test]
-    fn the_contract_names_what_the_proxy_answers() {
-        let redis = || redis::RedisError::from((redis::ErrorKind::Io, "x"));
-        let rejections = [
-            Rejection::Key(KeyError::Missing),
-            Rejection::Key(KeyError::TooLong),
-            Rejection::KeyReused,
-            Rejection::InProgress {
-                retry_after: Duration::from_secs(1),
-                lease_remaining: Duration::from_secs(1),
-            },
-            Rejection::OutcomeUnknown { reconciling: None },
-            Rejection::UnverifiedScope(crate::jwt::JwtError::Missing),
-            Rejection::BodyTooLarge(1),
-            Rejection::BodyTimeout(Duration::from_secs(1)),
-            Rejection::BodyIncomplete("x".into()),
-            Rejection::Store(StoreError::ScopeFull {
-                what: "records",
-                retry_after: Duration::from_secs(1),
-            }),
-            Rejection::Overloaded(Bound::Bytes),
-            Rejection::Store(StoreError::Unavailable(redis())),
-            Rejection::Store(StoreError::Full {
-                what: "records",
-                limit: 1,
-            }),
-            Rejection::Upstream(UpstreamError::Unavailable("x".into())),
-            Rejection::Upstream(UpstreamError::Timeout(Duration::from_secs(1))),
-            Rejection::Upstream(UpstreamError::Failed("x".into())),
-        ];
-        let answered: Vec<(u16, &str)> = rejections
-            .iter()
-            .map(|rejection| {
-                let problem = rejection.problem();
-                (problem.status.as_u16(), problem.slug)
-            })
-            .collect();
-        let listed: Vec<(u16, &str)> = ANSWERS.iter().map(|answer| (answer.status, answer.slug)).collect();
-        assert_eq!(listed, answered);
+    fn a_route_lists_the_problems_it_can_answer_with() {
+        let source = "[[route]]\nname = \"a\"\npath_prefix = \"/a\"\nupstream = \"http://127.0.0.1:9\"\n\
+                      [route.idempotency]\nrequired = false\nprofile = \"stripe\"\n";
+        let config = crate::Config::parse(source, std::path::Path::new("t.toml")).expect("a valid config");
+        let policy = config.routes[0].idempotency.as_deref().expect("guarded");
+        let listed: Vec<(u16, &str)> = answers(policy).map(|(status, kind)| (status, kind.slug())).collect();
+        assert_eq!(listed.len(), 14, "{listed:?}");
+        assert!(
+            listed.contains(&(400, "idempotency-key-reused")),
+            "Stripe's status: {listed:?}"
+        );
+        for absent in [
+            "missing-idempotency-key",
+            "unverified-scope",
+            "no-route",
+            "internal-error",
+        ] {
+            assert!(listed.iter().all(|(_, slug)| *slug != absent), "{absent}: {listed:?}");
+        }
     }
 }

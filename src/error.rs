@@ -1,17 +1,16 @@
-//! One error enum per boundary, and the one exhaustive function that turns a rejection
-//! into an RFC 9457 problem: its status, its slug, whose fault it is (which decides the
-//! log level) and the outcome it is counted as. No internal error text ever reaches a
-//! response body: details go to the log.
+//! One error enum per boundary, and the one exhaustive function that says which
+//! problem a rejection is (`Rejection::kind`): everything else about it (status, slug,
+//! whose fault, how it is counted, what a client reads) is the kind's row in
+//! `problem`. No internal error text ever reaches a response body: details go to the
+//! log.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
-use http::{HeaderValue, Response, StatusCode};
-
 use crate::jwt::JwtError;
-use crate::target::TargetError;
+use crate::problem::Detail;
+pub(crate) use crate::problem::{Outcome, Problem, ProblemKind, Profile};
+use crate::request_target::RequestTargetError;
 
 /// Any error, boxed, where the cause only goes to the log.
 pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -157,7 +156,7 @@ pub(crate) enum Rejection {
     #[error("no route matches the request")]
     NoRoute,
     #[error(transparent)]
-    Target(#[from] TargetError),
+    RequestTarget(#[from] RequestTargetError),
     #[error(transparent)]
     Key(#[from] KeyError),
     #[error("the request body is larger than {0} bytes")]
@@ -203,269 +202,44 @@ pub(crate) enum Bound {
     Bytes,
 }
 
-/// Whose fault a rejection is, as pingora's `ErrorSource` says it. It decides the level
-/// a rejection is logged at; the status and the metric outcome come with it from
-/// `Rejection::problem`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Fault {
-    /// The client sent something the proxy must refuse, or raced its own retry.
-    Client,
-    /// The upstream failed the exchange.
-    Upstream,
-    /// The store failed or is full.
-    Store,
-    /// The proxy is at a configured bound.
-    Capacity,
-    /// The proxy broke its own invariant.
-    Proxy,
-}
-
-impl Fault {
-    /// The level a rejection with this fault is logged at.
-    pub(crate) fn level(self) -> tracing::Level {
-        match self {
-            Fault::Client => tracing::Level::INFO,
-            Fault::Upstream | Fault::Store | Fault::Capacity => tracing::Level::WARN,
-            Fault::Proxy => tracing::Level::ERROR,
-        }
-    }
-}
-
-label_values! {
-    /// How a request ended, as counted in `idemproxy_requests_total`.
-    pub(crate) enum Outcome {
-        /// Sent to the upstream, guarded or not.
-        Forwarded => "forwarded",
-        /// Answered from a recorded response.
-        Replayed => "replayed",
-        /// 409: in progress or outcome unknown.
-        Conflict => "conflict",
-        /// 422: the key was reused with a different request.
-        Mismatch => "mismatch",
-        /// Refused before the store: no route, a bad key, a body too large or too slow.
-        Rejected => "rejected",
-        /// 503: the store failed or is full.
-        StoreError => "store_error",
-        /// 502 or 504: the upstream failed.
-        UpstreamError => "upstream_error",
-        /// 500: the proxy broke its own invariant.
-        InternalError => "internal_error",
-    }
-}
-
-/// What a problem response says, before it is rendered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Problem {
-    pub(crate) status: StatusCode,
-    pub(crate) slug: &'static str,
-    pub(crate) title: &'static str,
-    pub(crate) detail: String,
-    pub(crate) retry_after: Option<u64>,
-    /// `WWW-Authenticate`, on a 401.
-    pub(crate) authenticate: Option<&'static str>,
-    /// The record's operation id, on a 409 `outcome-unknown`.
-    pub(crate) operation: Option<String>,
-    /// On a 409 `outcome-unknown`: whether the route's probe is reconciling it.
-    pub(crate) reconciling: Option<bool>,
-    /// The route's `docs_url`: the problem's `type` is `docs_url#slug`, and a `Link`
-    /// names it as what describes the response.
-    pub(crate) docs_url: Option<std::sync::Arc<str>>,
-    /// The shape the route's clients expect.
-    pub(crate) profile: Profile,
-    pub(crate) fault: Fault,
-    pub(crate) outcome: Outcome,
-}
-
-pub(crate) const PROBLEM_TYPE_PREFIX: &str = "urn:idemproxy:problem:";
-
-/// A problem's `type`: `docs_url#slug` on a route with a `docs_url`, else the URN.
-pub(crate) fn problem_type(docs_url: Option<&str>, slug: &str) -> String {
-    match docs_url {
-        Some(docs) => format!("{docs}#{slug}"),
-        None => format!("{PROBLEM_TYPE_PREFIX}{slug}"),
-    }
-}
-
-/// `route.idempotency.profile`: the statuses and error bodies a route's clients
-/// expect.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Profile {
-    /// RFC 9457 problem details, as the Idempotency-Key draft answers (422 on reuse).
-    #[default]
-    Ietf,
-    /// As Stripe's API answers: `{"error": {"type", "code", "message"}}`, key reuse a
-    /// 400 `idempotency_error`, so clients written against it handle it unchanged.
-    Stripe,
-}
-
-impl Profile {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Profile::Ietf => "ietf",
-            Profile::Stripe => "stripe",
-        }
-    }
-
-    /// The status `slug` is answered with under this profile: Stripe answers key
-    /// reuse with 400, not 422.
-    pub(crate) fn status(self, status: StatusCode, slug: &str) -> StatusCode {
-        match (self, slug) {
-            (Profile::Stripe, "idempotency-key-reused") => StatusCode::BAD_REQUEST,
-            _ => status,
-        }
-    }
-}
-
-/// Stripe's error `type` for a problem: the idempotency problems are
-/// `idempotency_error`, a client's other mistakes `invalid_request_error`, and what the
-/// proxy, the store or the upstream failed at `api_error`.
-fn stripe_type(slug: &str, fault: Fault) -> &'static str {
-    match (slug, fault) {
-        ("idempotency-key-reused" | "request-in-progress" | "outcome-unknown", _) => "idempotency_error",
-        (_, Fault::Client) => "invalid_request_error",
-        _ => "api_error",
-    }
-}
-
-/// Stripe's error `code`: its own word for a key in use by a request in flight, else
-/// the slug with underscores.
-fn stripe_code(slug: &str) -> String {
-    match slug {
-        "request-in-progress" => "idempotency_key_in_use".into(),
-        slug => slug.replace('-', "_"),
-    }
-}
-
 impl Rejection {
-    /// The one mapping from a rejection to its status, problem slug, the sentence a
-    /// client may read, whose fault it is and how it is counted. Exhaustive: a new
-    /// variant cannot reach a client before it is given its own row here.
-    pub(crate) fn problem(&self) -> Problem {
-        use Fault::{Capacity, Client, Proxy, Store, Upstream};
-        let (status, slug, title, fault, outcome) = match self {
-            Rejection::NoRoute => (StatusCode::NOT_FOUND, "no-route", "No route", Client, Outcome::Rejected),
-            Rejection::Target(
-                TargetError::MalformedEscape
-                | TargetError::EscapedSlash
-                | TargetError::Parameter
-                | TargetError::CaseVariant,
-            ) => (
-                StatusCode::BAD_REQUEST,
-                "invalid-path",
-                "Invalid path",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::Target(
-                TargetError::MissingHost
-                | TargetError::RepeatedHost
-                | TargetError::InvalidHost
-                | TargetError::ConflictingHost,
-            ) => (
-                StatusCode::BAD_REQUEST,
-                "invalid-host",
-                "Invalid host",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::Target(TargetError::MethodCase) => (
-                StatusCode::BAD_REQUEST,
-                "invalid-method",
-                "Invalid method",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::Key(KeyError::Missing) => (
-                StatusCode::BAD_REQUEST,
-                "missing-idempotency-key",
-                "Missing idempotency key",
-                Client,
-                Outcome::Rejected,
-            ),
+    /// Which problem this is: the one exhaustive mapping from a rejection to its kind,
+    /// whose row says the rest. A new variant cannot reach a client before it has its
+    /// kind here.
+    pub(crate) fn kind(&self) -> ProblemKind {
+        match self {
+            Rejection::NoRoute => ProblemKind::NoRoute,
+            Rejection::RequestTarget(
+                RequestTargetError::MalformedEscape
+                | RequestTargetError::EscapedSlash
+                | RequestTargetError::Parameter
+                | RequestTargetError::CaseVariant,
+            ) => ProblemKind::InvalidPath,
+            Rejection::RequestTarget(
+                RequestTargetError::MissingHost
+                | RequestTargetError::RepeatedHost
+                | RequestTargetError::InvalidHost
+                | RequestTargetError::ConflictingHost,
+            ) => ProblemKind::InvalidHost,
+            Rejection::RequestTarget(RequestTargetError::MethodCase) => ProblemKind::InvalidMethod,
+            Rejection::Key(KeyError::Missing) => ProblemKind::MissingKey,
             Rejection::Key(
                 KeyError::Empty
                 | KeyError::TooLong
                 | KeyError::NotVisibleAscii
                 | KeyError::Repeated
                 | KeyError::MalformedString,
-            ) => (
-                StatusCode::BAD_REQUEST,
-                "invalid-idempotency-key",
-                "Invalid idempotency key",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::BodyTooLarge(_) => (
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request-body-too-large",
-                "Request body too large",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::BodyTimeout(_) => (
-                StatusCode::REQUEST_TIMEOUT,
-                "request-body-timeout",
-                "Request body too slow",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::BodyIncomplete(_) => (
-                StatusCode::BAD_REQUEST,
-                "request-body-incomplete",
-                "Request body incomplete",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::UnverifiedScope(_) => (
-                StatusCode::UNAUTHORIZED,
-                "unverified-scope",
-                "Unverified scope",
-                Client,
-                Outcome::Rejected,
-            ),
-            Rejection::KeyReused => (
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "Idempotency key reused",
-                Client,
-                Outcome::Mismatch,
-            ),
-            Rejection::InProgress { .. } => (
-                StatusCode::CONFLICT,
-                "request-in-progress",
-                "Request in progress",
-                Client,
-                Outcome::Conflict,
-            ),
-            Rejection::OutcomeUnknown { .. } => (
-                StatusCode::CONFLICT,
-                "outcome-unknown",
-                "Outcome unknown",
-                Client,
-                Outcome::Conflict,
-            ),
-            Rejection::Overloaded(_) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded",
-                "Too many guarded requests in flight",
-                Capacity,
-                Outcome::Rejected,
-            ),
-            Rejection::Store(StoreError::Full { .. }) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-full",
-                "Idempotency store full",
-                Store,
-                Outcome::StoreError,
-            ),
-            Rejection::Store(StoreError::ScopeFull { .. }) => (
-                StatusCode::TOO_MANY_REQUESTS,
-                "scope-full",
-                "Too many live keys for this client",
-                Client,
-                Outcome::Rejected,
-            ),
+            ) => ProblemKind::InvalidKey,
+            Rejection::BodyTooLarge(_) => ProblemKind::BodyTooLarge,
+            Rejection::BodyTimeout(_) => ProblemKind::BodyTimeout,
+            Rejection::BodyIncomplete(_) => ProblemKind::BodyIncomplete,
+            Rejection::UnverifiedScope(_) => ProblemKind::UnverifiedScope,
+            Rejection::KeyReused => ProblemKind::KeyReused,
+            Rejection::InProgress { .. } => ProblemKind::InProgress,
+            Rejection::OutcomeUnknown { .. } => ProblemKind::OutcomeUnknown,
+            Rejection::Overloaded(_) => ProblemKind::Overloaded,
+            Rejection::Store(StoreError::Full { .. }) => ProblemKind::StoreFull,
+            Rejection::Store(StoreError::ScopeFull { .. }) => ProblemKind::ScopeFull,
             Rejection::Store(
                 StoreError::Unavailable(_)
                 | StoreError::Tls(_)
@@ -473,41 +247,24 @@ impl Rejection {
                 | StoreError::Timeout(_)
                 | StoreError::NotReplicated { .. }
                 | StoreError::Unready(_),
-            ) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "Idempotency store unavailable",
-                Store,
-                Outcome::StoreError,
-            ),
-            Rejection::Upstream(UpstreamError::Unavailable(_)) => (
-                StatusCode::BAD_GATEWAY,
-                "upstream-unavailable",
-                "Upstream unavailable",
-                Upstream,
-                Outcome::UpstreamError,
-            ),
-            Rejection::Upstream(UpstreamError::Timeout(_)) => (
-                StatusCode::GATEWAY_TIMEOUT,
-                "upstream-timeout",
-                "Upstream timeout",
-                Upstream,
-                Outcome::UpstreamError,
-            ),
-            Rejection::Upstream(UpstreamError::Failed(_)) => (
-                StatusCode::BAD_GATEWAY,
-                "upstream-failed",
-                "Upstream failed",
-                Upstream,
-                Outcome::UpstreamError,
-            ),
-            Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal-error",
-                "Internal error",
-                Proxy,
-                Outcome::InternalError,
-            ),
+            ) => ProblemKind::StoreUnavailable,
+            Rejection::Upstream(UpstreamError::Unavailable(_)) => ProblemKind::UpstreamUnavailable,
+            Rejection::Upstream(UpstreamError::Timeout(_)) => ProblemKind::UpstreamTimeout,
+            Rejection::Upstream(UpstreamError::Failed(_)) => ProblemKind::UpstreamFailed,
+            Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => {
+                ProblemKind::Internal
+            }
+        }
+    }
+
+    /// The problem to answer: the kind's row, and what this rejection adds to it (its
+    /// own text for a client's mistake, when to retry, the challenge of a 401, whether
+    /// an unknown outcome is being reconciled).
+    pub(crate) fn problem(&self) -> Problem {
+        let kind = self.kind();
+        let detail = match kind.row().detail {
+            Detail::Own => self.to_string(),
+            Detail::Fixed(sentence) => sentence.to_string(),
         };
         // RFC 9110 §15.5.2: a 401 names the scheme that would be accepted.
         let authenticate = match self {
@@ -517,14 +274,12 @@ impl Rejection {
         };
         let retry_after = match self {
             Rejection::InProgress { retry_after, .. } => Some(retry_after.as_secs().max(1)),
-            Rejection::Store(StoreError::ScopeFull { retry_after, .. }) => {
-                Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0))
-            }
+            Rejection::Store(StoreError::ScopeFull { retry_after, .. }) => Some(whole_seconds(*retry_after)),
             Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
             // The next probe, in whole seconds rounded up: a retry then may find it settled.
             Rejection::OutcomeUnknown {
                 reconciling: Some(next),
-            } => Some((next.as_secs() + u64::from(next.subsec_nanos() > 0)).max(1)),
+            } => Some(whole_seconds(*next).max(1)),
             _ => None,
         };
         let reconciling = match self {
@@ -532,130 +287,21 @@ impl Rejection {
             _ => None,
         };
         Problem {
-            status,
-            slug,
-            title,
-            detail: self.public_detail(),
+            kind,
+            detail,
             retry_after,
             authenticate,
             operation: None,
             reconciling,
             docs_url: None,
             profile: Profile::Ietf,
-            fault,
-            outcome,
-        }
-    }
-
-    /// The sentence a client may read. Exhaustive, like `problem`: a client's own
-    /// mistakes are described by their `Display`; the store's, the upstream's and the
-    /// proxy's by a fixed sentence, so that no internal detail (an address, a capacity,
-    /// a cause) reaches a client.
-    fn public_detail(&self) -> String {
-        match self {
-            Rejection::NoRoute
-            | Rejection::Target(_)
-            | Rejection::Key(_)
-            | Rejection::BodyTooLarge(_)
-            | Rejection::BodyTimeout(_)
-            | Rejection::BodyIncomplete(_)
-            | Rejection::KeyReused
-            | Rejection::UnverifiedScope(_)
-            | Rejection::InProgress { .. }
-            | Rejection::OutcomeUnknown { .. } => self.to_string(),
-            Rejection::Overloaded(_) => {
-                "the proxy is at its bound on guarded requests in flight or the bytes they hold; nothing was forwarded"
-                    .into()
-            }
-            Rejection::Store(StoreError::Full { .. }) => "the idempotency store is full; nothing was forwarded".into(),
-            Rejection::Store(StoreError::ScopeFull { .. }) => {
-                "this client's live idempotency keys hold its share of the store; nothing was forwarded, retry after the oldest expires".into()
-            }
-            Rejection::Store(
-                StoreError::Unavailable(_) | StoreError::Tls(_) | StoreError::Protocol(_) | StoreError::Unready(_),
-            ) => {
-                "the idempotency store is unreachable; nothing was forwarded".into()
-            }
-            Rejection::Store(StoreError::NotReplicated { .. }) => {
-                "the idempotency store could not replicate the claim in time; nothing was forwarded".into()
-            }
-            Rejection::Store(StoreError::Timeout(_)) => {
-                "the idempotency store did not answer in time; nothing was forwarded".into()
-            }
-            Rejection::Upstream(UpstreamError::Unavailable(_)) => {
-                "the upstream refused the connection; nothing was sent, a retry runs again".into()
-            }
-            Rejection::Upstream(UpstreamError::Timeout(_)) => {
-                "the upstream did not answer in time; its outcome is unknown, and retries with this key get 409".into()
-            }
-            Rejection::Upstream(UpstreamError::Failed(_)) => {
-                "the upstream exchange broke after the request was sent; its outcome is unknown, and retries with this key get 409".into()
-            }
-            Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => "the proxy failed".into(),
         }
     }
 }
 
-impl Problem {
-    /// Renders the problem as its profile says: an `application/problem+json`
-    /// response, or Stripe's error object.
-    pub(crate) fn into_response(self) -> Response<Bytes> {
-        let kind = problem_type(self.docs_url.as_deref(), self.slug);
-        let status = self.profile.status(self.status, self.slug);
-        let (content_type, body) = match self.profile {
-            Profile::Ietf => {
-                let mut body = serde_json::json!({
-                    "type": kind,
-                    "title": self.title,
-                    "status": status.as_u16(),
-                    "detail": self.detail,
-                });
-                if let Some(operation) = &self.operation {
-                    body["operation"] = serde_json::Value::String(operation.clone());
-                }
-                if let Some(reconciling) = self.reconciling {
-                    body["reconciling"] = serde_json::Value::Bool(reconciling);
-                }
-                ("application/problem+json", body)
-            }
-            Profile::Stripe => {
-                let mut error = serde_json::json!({
-                    "type": stripe_type(self.slug, self.fault),
-                    "code": stripe_code(self.slug),
-                    "message": self.detail,
-                });
-                if self.docs_url.is_some() {
-                    error["doc_url"] = serde_json::Value::String(kind);
-                }
-                if let Some(operation) = &self.operation {
-                    error["operation"] = serde_json::Value::String(operation.clone());
-                }
-                if let Some(reconciling) = self.reconciling {
-                    error["reconciling"] = serde_json::Value::Bool(reconciling);
-                }
-                ("application/json", serde_json::json!({ "error": error }))
-            }
-        };
-        let mut response = Response::new(Bytes::from(body.to_string()));
-        *response.status_mut() = status;
-        let headers = response.headers_mut();
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(seconds) = self.retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
-        }
-        if let Some(challenge) = self.authenticate {
-            headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
-        }
-        if let Some(link) = self
-            .docs_url
-            .as_deref()
-            .and_then(|docs| HeaderValue::try_from(format!("<{docs}>; rel=\"describedby\"")).ok())
-        {
-            headers.insert(http::header::LINK, link);
-        }
-        response
-    }
+/// `duration` in whole seconds, rounded up.
+fn whole_seconds(duration: Duration) -> u64 {
+    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
 }
 
 /// Displays an error followed by its sources, for logs. A source whose text its error
@@ -691,7 +337,7 @@ mod tests {
             limit: 12345,
         })
         .problem();
-        assert_eq!(problem.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(problem.row().status, http::StatusCode::SERVICE_UNAVAILABLE);
         assert!(!problem.detail.contains("12345"), "{}", problem.detail);
     }
 
@@ -699,19 +345,19 @@ mod tests {
     fn overload_is_a_503_of_its_own_with_a_retry_after_and_no_capacity_in_it() {
         let problem = Rejection::Overloaded(Bound::Requests(4321)).problem();
         assert_eq!(
-            (problem.status, problem.slug),
-            (StatusCode::SERVICE_UNAVAILABLE, "overloaded")
+            (problem.row().status, problem.kind.slug()),
+            (http::StatusCode::SERVICE_UNAVAILABLE, "overloaded")
         );
         assert_eq!(problem.retry_after, Some(1));
         assert_eq!(
-            (problem.fault.level(), problem.outcome),
+            (problem.row().fault.level(), problem.row().outcome),
             (tracing::Level::WARN, Outcome::Rejected)
         );
         assert!(!problem.detail.contains("4321"), "{}", problem.detail);
         // The log names the bound reached; a body over the budget was once logged
         // with the request body limit as if it were the budget.
         let bytes = Rejection::Overloaded(Bound::Bytes);
-        assert_eq!(bytes.problem().slug, "overloaded");
+        assert_eq!(bytes.problem().kind, ProblemKind::Overloaded);
         assert!(DisplayChain(&bytes).to_string().contains("server.max_buffered_bytes"));
         assert!(
             DisplayChain(&Rejection::Overloaded(Bound::Requests(4321)))
@@ -745,9 +391,13 @@ mod tests {
     #[test]
     fn internal_errors_are_the_proxys_fault_and_counted_as_such() {
         let problem = Rejection::Internal(ProxyError::ExchangeLost).problem();
-        assert_eq!(problem.status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!((problem.fault, problem.outcome), (Fault::Proxy, Outcome::InternalError));
-        assert_eq!(problem.fault.level(), tracing::Level::ERROR);
+        assert_eq!(problem.row().status, http::StatusCode::INTERNAL_SERVER_ERROR);
+        let row = problem.row();
+        assert_eq!(
+            (row.fault, row.outcome),
+            (crate::problem::Fault::Proxy, Outcome::InternalError)
+        );
+        assert_eq!(row.fault.level(), tracing::Level::ERROR);
     }
 
     #[test]

@@ -270,7 +270,7 @@ pub enum Recording {
     Release,
 }
 
-/// DESIGN §3: 2xx, 3xx and 4xx are recorded, except 408, 409, 425 and 429, which
+/// docs/design.md §3: 2xx, 3xx and 4xx are recorded, except 408, 409, 425 and 429, which
 /// release the claim; a 5xx follows `on_server_error`.
 pub fn recording_for(status: StatusCode, on_server_error: OnServerError) -> Recording {
     match status.as_u16() {

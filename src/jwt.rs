@@ -95,7 +95,8 @@ impl PublicKey {
 #[derive(Clone)]
 pub struct JwtVerifier {
     header: HeaderName,
-    claim: String,
+    /// The name of the claim whose value scopes the records.
+    scope_claim: String,
     keys: Keys,
     issuer: Option<String>,
     audience: Option<String>,
@@ -103,9 +104,9 @@ pub struct JwtVerifier {
 }
 
 impl JwtVerifier {
-    /// The claim that scopes the records (`sub` unless configured).
-    pub fn claim(&self) -> &str {
-        &self.claim
+    /// The name of the claim that scopes the records (`sub` unless configured).
+    pub fn scope_claim(&self) -> &str {
+        &self.scope_claim
     }
 }
 
@@ -117,7 +118,7 @@ impl std::fmt::Debug for JwtVerifier {
         };
         f.debug_struct("JwtVerifier")
             .field("header", &self.header)
-            .field("claim", &self.claim)
+            .field("scope_claim", &self.scope_claim)
             .field("keys", &keys)
             .field("issuer", &self.issuer)
             .field("audience", &self.audience)
@@ -136,7 +137,7 @@ pub enum KeySource {
 impl JwtVerifier {
     pub fn new(
         header: HeaderName,
-        claim: String,
+        scope_claim: String,
         keys: KeySource,
         issuer: Option<String>,
         audience: Option<String>,
@@ -153,7 +154,7 @@ impl JwtVerifier {
         };
         Ok(JwtVerifier {
             header,
-            claim,
+            scope_claim,
             keys,
             issuer,
             audience,
@@ -172,7 +173,7 @@ impl JwtVerifier {
         };
         format!(
             "claim {:?} of the bearer token in {}, verified with {keys}",
-            self.claim, self.header
+            self.scope_claim, self.header
         )
     }
 
@@ -272,7 +273,7 @@ impl JwtVerifier {
                 return Err(JwtError::Audience);
             }
         }
-        match payload.get(&self.claim) {
+        match payload.get(&self.scope_claim) {
             Some(Value::String(value)) if !value.is_empty() => Ok(ScopeClaim::String(value.clone())),
             Some(Value::Number(value)) => Ok(ScopeClaim::Number(value.to_string())),
             _ => Err(JwtError::Claim),

@@ -48,6 +48,7 @@ macro_rules! label_values {
 
 mod admin;
 mod body;
+mod bounds;
 pub mod canonical_json;
 pub mod config;
 pub mod conformance;
@@ -56,28 +57,27 @@ pub mod error;
 pub mod idempotency;
 pub mod jwt;
 mod metrics;
+mod problem;
 mod proxy;
 pub mod record;
 pub mod records;
+pub mod request_target;
 mod router;
 pub mod scope;
 pub mod server;
 pub mod store;
-pub mod target;
 pub mod tls;
 pub mod trace;
 mod upstream;
 
 pub use config::Config;
 
-/// The access log's `tracing` target (`server.access_log`): what the proxy writes its
-/// lines under, and what the binary's filter keeps on.
-pub const ACCESS_LOG: &str = "idemproxy::access";
 #[cfg(feature = "test-util")]
 pub use server::start_with_store;
 pub use server::{Running, StartError, start};
 #[cfg(feature = "test-util")]
 pub use store::StoreFactory;
+pub use trace::ACCESS_LOG;
 
 #[cfg(test)]
 mod tests {
@@ -104,11 +104,10 @@ mod tests {
         }
     }
 
-    /// The crate's top-level modules and the ones each names through `crate::`, in
-    /// its code outside tests (a `tests.rs` file, or the `#[cfg(test)] mod tests`
-    /// that closes a file).
-    fn module_graph() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
-        use std::collections::{BTreeMap, BTreeSet};
+    /// The crate's modules, one per file (`proxy/exchange.rs` is `proxy::exchange`),
+    /// and the code of each outside its tests (a `tests.rs` file, or the
+    /// `#[cfg(test)] mod tests` that closes a file).
+    fn modules() -> std::collections::BTreeMap<String, String> {
         fn files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
             for entry in std::fs::read_dir(dir).expect("list src/") {
                 let path = entry.expect("entry").path();
@@ -122,61 +121,107 @@ mod tests {
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut all = Vec::new();
         files(&src, &mut all);
-        let top = |path: &std::path::Path| {
-            let relative = path.strip_prefix(&src).expect("under src/");
-            let first = relative.components().next().expect("a component");
-            first.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string()
-        };
-        let modules: BTreeSet<String> = all
-            .iter()
-            .map(|path| top(path))
-            .filter(|name| name != "lib" && name != "main")
-            .collect();
-        let ident = |text: &str| -> String {
-            text.chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect()
-        };
-        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-        for path in &all {
-            let from = top(path);
-            if !modules.contains(&from) || path.file_name().is_some_and(|name| name == "tests.rs") {
+        let mut modules = std::collections::BTreeMap::new();
+        for path in all {
+            let relative = path.strip_prefix(&src).expect("under src/").with_extension("");
+            let name = relative
+                .components()
+                .map(|part| part.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("::");
+            if name == "lib" || name == "main" || name.ends_with("tests") {
                 continue;
             }
-            let text = std::fs::read_to_string(path).expect("read a source file");
-            let code = text.split("#[cfg(test)]\nmod tests {").next().unwrap_or_default();
-            for (at, _) in code.match_indices("crate::") {
-                let rest = &code[at + "crate::".len()..];
-                let named: Vec<String> = match rest.strip_prefix('{') {
-                    // `crate::{a::X, b}`: every name in the group.
-                    Some(group) => group
-                        .split('}')
-                        .next()
-                        .unwrap_or_default()
-                        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-                        .map(str::to_string)
-                        .collect(),
-                    None => vec![ident(rest)],
-                };
-                for name in named {
-                    if name != from && modules.contains(&name) {
-                        graph.entry(from.clone()).or_default().insert(name);
+            let text = std::fs::read_to_string(&path).expect("read a source file");
+            let code = text
+                .split("#[cfg(test)]\nmod tests {")
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            modules.insert(name, code);
+        }
+        modules
+    }
+
+    /// Which modules each module names (`crate::a::b`, `super::x`, `self::y`, and the
+    /// groups in braces), leaving out a module's own ancestors: a file may use what the
+    /// module it belongs to defines.
+    fn module_graph() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+        let modules = modules();
+        let ident = |text: &str| -> String {
+            text.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == ':')
+                .collect::<String>()
+                .trim_end_matches(':')
+                .to_string()
+        };
+        // The longest module that `path` (under `base`) names.
+        let resolve = |base: &str, path: &str| -> Option<String> {
+            let full = if base.is_empty() {
+                path.to_string()
+            } else {
+                format!("{base}::{path}")
+            };
+            let parts: Vec<&str> = full.split("::").collect();
+            (1..=parts.len())
+                .rev()
+                .map(|n| parts[..n].join("::"))
+                .find(|name| modules.contains_key(name))
+        };
+        let mut graph = std::collections::BTreeMap::new();
+        for (from, code) in &modules {
+            let parent = from.rsplit_once("::").map_or("", |(parent, _)| parent);
+            let mut named = std::collections::BTreeSet::new();
+            for (prefix, base) in [("crate::", ""), ("super::", parent), ("self::", from.as_str())] {
+                for (at, _) in code.match_indices(prefix) {
+                    // `crate::` inside `super::crate::` cannot occur; a prefix that is the
+                    // tail of a longer path (`a::self::`) is not one.
+                    if code[..at].ends_with("::")
+                        || code[..at].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
+                    {
+                        continue;
+                    }
+                    let rest = &code[at + prefix.len()..];
+                    let paths: Vec<String> = match rest.strip_prefix('{') {
+                        Some(group) => group
+                            .split('}')
+                            .next()
+                            .unwrap_or_default()
+                            .split(',')
+                            .map(|item| ident(item.trim()))
+                            .collect(),
+                        None => vec![ident(rest)],
+                    };
+                    for path in paths.iter().filter(|path| !path.is_empty() && path.as_str() != "self") {
+                        if let Some(to) = resolve(base, path) {
+                            let ancestor = from == &to || from.starts_with(&format!("{to}::"));
+                            if !ancestor {
+                                named.insert(to);
+                            }
+                        }
                     }
                 }
             }
+            graph.insert(from.clone(), named);
         }
         graph
     }
 
-    /// No top-level module reaches itself through `crate::` references: the layers
-    /// (`error` and the leaves at the bottom, the proxy and the server at the top)
-    /// stay layers.
+    /// No module reaches itself through the modules it names, file by file: the layers
+    /// (`problem`, `error` and the other leaves at the bottom, the proxy and the server
+    /// at the top) stay layers, and no two files of one module lean on each other.
     #[test]
-    fn no_import_cycle_between_top_level_modules() {
+    fn no_import_cycle_between_modules() {
         let graph = module_graph();
         assert!(
             graph.get("proxy").is_some_and(|named| named.contains("store")),
             "{graph:?}"
+        );
+        assert!(
+            graph
+                .get("proxy::exchange")
+                .is_some_and(|named| named.contains("proxy::send")),
+            "files are modules: {graph:?}"
         );
         fn visit(
             node: &str,
@@ -201,5 +246,45 @@ mod tests {
         for node in graph.keys() {
             visit(node, &graph, &mut Vec::new(), &mut done);
         }
+    }
+
+    /// The hub and the server read as steps: no function in `src/proxy*` or
+    /// `src/server*` is longer than 60 lines (its signature to its closing brace).
+    #[test]
+    fn no_function_in_the_proxy_or_the_server_is_over_60_lines() {
+        let mut long = Vec::new();
+        for (name, code) in modules() {
+            if !(name == "proxy" || name == "server" || name.starts_with("proxy::") || name.starts_with("server::")) {
+                continue;
+            }
+            let lines: Vec<&str> = code.lines().collect();
+            for (at, line) in lines.iter().enumerate() {
+                let trimmed = line.trim_start();
+                let is_fn = [
+                    "fn ",
+                    "pub fn ",
+                    "pub(crate) fn ",
+                    "pub(super) fn ",
+                    "async fn ",
+                    "pub(crate) async fn ",
+                    "pub(super) async fn ",
+                    "pub async fn ",
+                ]
+                .iter()
+                .any(|start| trimmed.starts_with(start));
+                if !is_fn || trimmed.ends_with(';') {
+                    continue;
+                }
+                let indent = line.len() - trimmed.len();
+                let closing = " ".repeat(indent) + "}";
+                let Some(end) = lines[at..].iter().position(|line| *line == closing) else {
+                    continue;
+                };
+                if end + 1 > 60 {
+                    long.push(format!("{name}: {} ({} lines)", trimmed, end + 1));
+                }
+            }
+        }
+        assert!(long.is_empty(), "functions over 60 lines:\n{}", long.join("\n"));
     }
 }

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idemproxy::Config;
 use idemproxy::config::TracingConfig;
-use idemproxy::records::{self, Answer, RecordedResponse, RecordsAction, RecordsCall, Verdict};
+use idemproxy::records::{self, Answered, RecordedResponse, RecordsAction, RecordsCall, RecordsQuery, Verdict};
 use idemproxy::server::{ReloadError, Reloader};
 use idemproxy::trace::Export;
 use tracing_subscriber::EnvFilter;
@@ -206,14 +206,20 @@ fn main() -> ExitCode {
             resolve,
             config,
         } => {
-            let claim = resolve.claim.clone();
-            let call = resolve.verdict(action).map(|verdict| RecordsCall {
-                action,
-                route,
-                key,
-                scopes,
-                verdict,
-                claim,
+            let owner = resolve.claim.clone();
+            let call = resolve.verdict(action).map(|verdict| {
+                let (verdict, response) = verdict.map_or((None, None), |(verdict, response)| (Some(verdict), response));
+                RecordsCall {
+                    action,
+                    route,
+                    query: RecordsQuery {
+                        key,
+                        scopes,
+                        owner,
+                        verdict,
+                    },
+                    response,
+                }
             });
             match call.and_then(|call| records(&config, &call, json)) {
                 Ok(code) => return code,
@@ -304,7 +310,7 @@ fn conformance(
     body: String,
     key_header: &str,
 ) -> anyhow::Result<ExitCode> {
-    use idemproxy::conformance::{Target, Verdict};
+    use idemproxy::conformance::{Endpoint, Finding};
     let mut parsed = Vec::with_capacity(headers.len());
     for header in headers {
         let (name, value) = header
@@ -317,7 +323,7 @@ fn conformance(
                 .with_context(|| format!("--header {header:?}: not a field value"))?,
         ));
     }
-    let target = Target {
+    let endpoint = Endpoint {
         base: url.clone(),
         path,
         slow_path,
@@ -331,13 +337,13 @@ fn conformance(
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
-    let cases = runtime.block_on(idemproxy::conformance::run(target))?;
+    let cases = runtime.block_on(idemproxy::conformance::run(endpoint))?;
     println!("conformance of {url}:");
     for case in &cases {
-        println!("  {:<14} {:<20} {}", case.verdict.as_str(), case.name, case.saw);
+        println!("  {:<14} {:<20} {}", case.finding.as_str(), case.name, case.saw);
     }
-    let failed = cases.iter().filter(|case| case.verdict == Verdict::Fail).count();
-    let unknown = cases.iter().filter(|case| case.verdict == Verdict::Unknown).count();
+    let failed = cases.iter().filter(|case| case.finding == Finding::Fail).count();
+    let unknown = cases.iter().filter(|case| case.finding == Finding::Unknown).count();
     println!(
         "{} passed, {failed} failed, {unknown} could not tell",
         cases.len() - failed - unknown
@@ -361,20 +367,20 @@ fn records(path: &std::path::Path, call: &RecordsCall, json: bool) -> anyhow::Re
         println!("{}", String::from_utf8_lossy(&reply.body).trim_end());
     }
     match reply.answer {
-        Answer::NotFound(error) => {
+        Answered::NotFound(error) => {
             eprintln!("idemproxy: {error}");
             return Ok(ExitCode::from(EXIT_NOT_FOUND));
         }
-        Answer::Refused(error) => {
+        Answered::Refused(error) => {
             eprintln!("idemproxy: {error}");
             return Ok(ExitCode::from(EXIT_REFUSED));
         }
-        Answer::Failed(status, error) => anyhow::bail!("the admin listener answered {status}: {error}"),
+        Answered::Failed(status, error) => anyhow::bail!("the admin listener answered {status}: {error}"),
         _ if json => {}
-        Answer::Shown(view) => print!("{view}"),
-        Answer::Purged => println!("purged: the next request with this key runs"),
-        Answer::Released(_) => println!("released: the next request with this key runs"),
-        Answer::Resolved(resolved) => match resolved.resolved {
+        Answered::Shown(view) => print!("{view}"),
+        Answered::Purged => println!("purged: the next request with this key runs"),
+        Answered::Released(_) => println!("released: the next request with this key runs"),
+        Answered::Resolved(resolved) => match resolved.resolved {
             Verdict::Applied => println!(
                 "resolved as applied: retries replay the recorded response (operation {})",
                 resolved.operation

@@ -10,7 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Metric, Registry};
 
-use crate::error::Outcome;
+use crate::problem::{Outcome, Would};
 use crate::store::MemoryUsage;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -37,32 +37,6 @@ impl StoreOp {
     /// Whether the operation is a compare-and-set, which the store may fence off.
     fn fenceable(self) -> bool {
         matches!(self, StoreOp::Complete | StoreOp::MarkUnknown | StoreOp::Release)
-    }
-}
-
-label_values! {
-    /// What enforce mode would have done with a request a shadow-mode route forwarded
-    /// (`idemproxy_shadow_decisions_total{route, would}`).
-    pub(crate) enum Would {
-        /// Claimed it and forwarded it.
-        Forward => "forward",
-        /// Replayed the recorded response.
-        Replay => "replay",
-        /// 409: in progress, or outcome unknown.
-        Conflict => "conflict",
-        /// 422: the key was used with another request.
-        Mismatch => "mismatch",
-        /// 400: no key on a route that requires one.
-        MissingKey => "missing_key",
-        /// 400: a key that is not valid.
-        InvalidKey => "invalid_key",
-        /// Refused the request for the guard's other reasons: a body too large or too
-        /// slow to read, a scope token that does not verify.
-        Rejected => "rejected",
-        /// 503: at `max_guarded_requests`.
-        Overloaded => "overloaded",
-        /// 503: the store failed.
-        StoreError => "store_error",
     }
 }
 

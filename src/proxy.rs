@@ -20,8 +20,9 @@ use tracing::{Instrument, Span};
 
 use self::admit::{Admission, Admitted};
 use self::claim::{Ledger, OwnedClaim};
-use self::exchange::send;
+use self::send::send;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
+use crate::bounds::GuardedRequests;
 use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
 use crate::error::{DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
@@ -29,7 +30,7 @@ use crate::metrics::Metrics;
 use crate::record::ExecutionTrace;
 use crate::router::{BodyLimits, RouteState, Router};
 use crate::store::{AnyStore, StoreKey, StoredResponse};
-use crate::trace;
+use crate::trace::{self, Spans};
 use crate::upstream::{self, HttpClient};
 
 mod access;
@@ -38,11 +39,11 @@ mod claim;
 mod context;
 mod exchange;
 mod reconcile;
+mod send;
 mod shadow;
 mod wait;
 mod well_known;
 
-pub(crate) use self::context::GuardedRequests;
 use self::context::{Guarded, Named, Prepared};
 pub(crate) use self::reconcile::Probes;
 pub(crate) use self::wait::Waiting;
@@ -71,13 +72,13 @@ struct Shared {
     tasks: TaskTracker,
     /// What this process's reconciliation probes share across its workers.
     probes: Probes,
-    /// `[tracing]` is on: requests get their spans, and upstreams the proxy's trace
-    /// context. Fixed at start, as the export is.
-    traced: bool,
+    /// The spans requests get (none without `[tracing]`), and with them the trace
+    /// context upstreams get. Fixed at start, as the export is.
+    spans: Spans,
 }
 
 /// How a request's steps end, for `finish`.
-type Ended = Result<Answer, Refusal>;
+type Handled = Result<Answer, Refusal>;
 
 /// A response to send on, and what it is counted as.
 struct Answer {
@@ -184,14 +185,14 @@ impl Proxy {
                 router: ArcSwap::from_pointee(router),
                 client,
                 metrics: metrics.clone(),
-                ledger: Ledger::new(store, metrics, tasks.clone(), config.tracing.is_some()),
+                ledger: Ledger::new(store, metrics, tasks.clone(), Spans::new(config.tracing.is_some())),
                 key_prefix: config.store.key_prefix.clone(),
                 guarded,
                 waiting,
                 access_log: AtomicBool::new(config.server.access_log),
                 tasks,
                 probes,
-                traced: config.tracing.is_some(),
+                spans: Spans::new(config.tracing.is_some()),
             }),
         })
     }
@@ -215,35 +216,29 @@ impl Proxy {
     /// Whether a response is noted with how it ended: for the access log, or for the
     /// request's span.
     fn noted(&self) -> bool {
-        self.shared.traced || self.access_log()
+        self.shared.spans.on() || self.access_log()
     }
 
     /// Serves one request. Never fails: every error becomes a problem response. With
     /// the access log on, its line is written when the response body ends; with
     /// tracing on, the request has its span, which says how it ended.
     pub(crate) async fn handle(&self, request: Request<Incoming>, client: ClientInfo) -> Response<ProxyBody> {
-        let (logged, traced) = (self.access_log(), self.shared.traced);
-        if !logged && !traced {
+        if !self.noted() {
             return self.serve(request, client).await;
         }
-        let (started, method) = (tokio::time::Instant::now(), request.method().clone());
-        let (response, trace_id) = if traced {
-            let span = trace::request(&method, request.headers());
-            let response = self.serve(request, client).instrument(span.clone()).await;
-            let note = response.extensions().get::<access::Note>();
-            let ended = trace::Ended {
-                status: response.status().as_u16(),
-                route: note.and_then(|note| note.route.as_deref()),
-                outcome: note.map_or("-", |note| note.outcome.as_str()),
-                record: note.and_then(|note| note.record.as_deref()),
-                execution: note.and_then(|note| note.execution),
-            };
-            let trace_id = ended.record(&span);
-            (response, trace_id)
-        } else {
-            (self.serve(request, client).await, None)
+        let (started, method, spans) = (tokio::time::Instant::now(), request.method().clone(), self.shared.spans);
+        let span = spans.request(&method, request.headers());
+        let response = self.serve(request, client).instrument(span.clone()).await;
+        let note = response.extensions().get::<access::Note>();
+        let end = trace::RequestEnd {
+            status: response.status().as_u16(),
+            route: note.and_then(|note| note.route.as_deref()),
+            outcome: note.map_or("-", |note| note.outcome.as_str()),
+            record: note.and_then(|note| note.record.as_deref()),
+            execution: note.and_then(|note| note.execution),
         };
-        if !logged {
+        let trace_id = spans.ended(&span, end);
+        if !self.access_log() {
             return response;
         }
         access::logged(response, method, started, trace_id)
@@ -267,9 +262,9 @@ impl Proxy {
     }
 
     /// Forwards a request that needs no idempotency work, streaming both bodies.
-    async fn pass(&self, route: &RouteState, mut request: Request<ProxyBody>, client: &ClientInfo) -> Ended {
-        upstream::prepare_request(&mut request, &route.route.upstream, client).map_err(ProxyError::Rewrite)?;
-        let (sent, clock, elapsed) = send(route, request, self.shared.traced).await;
+    async fn pass(&self, route: &RouteState, mut request: Request<ProxyBody>, client: &ClientInfo) -> Handled {
+        upstream::prepare_request(&mut request, &route.config.upstream, client).map_err(ProxyError::Rewrite)?;
+        let (sent, clock, elapsed) = send(route, request, self.shared.spans).await;
         let response = sent.map_err(|error| Refusal {
             // A body the client broke while it streamed is the client's fault.
             rejection: if body::broken_by_client(&error) {
@@ -304,11 +299,7 @@ impl Proxy {
         };
         let note = record.filter(|_| self.noted()).map(str::to_string);
         // The request's span (`handle`'s), whose trace and id a record keeps.
-        let execution = if self.shared.traced {
-            trace::reference(&Span::current())
-        } else {
-            None
-        };
+        let execution = self.shared.spans.reference(&Span::current());
         async move {
             let ended = match policy.mode {
                 Mode::Enforce => {
@@ -336,7 +327,7 @@ impl Proxy {
         request: Request<Incoming>,
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
-    ) -> Ended {
+    ) -> Handled {
         // Refused at once rather than queued: nothing is read, claimed or forwarded, and
         // the client may retry with the same key.
         let mut guarded = self.enter(route, policy, &client, identified?, execution)?;
@@ -357,11 +348,8 @@ impl Proxy {
             Decision::Forward(claim) => self.forward(guarded, claim, prepared).await,
             Decision::Replay(stored) => Ok(Answer::replayed(stored)),
             Decision::Reject(first @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
-                let wait = self.wait(guarded, prepared, first);
-                match self.shared.traced {
-                    true => wait.instrument(trace::wait()).await,
-                    false => wait.await,
-                }
+                let span = self.shared.spans.wait();
+                self.wait(guarded, prepared, first).instrument(span).await
             }
             Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
             Decision::Unknown(probe) => Err(self.unknown(&guarded, probe)),
@@ -385,25 +373,26 @@ impl Proxy {
     /// How every request ends: counts its outcome on its route, renders a refusal as its
     /// problem (logged at the level its fault deserves), and notes what the access log
     /// reads. `record` is the record's short hash, for the access log.
-    fn finish(&self, route: Option<&RouteState>, record: Option<String>, ended: Ended) -> Response<ProxyBody> {
+    fn finish(&self, route: Option<&RouteState>, record: Option<String>, ended: Handled) -> Response<ProxyBody> {
         let (mut response, outcome, upstream, execution) = match ended {
             Ok(answer) => (answer.response, answer.outcome, answer.upstream, answer.execution),
             Err(refusal) => {
                 let mut problem = refusal.rejection.problem();
                 problem.operation = refusal.operation;
                 if let Some(route) = route {
-                    problem.docs_url = route.route.docs_url.clone();
+                    problem.docs_url = route.config.docs_url.clone();
                     problem.profile = route
-                        .route
+                        .config
                         .idempotency
                         .as_ref()
                         .map(|policy| policy.profile)
                         .unwrap_or_default();
                 }
                 let name = route.map_or("-", |route| &*route.name);
-                let (status, slug) = (problem.status.as_u16(), problem.slug);
+                let row = problem.row();
+                let (status, slug) = (row.status.as_u16(), problem.kind.slug());
                 let error = DisplayChain(&refusal.rejection);
-                match problem.fault.level() {
+                match row.fault.level() {
                     tracing::Level::ERROR => {
                         tracing::error!(route = name, status, problem = slug, %error, "problem response")
                     }
@@ -412,8 +401,7 @@ impl Proxy {
                     }
                     _ => tracing::info!(route = name, status, problem = slug, "problem response"),
                 }
-                let outcome = problem.outcome;
-                (problem.into_response().map(full), outcome, refusal.upstream, None)
+                (problem.into_response().map(full), row.outcome, refusal.upstream, None)
             }
         };
         if let Some(route) = route {

@@ -163,7 +163,7 @@ impl RecordView {
             record: record.short_hash().to_string(),
             operation: record.operation_id(),
             state: ViewState::Unknown,
-            claim: summary.claim.map(crate::store::OwnerToken::to_hex),
+            claim: summary.owner.map(crate::store::OwnerToken::to_hex),
             ttl_ms: millis(summary.ttl),
             lease_remaining_ms: None,
             status: None,
@@ -310,25 +310,97 @@ pub struct RecordsError {
     pub error: String,
 }
 
+/// A records call's query, both ends of it: the key, the scope values as the route's
+/// scope would have produced them, and for `release` and `resolve` the claim to fence
+/// on (`claim=`, the owner token `show` gives), and for `resolve` the verdict (`as=`).
+/// The CLI writes it with `to_query`; the admin listener reads it with `parse`, which
+/// holds each action to its own parameters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecordsQuery {
+    pub key: String,
+    /// `NAME:VALUE` (a scope header), or `jwt.CLAIM:VALUE` / `jwt.CLAIM=NUMBER`.
+    pub scopes: Vec<String>,
+    /// The claim to fence on: the owner token, 32 hex digits.
+    pub owner: Option<String>,
+    pub verdict: Option<Verdict>,
+}
+
+impl RecordsQuery {
+    /// The query string, `key=K&scope=…&claim=…&as=…`, percent-encoded.
+    pub fn to_query(&self) -> String {
+        let mut query = form_urlencoded::Serializer::new(String::new());
+        query.append_pair("key", &self.key);
+        for scope in &self.scopes {
+            query.append_pair("scope", scope);
+        }
+        if let Some(owner) = &self.owner {
+            query.append_pair("claim", owner);
+        }
+        if let Some(verdict) = self.verdict {
+            query.append_pair("as", verdict.as_str());
+        }
+        query.finish()
+    }
+
+    /// Reads `query` for `action`: each parameter once (`scope` any number of times),
+    /// `claim` only on release and resolve, `as` only on resolve and required there,
+    /// `key` always; otherwise a sentence that names what the action takes.
+    pub fn parse(action: RecordsAction, query: &str) -> Result<RecordsQuery, String> {
+        let mut parsed = RecordsQuery::default();
+        let mut key = None;
+        let fenced = matches!(action, RecordsAction::Release | RecordsAction::Resolve);
+        for (name, value) in form_urlencoded::parse(query.as_bytes()) {
+            match name.as_ref() {
+                "key" if key.is_some() => return Err("key is given twice".into()),
+                "key" => key = Some(value.into_owned()),
+                "scope" => parsed.scopes.push(value.into_owned()),
+                "claim" if fenced => {
+                    if crate::store::OwnerToken::from_hex(value.as_bytes()).is_none() {
+                        return Err("claim must be 32 hex digits, as show gives it".into());
+                    }
+                    if parsed.owner.replace(value.into_owned()).is_some() {
+                        return Err("claim is given twice".into());
+                    }
+                }
+                "as" if action == RecordsAction::Resolve => {
+                    let given = Verdict::parse(&value).ok_or("as must be applied or not-applied")?;
+                    if parsed.verdict.replace(given).is_some() {
+                        return Err("as is given twice".into());
+                    }
+                }
+                other => {
+                    let takes = match action {
+                        RecordsAction::Resolve => "key, scope, claim and as",
+                        RecordsAction::Release => "key, scope and claim",
+                        RecordsAction::Show | RecordsAction::Purge => "key and scope",
+                    };
+                    return Err(format!("unknown parameter {other:?}: the query takes {takes}"));
+                }
+            }
+        }
+        parsed.key = key.ok_or("key is required")?;
+        if action == RecordsAction::Resolve && parsed.verdict.is_none() {
+            return Err("resolve needs as=applied or as=not-applied".into());
+        }
+        Ok(parsed)
+    }
+}
+
 // === the client ===
 
-/// One records call: what to do, to which record.
+/// One records call: what to do, to which record, and for `resolve as=applied` the
+/// response to record.
 #[derive(Debug, Clone)]
 pub struct RecordsCall {
     pub action: RecordsAction,
     pub route: String,
-    pub key: String,
-    /// `NAME:VALUE`, as the route's scope would have produced them.
-    pub scopes: Vec<String>,
-    /// For `resolve`: the verdict, and with `applied` the response to record.
-    pub verdict: Option<(Verdict, Option<RecordedResponse>)>,
-    /// For `resolve` and `release`: the claim to fence on, as `show` gave it.
-    pub claim: Option<String>,
+    pub query: RecordsQuery,
+    pub response: Option<RecordedResponse>,
 }
 
 /// What the admin listener answered, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Answer {
+pub enum Answered {
     Shown(RecordView),
     Purged,
     Released(Released),
@@ -344,7 +416,7 @@ pub enum Answer {
 /// An answer and the JSON it came as (`records --json` prints that).
 #[derive(Debug, Clone)]
 pub struct Reply {
-    pub answer: Answer,
+    pub answer: Answered,
     pub body: Bytes,
 }
 
@@ -377,25 +449,14 @@ pub async fn call(config: &Config, call: &RecordsCall) -> Result<Reply, CallErro
     let admin = config.admin.as_ref().ok_or(CallError::NoAdmin)?;
     let token = admin.token.as_ref().ok_or(CallError::NoToken)?;
     let secret = std::fs::read_to_string(&token.file).map_err(|error| CallError::Token(token.file.clone(), error))?;
-    let mut query = form_urlencoded::Serializer::new(String::new());
-    query.append_pair("key", &call.key);
-    for scope in &call.scopes {
-        query.append_pair("scope", scope);
-    }
-    let mut body = Bytes::new();
-    if let Some(claim) = &call.claim {
-        query.append_pair("claim", claim);
-    }
-    if let Some((verdict, response)) = &call.verdict {
-        query.append_pair("as", verdict.as_str());
-        if let Some(response) = response {
-            body = Bytes::from(serde_json::to_vec(response).unwrap_or_default());
-        }
-    }
+    let body = match &call.response {
+        Some(response) => Bytes::from(serde_json::to_vec(response).unwrap_or_default()),
+        None => Bytes::new(),
+    };
     let addr = reachable(admin.listen);
     let request = Request::builder()
         .method(call.action.method())
-        .uri(format!("{}?{}", call.action.path(&call.route), query.finish()))
+        .uri(format!("{}?{}", call.action.path(&call.route), call.query.to_query()))
         .header(http::header::HOST, addr.to_string())
         .header(http::header::AUTHORIZATION, format!("Bearer {}", secret.trim()))
         .header(http::header::CONTENT_TYPE, "application/json")
@@ -426,7 +487,7 @@ async fn exchange(addr: SocketAddr, request: Request<Full<Bytes>>) -> Result<(St
 }
 
 /// The answer to `action` that `status` and `body` make.
-fn decode(action: RecordsAction, status: StatusCode, body: &[u8]) -> Result<Answer, CallError> {
+fn decode(action: RecordsAction, status: StatusCode, body: &[u8]) -> Result<Answered, CallError> {
     let unexpected = || CallError::Unexpected(status, String::from_utf8_lossy(body).into_owned());
     let error = || {
         serde_json::from_slice::<RecordsError>(body)
@@ -434,17 +495,19 @@ fn decode(action: RecordsAction, status: StatusCode, body: &[u8]) -> Result<Answ
             .map_err(|_| unexpected())
     };
     Ok(match (status, action) {
-        (StatusCode::OK, RecordsAction::Show) => Answer::Shown(serde_json::from_slice(body).map_err(|_| unexpected())?),
-        (StatusCode::NO_CONTENT, RecordsAction::Purge) => Answer::Purged,
+        (StatusCode::OK, RecordsAction::Show) => {
+            Answered::Shown(serde_json::from_slice(body).map_err(|_| unexpected())?)
+        }
+        (StatusCode::NO_CONTENT, RecordsAction::Purge) => Answered::Purged,
         (StatusCode::OK, RecordsAction::Release) => {
-            Answer::Released(serde_json::from_slice(body).map_err(|_| unexpected())?)
+            Answered::Released(serde_json::from_slice(body).map_err(|_| unexpected())?)
         }
         (StatusCode::OK, RecordsAction::Resolve) => {
-            Answer::Resolved(serde_json::from_slice(body).map_err(|_| unexpected())?)
+            Answered::Resolved(serde_json::from_slice(body).map_err(|_| unexpected())?)
         }
-        (StatusCode::NOT_FOUND, _) => Answer::NotFound(error()?),
-        (StatusCode::CONFLICT, _) => Answer::Refused(error()?),
-        (status, _) => Answer::Failed(
+        (StatusCode::NOT_FOUND, _) => Answered::NotFound(error()?),
+        (StatusCode::CONFLICT, _) => Answered::Refused(error()?),
+        (status, _) => Answered::Failed(
             status,
             error().unwrap_or_else(|_| String::from_utf8_lossy(body).into_owned()),
         ),
@@ -463,6 +526,39 @@ fn reachable(listen: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the CLI writes, the admin listener reads back: every parameter, with the
+    /// bytes that need encoding.
+    #[test]
+    fn a_records_query_reads_back_what_it_writes() {
+        let query = RecordsQuery {
+            key: "order 7&x=%".into(),
+            scopes: vec!["authorization:Bearer a+b".into(), "jwt.sub=12".into()],
+            owner: Some("0123456789abcdef0123456789abcdef".into()),
+            verdict: Some(Verdict::NotApplied),
+        };
+        let text = query.to_query();
+        assert!(!text.contains(' ') && !text.contains("&x="), "{text}");
+        assert_eq!(RecordsQuery::parse(RecordsAction::Resolve, &text), Ok(query.clone()));
+        let released = RecordsQuery {
+            verdict: None,
+            ..query.clone()
+        };
+        assert_eq!(
+            RecordsQuery::parse(RecordsAction::Release, &released.to_query()),
+            Ok(released)
+        );
+        let shown = RecordsQuery {
+            owner: None,
+            verdict: None,
+            ..query
+        };
+        assert_eq!(RecordsQuery::parse(RecordsAction::Show, &shown.to_query()), Ok(shown));
+        assert_eq!(
+            RecordsQuery::parse(RecordsAction::Release, "key=k&claim=zz"),
+            Err("claim must be 32 hex digits, as show gives it".into())
+        );
+    }
 
     #[test]
     fn each_action_parses_back_from_its_own_method_and_path() {
@@ -505,7 +601,7 @@ mod tests {
         let json = serde_json::to_vec(&view).expect("serialize");
         assert_eq!(
             decode(RecordsAction::Show, StatusCode::OK, &json).expect("decode"),
-            Answer::Shown(view.clone())
+            Answered::Shown(view.clone())
         );
         let printed = view.to_string();
         for line in [

@@ -17,7 +17,8 @@ use crate::upstream::HttpClient;
 /// A configured route with everything a request on it needs, made once per config.
 #[derive(Clone)]
 pub(crate) struct RouteState {
-    pub(crate) route: Route,
+    /// The route as configured.
+    pub(crate) config: Route,
     /// The route's name, shared with what a request notes for the access log.
     pub(crate) name: Arc<str>,
     pub(crate) metrics: RouteMetrics,
@@ -40,7 +41,7 @@ pub(crate) struct BodyLimits {
 impl RouteState {
     pub(crate) fn new(route: &Route, metrics: &Metrics, client: HttpClient, body: BodyLimits) -> RouteState {
         RouteState {
-            route: route.clone(),
+            config: route.clone(),
             name: Arc::from(route.name.as_str()),
             metrics: metrics.route(&route.name, route.shadow(), route.reconcile().is_some()),
             client,
@@ -67,14 +68,14 @@ impl Router {
     pub(crate) fn new(routes: Vec<RouteState>, paths: PathPolicy, contract_path: Option<String>) -> Router {
         let mut routes: Vec<Arc<RouteState>> = routes.into_iter().map(Arc::new).collect();
         routes.sort_by(|a, b| {
-            let (a, b) = (&a.route, &b.route);
+            let (a, b) = (&a.config, &b.config);
             b.host
                 .is_some()
                 .cmp(&a.host.is_some())
                 .then(b.path_prefix.len().cmp(&a.path_prefix.len()))
         });
         let mut guarded_methods: Vec<Method> = Vec::new();
-        for policy in routes.iter().filter_map(|state| state.route.idempotency.as_ref()) {
+        for policy in routes.iter().filter_map(|state| state.config.idempotency.as_ref()) {
             for method in &policy.methods {
                 if !guarded_methods.contains(method) {
                     guarded_methods.push(method.clone());
@@ -91,7 +92,7 @@ impl Router {
 
     /// Every route's config, best match first.
     pub(crate) fn configs(&self) -> impl Iterator<Item = &Route> {
-        self.routes.iter().map(|state| &state.route)
+        self.routes.iter().map(|state| &state.config)
     }
 
     /// The route for `host` (without port, any case) and `path`, if one matches.
@@ -109,12 +110,12 @@ impl Router {
     /// guarded route.
     pub(crate) fn case_variant(&self, host: Option<&str>, path: &str, exact: &RouteState) -> Option<&Arc<RouteState>> {
         let loose = self.find(host, path, true)?;
-        (loose.name != exact.name && loose.route.idempotency.is_some()).then_some(loose)
+        (loose.name != exact.name && loose.config.idempotency.is_some()).then_some(loose)
     }
 
     fn find(&self, host: Option<&str>, path: &str, ignore_case: bool) -> Option<&Arc<RouteState>> {
         self.routes.iter().find(|state| {
-            let route = &state.route;
+            let route = &state.config;
             let host_ok = match (&route.host, host) {
                 (None, _) => true,
                 (Some(want), Some(have)) => want.eq_ignore_ascii_case(have),
@@ -143,7 +144,7 @@ fn prefix_matches(prefix: &str, path: &str, ignore_case: bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Target;
+    use crate::config::Upstream;
     use crate::metrics::Metrics;
     use std::time::Duration;
 
@@ -152,7 +153,7 @@ mod tests {
             name: name.into(),
             path_prefix: prefix.into(),
             host: host.map(Into::into),
-            upstream: Target::try_from("http://127.0.0.1:9".parse::<http::Uri>().expect("uri")).expect("target"),
+            upstream: Upstream::try_from("http://127.0.0.1:9".parse::<http::Uri>().expect("uri")).expect("target"),
             upstream_timeout: Duration::from_secs(1),
             upstream_tls: None,
             docs_url: None,

@@ -15,9 +15,9 @@ use crate::jwt::ScopeClaim;
 pub fn values<'a>(
     headers: &'a HeaderMap,
     scope_headers: &[HeaderName],
-    claim: Option<&'a ScopeClaim>,
+    scope_claim: Option<&'a ScopeClaim>,
 ) -> Vec<Vec<&'a [u8]>> {
-    let claim = claim.map(|claim| match claim {
+    let claim = scope_claim.map(|claim| match claim {
         ScopeClaim::String(value) => vec![value.as_bytes()],
         ScopeClaim::Number(value) => vec![b"number".as_slice(), value.as_bytes()],
     });

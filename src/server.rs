@@ -19,6 +19,15 @@
 //! - the memory store's sweeper: ends when the last handle on the store is dropped.
 //! - the Redis subscriber: ends when the last watcher is dropped (its command channel
 //!   closes).
+//! - a chain of reconciliation probes (one per unknown record, on the worker that
+//!   marked it or found it due; `proxy/reconcile.rs`): not tracked for shutdown, since
+//!   a chain may wait minutes between probes. It ends when the record is resolved,
+//!   another instance holds its probe lease, the probe gives up, or its schedule is
+//!   past; at shutdown it ends with its worker's runtime, and its probe lease runs out
+//!   for another instance (or this one, restarted) to take over.
+//! - the trace export thread (`idemproxy-trace`, only with `[tracing]`;
+//!   `trace/export.rs`): the binary shuts it down after the proxy stops, sending what
+//!   is queued within 3 s.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -34,10 +43,11 @@ use tokio_util::task::TaskTracker;
 
 use crate::admin::Admin;
 use crate::body::ClientInfo;
+use crate::bounds::GuardedRequests;
 use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
-use crate::proxy::{GuardedRequests, Probes, Proxy, Waiting};
+use crate::proxy::{Probes, Proxy, Waiting};
 #[cfg(feature = "test-util")]
 use crate::store::AnyStore;
 use crate::store::notify::Watcher;

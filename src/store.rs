@@ -236,7 +236,7 @@ pub enum RecordState {
     },
 }
 
-/// When an unknown record's reconciliation probe runs (DESIGN §14), as its record keeps
+/// When an unknown record's reconciliation probe runs (docs/design.md §14), as its record keeps
 /// it: counted on the store's clock from the moment the record becomes unknown, so that
 /// every instance reads the same schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,10 +294,11 @@ pub struct RecordSummary {
     /// How long until the whole record expires.
     pub ttl: Duration,
     pub state: SummaryState,
-    /// The claim whose outcome is unknown (its owner token), for a resolution to be
-    /// fenced on: set on an unknown record, and on one in flight past its lease. `None`
-    /// on other states, and on an unknown record written before claims were kept.
-    pub claim: Option<OwnerToken>,
+    /// The owner of the claim whose outcome is unknown, for a resolution to be fenced on
+    /// (what the records API calls its `claim`): set on an unknown record, and on one in
+    /// flight past its lease. `None` on other states, and on an unknown record written
+    /// before owners were kept.
+    pub owner: Option<OwnerToken>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -350,7 +351,7 @@ pub enum Write {
     Fenced,
 }
 
-/// The record lifecycle of DESIGN §4. Every write is a compare-and-set on the owner
+/// The record lifecycle of docs/design.md §4. Every write is a compare-and-set on the owner
 /// token and the `in_flight` state, and no write moves the record's expiry.
 pub trait RecordStore: Send + Sync + 'static {
     /// Creates an `in_flight` record if none exists, else returns the existing one.
@@ -386,7 +387,7 @@ pub trait RecordStore: Send + Sync + 'static {
 
     /// `unknown` -> `completed` with the resolution's response, or -> gone: only if
     /// the record reads as unknown (marked so, or in flight with its lease run out),
-    /// and, when `claim` names one, for that claim (`None`: whichever claim is unknown
+    /// and, when `owner` names one, for that claim (`None`: whichever claim is unknown
     /// now, as for a call that names none). A compare-and-set in one step, so that two
     /// resolutions (a probe's and an operator's) never both win, no resolution
     /// replaces a recorded response or a live claim, and a named one never lands on a
@@ -394,7 +395,7 @@ pub trait RecordStore: Send + Sync + 'static {
     fn resolve(
         &self,
         key: &StoreKey,
-        claim: Option<OwnerToken>,
+        owner: Option<OwnerToken>,
         resolution: &Resolution,
     ) -> impl Future<Output = Result<Resolved, StoreError>> + Send;
 
@@ -414,11 +415,11 @@ pub trait RecordStore: Send + Sync + 'static {
 
     /// The probe learned nothing: ends its lease and makes the next probe due `every`
     /// from now, unless that would be past `give_up_after` (then it has given up).
-    /// Only while the record is unknown for `claim`.
+    /// Only while the record is unknown for the claim `owner` made.
     fn defer_probe(
         &self,
         key: &StoreKey,
-        claim: OwnerToken,
+        owner: OwnerToken,
         every: Duration,
     ) -> impl Future<Output = Result<Deferred, StoreError>> + Send;
 
@@ -506,10 +507,10 @@ impl RecordStore for AnyStore {
     async fn resolve(
         &self,
         key: &StoreKey,
-        claim: Option<OwnerToken>,
+        owner: Option<OwnerToken>,
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
-        delegate!(self, store => store.resolve(key, claim, resolution))
+        delegate!(self, store => store.resolve(key, owner, resolution))
     }
 
     async fn begin_probe(
@@ -521,8 +522,8 @@ impl RecordStore for AnyStore {
         delegate!(self, store => store.begin_probe(key, schedule, lease))
     }
 
-    async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
-        delegate!(self, store => store.defer_probe(key, claim, every))
+    async fn defer_probe(&self, key: &StoreKey, owner: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+        delegate!(self, store => store.defer_probe(key, owner, every))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

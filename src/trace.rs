@@ -1,68 +1,119 @@
-//! Traces (DESIGN §16, `[tracing]`): the spans the proxy makes, how they join the
-//! client's trace and the upstream's, and their export over OTLP/HTTP.
+//! Traces (`[tracing]`): the spans the proxy makes and how they join the client's trace
+//! and the upstream's; their export over OTLP/HTTP is `export`.
 //!
 //! The spans are `tracing` spans; the binary's `tracing-opentelemetry` layer (see
 //! `layer`) turns them into OpenTelemetry spans, only when `[tracing]` names an
 //! endpoint. The trace-only ones (the request, each store operation, the upstream
 //! exchange, a wait, a probe) have the target `TARGET`, which the log leaves out, and
-//! are made only when tracing is on: without it they cost nothing. Their attributes are
-//! configured names, fixed words, statuses and record hashes: never a key, a path, a
-//! query or a header value.
-//!
-//! Export is bounded and never blocks a request: a finished span goes into a queue of
-//! `QUEUE` with `try_send`, and one thread of its own sends batches to the collector,
-//! one at a time, each within `EXPORT_TIMEOUT`. A span the queue has no room for, or
-//! whose batch the collector did not take, is counted in
-//! `idemproxy_trace_spans_dropped_total`, and that is all it costs.
+//! are made by `Spans`, a value made from the config: with tracing off each of them is
+//! `Span::none()`, so they cost nothing and no call site asks whether tracing is on.
+//! Their attributes are configured names, fixed words, statuses and record hashes:
+//! never a key, a path, a query or a header value.
 
-use std::sync::{LazyLock, Mutex};
-use std::time::Duration;
-
-use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, header};
-use http_body_util::BodyExt;
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::{
-    SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState, TracerProvider as _,
-};
-use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
-use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
+use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanData, SpanExporter, SpanProcessor};
-use prometheus_client::metrics::counter::Counter;
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::body::full;
-use crate::config::TracingConfig;
 use crate::record::ExecutionTrace;
-use crate::upstream::{HttpClient, SendError};
+
+mod export;
+
+pub use self::export::{Export, TraceError, layer, logged};
+pub(crate) use self::export::{spans_dropped, spans_exported};
 
 /// The target of the spans that exist for traces only, which the log leaves out.
 pub const TARGET: &str = "idemproxy::trace";
 
-/// The spans queued for export at most; past it, a finished span is dropped.
-const QUEUE: usize = 8192;
-/// The spans one export sends at most.
-const BATCH: usize = 1024;
-/// How long a batch waits to fill before it is sent anyway.
-const DELAY: Duration = Duration::from_millis(500);
-/// How long the collector has to take one batch.
-const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The access log's `tracing` target (`server.access_log`): what the proxy writes its
+/// lines under, what the binary's filter keeps on, and what the trace layer leaves out.
+pub const ACCESS_LOG: &str = "idemproxy::access";
 
-/// `idemproxy_trace_spans_dropped_total` and `idemproxy_trace_spans_exported_total`:
-/// process-wide, as the layer that feeds them is.
-static DROPPED: LazyLock<Counter> = LazyLock::new(Counter::default);
-static EXPORTED: LazyLock<Counter> = LazyLock::new(Counter::default);
-
-pub(crate) fn spans_dropped() -> &'static Counter {
-    &DROPPED
+/// The spans a process makes, as its config says: with `[tracing]` each is a span of
+/// its own (of target `TARGET`, which the log leaves out); without, each is
+/// `Span::none()`, whose enter, exit and record do nothing. Made once at start, and
+/// `Copy`, so every place that makes a span holds one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Spans {
+    on: bool,
 }
 
-pub(crate) fn spans_exported() -> &'static Counter {
-    &EXPORTED
+impl Spans {
+    pub(crate) fn new(on: bool) -> Spans {
+        Spans { on }
+    }
+
+    /// Whether spans are made (a request's end is then recorded on its span).
+    pub(crate) fn on(self) -> bool {
+        self.on
+    }
+
+    /// The span of one request, continuing the client's trace context when it is
+    /// valid W3C trace context.
+    pub(crate) fn request(self, method: &Method, headers: &HeaderMap) -> Span {
+        if !self.on {
+            return Span::none();
+        }
+        request(method, headers)
+    }
+
+    /// Records how a request ended on its span; its trace id, for the access line.
+    pub(crate) fn ended(self, span: &Span, end: RequestEnd<'_>) -> Option<String> {
+        if !self.on {
+            return None;
+        }
+        end.record(span)
+    }
+
+    /// The span of one upstream exchange, to the response head.
+    pub(crate) fn upstream(self, method: &Method, authority: &str) -> Span {
+        if !self.on {
+            return Span::none();
+        }
+        upstream(method, authority)
+    }
+
+    /// Puts `span` in `headers` as the upstream's parent, in place of the client's.
+    pub(crate) fn inject(self, span: &Span, headers: &mut HeaderMap) {
+        if self.on {
+            inject(span, headers);
+        }
+    }
+
+    /// The span of one store operation.
+    pub(crate) fn store(self, op: &'static str) -> Span {
+        if !self.on {
+            return Span::none();
+        }
+        store(op)
+    }
+
+    /// The span of one probe: a root, linked to the request that began its chain.
+    pub(crate) fn probe(self, route: &str, record: &str, began: Option<ExecutionTrace>) -> Span {
+        if !self.on {
+            return Span::none();
+        }
+        probe(route, record, began)
+    }
+
+    /// The span of a duplicate's wait for the request that holds its key.
+    pub(crate) fn wait(self) -> Span {
+        if !self.on {
+            return Span::none();
+        }
+        wait()
+    }
+
+    /// The trace id and span id of `span`, which a record keeps (`None` with tracing
+    /// off).
+    pub(crate) fn reference(self, span: &Span) -> Option<ExecutionTrace> {
+        if !self.on {
+            return None;
+        }
+        reference(span)
+    }
 }
 
 // === trace context ===
@@ -95,7 +146,7 @@ const TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 /// The span of one request, continuing the trace of the client's `traceparent` and
 /// `tracestate` when they are valid W3C trace context, else starting one. What the
 /// request turns out to be is recorded on it by `ended`.
-pub(crate) fn request(method: &Method, headers: &HeaderMap) -> Span {
+fn request(method: &Method, headers: &HeaderMap) -> Span {
     let span = tracing::info_span!(
         target: TARGET,
         "request",
@@ -117,7 +168,7 @@ pub(crate) fn request(method: &Method, headers: &HeaderMap) -> Span {
 
 /// What a request span records when its response is ready, and the trace id for its
 /// access line. A replay's span links to the request that executed it.
-pub(crate) struct Ended<'a> {
+pub(crate) struct RequestEnd<'a> {
     pub(crate) status: u16,
     pub(crate) route: Option<&'a str>,
     pub(crate) outcome: &'static str,
@@ -125,9 +176,9 @@ pub(crate) struct Ended<'a> {
     pub(crate) execution: Option<ExecutionTrace>,
 }
 
-impl Ended<'_> {
+impl RequestEnd<'_> {
     /// Records this on `span`, and returns its trace id (32 hex digits).
-    pub(crate) fn record(self, span: &Span) -> Option<String> {
+    fn record(self, span: &Span) -> Option<String> {
         span.record("http.response.status_code", self.status);
         span.record("idemproxy.outcome", self.outcome);
         if let Some(route) = self.route {
@@ -147,7 +198,7 @@ impl Ended<'_> {
 }
 
 /// The trace id and span id of `span`, when a layer traces it.
-pub(crate) fn reference(span: &Span) -> Option<ExecutionTrace> {
+fn reference(span: &Span) -> Option<ExecutionTrace> {
     let context = span.context();
     let span_context = context.span().span_context().clone();
     span_context.is_valid().then(|| ExecutionTrace {
@@ -170,7 +221,7 @@ impl ExecutionTrace {
 }
 
 /// The span of one upstream exchange, to the response head.
-pub(crate) fn upstream(method: &Method, authority: &str) -> Span {
+fn upstream(method: &Method, authority: &str) -> Span {
     tracing::info_span!(
         target: TARGET,
         "upstream",
@@ -185,7 +236,7 @@ pub(crate) fn upstream(method: &Method, authority: &str) -> Span {
 /// Puts `span` as the parent in `headers`' trace context, in place of the client's:
 /// the upstream's spans hang off the proxy's. Nothing changes when no layer traces
 /// `span`.
-pub(crate) fn inject(span: &Span, headers: &mut HeaderMap) {
+fn inject(span: &Span, headers: &mut HeaderMap) {
     let context = span.context();
     if !context.span().span_context().is_valid() {
         return;
@@ -197,7 +248,7 @@ pub(crate) fn inject(span: &Span, headers: &mut HeaderMap) {
 
 /// The span of one probe of a record whose outcome is unknown: a root, linked to the
 /// request that began its chain.
-pub(crate) fn probe(route: &str, record: &str, began: Option<ExecutionTrace>) -> Span {
+fn probe(route: &str, record: &str, began: Option<ExecutionTrace>) -> Span {
     let span = tracing::info_span!(
         target: TARGET,
         parent: None,
@@ -212,12 +263,12 @@ pub(crate) fn probe(route: &str, record: &str, began: Option<ExecutionTrace>) ->
 }
 
 /// The span of a duplicate's wait for the request that holds its key.
-pub(crate) fn wait() -> Span {
+fn wait() -> Span {
     tracing::info_span!(target: TARGET, "wait")
 }
 
 /// The span of one store operation.
-pub(crate) fn store(op: &'static str) -> Span {
+fn store(op: &'static str) -> Span {
     tracing::info_span!(
         target: TARGET,
         "store",
@@ -226,249 +277,4 @@ pub(crate) fn store(op: &'static str) -> Span {
         db.operation.name = op,
         error.type = tracing::field::Empty,
     )
-}
-
-// === export ===
-
-/// The export a `layer` feeds: shut it down to send what is queued.
-pub struct Export {
-    provider: SdkTracerProvider,
-}
-
-impl Export {
-    /// Sends what is queued (within a few seconds) and stops exporting.
-    pub fn shutdown(self) {
-        let _ = self.provider.shutdown_with_timeout(Duration::from_secs(3));
-    }
-}
-
-/// Why the export could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    #[error("cannot set up TLS for the OTLP endpoint")]
-    Tls(#[source] rustls::Error),
-    #[error("cannot build the OTLP exporter")]
-    Exporter(#[source] opentelemetry_otlp::ExporterBuildError),
-    #[error("cannot start the export thread")]
-    Thread(#[source] std::io::Error),
-}
-
-/// The `tracing` layer that exports `config`'s spans (the proxy's and the trace-only
-/// ones, at INFO and above, and WARN and ERROR events as span events), and the export
-/// it feeds. Starts the export thread.
-pub fn layer<S>(config: &TracingConfig) -> Result<(impl tracing_subscriber::Layer<S>, Export), TraceError>
-where
-    S: tracing::Subscriber + for<'span> tracing_subscriber::registry::LookupSpan<'span>,
-{
-    use tracing_subscriber::Layer as _;
-
-    let resource = opentelemetry_sdk::Resource::builder()
-        .with_service_name(config.service_name.clone())
-        .build();
-    let client = crate::upstream::client(None).map_err(TraceError::Tls)?;
-    let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-        .with_endpoint(config.otlp_endpoint.to_string())
-        .with_timeout(EXPORT_TIMEOUT)
-        .with_http_client(OtlpClient(client))
-        .build()
-        .map_err(TraceError::Exporter)?;
-    exporter.set_resource(&resource);
-    let processor = Processor::start(exporter)?;
-    let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-            config.sample_ratio,
-        ))))
-        .with_resource(resource)
-        .build();
-    let tracer = provider.tracer("idemproxy");
-    let layer = tracing_opentelemetry::layer()
-        .with_tracer(tracer)
-        .with_tracked_inactivity(false)
-        .with_context_activation(false)
-        .with_threads(false)
-        .with_location(false)
-        .with_target(false)
-        .with_filter(tracing_subscriber::filter::filter_fn(traced));
-    Ok((layer, Export { provider }))
-}
-
-/// What the trace layer sees: the proxy's spans at INFO and above (but a probe chain's
-/// `reconcile` span, which lives for minutes: each probe in it has a span of its own),
-/// and its WARN and ERROR events, which become span events. Not the access log.
-fn traced(metadata: &tracing::Metadata<'_>) -> bool {
-    let ours = metadata.target().starts_with("idemproxy") && metadata.target() != crate::ACCESS_LOG;
-    if metadata.is_span() {
-        ours && *metadata.level() <= tracing::Level::INFO && metadata.name() != "reconcile"
-    } else {
-        ours && *metadata.level() <= tracing::Level::WARN
-    }
-}
-
-/// What the log sees of the spans: not the trace-only ones.
-pub fn logged(metadata: &tracing::Metadata<'_>) -> bool {
-    !(metadata.is_span() && metadata.target() == TARGET)
-}
-
-/// A bounded span processor: `on_end` queues without waiting, one thread exports.
-#[derive(Debug)]
-struct Processor {
-    queue: mpsc::Sender<SpanData>,
-    stop: CancellationToken,
-    /// Disconnected when the export thread ends.
-    ended: Mutex<std::sync::mpsc::Receiver<()>>,
-}
-
-impl Processor {
-    fn start<E: SpanExporter + 'static>(exporter: E) -> Result<Processor, TraceError> {
-        let (queue, received) = mpsc::channel(QUEUE);
-        let stop = CancellationToken::new();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(TraceError::Thread)?;
-        let stopping = stop.clone();
-        let (ending, ended) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("idemproxy-trace".into())
-            .spawn(move || {
-                let _ending = ending;
-                runtime.block_on(export(exporter, received, stopping));
-            })
-            .map_err(TraceError::Thread)?;
-        Ok(Processor {
-            queue,
-            stop,
-            ended: Mutex::new(ended),
-        })
-    }
-}
-
-impl SpanProcessor for Processor {
-    fn on_start(&self, _: &mut opentelemetry_sdk::trace::Span, _: &opentelemetry::Context) {}
-
-    fn on_end(&self, span: SpanData) {
-        if !span.span_context.is_sampled() {
-            return;
-        }
-        if self.queue.try_send(span).is_err() {
-            DROPPED.inc();
-        }
-    }
-
-    fn force_flush(&self) -> OTelSdkResult {
-        Ok(())
-    }
-
-    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
-        self.stop.cancel();
-        // The thread sends what is queued, each batch within its own timeout; waited on
-        // for `timeout` at most.
-        let Ok(ended) = self.ended.lock() else {
-            return Ok(());
-        };
-        match ended.recv_timeout(timeout) {
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(OTelSdkError::Timeout(timeout)),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// The export thread: sends a batch when it is full or `DELAY` after its first span,
-/// one batch at a time; at `stop`, sends what is queued and ends.
-async fn export<E: SpanExporter>(exporter: E, mut received: mpsc::Receiver<SpanData>, stop: CancellationToken) {
-    let mut batch = Vec::with_capacity(BATCH);
-    // A batch's first span, then what comes within `DELAY`, up to `BATCH`.
-    while tokio::select! {
-        biased;
-        () = stop.cancelled() => false,
-        received = received.recv_many(&mut batch, BATCH) => received > 0,
-    } {
-        let deadline = tokio::time::sleep(DELAY);
-        tokio::pin!(deadline);
-        while batch.len() < BATCH && !stop.is_cancelled() {
-            let room = BATCH - batch.len();
-            tokio::select! {
-                received = received.recv_many(&mut batch, room) => if received == 0 { break },
-                () = &mut deadline => break,
-                () = stop.cancelled() => break,
-            }
-        }
-        send(&exporter, &mut batch).await;
-    }
-    // Stopping (or every sender gone): what is queued goes out, in batches.
-    received.close();
-    while received.recv_many(&mut batch, BATCH).await > 0 {
-        send(&exporter, &mut batch).await;
-    }
-    let _ = exporter.shutdown();
-}
-
-async fn send<E: SpanExporter>(exporter: &E, batch: &mut Vec<SpanData>) {
-    if batch.is_empty() {
-        return;
-    }
-    let spans: Vec<SpanData> = std::mem::replace(batch, Vec::with_capacity(BATCH));
-    let count = spans.len() as u64;
-    match tokio::time::timeout(EXPORT_TIMEOUT, exporter.export(spans)).await {
-        Ok(Ok(())) => {
-            EXPORTED.inc_by(count);
-        }
-        Ok(Err(error)) => {
-            DROPPED.inc_by(count);
-            tracing::debug!(%error, spans = count, "the collector did not take a batch of spans");
-        }
-        Err(_) => {
-            DROPPED.inc_by(count);
-            tracing::debug!(spans = count, "the collector did not take a batch of spans in time");
-        }
-    }
-}
-
-/// The OTLP exporter's HTTP client: the proxy's own pooled client, so an `https://`
-/// endpoint uses the same rustls stack as the upstreams.
-struct OtlpClient(HttpClient);
-
-impl std::fmt::Debug for OtlpClient {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("OtlpClient")
-    }
-}
-
-/// The most of a collector's answer that is read.
-const MAX_ANSWER: usize = 64 * 1024;
-
-impl opentelemetry_http::HttpClient for OtlpClient {
-    fn send_bytes<'client, 'call>(
-        &'client self,
-        request: Request<Bytes>,
-    ) -> std::pin::Pin<Box<dyn Future<Output = Result<Response<Bytes>, opentelemetry_http::HttpError>> + Send + 'call>>
-    where
-        'client: 'call,
-        Self: 'call,
-    {
-        Box::pin(async move {
-            let (mut parts, body) = request.into_parts();
-            if let Some(authority) = parts.uri.authority()
-                && let Ok(host) = HeaderValue::from_str(authority.as_str())
-            {
-                parts.headers.insert(header::HOST, host);
-            }
-            let response = self.0.request(Request::from_parts(parts, full(body))).await.map_err(
-                |error| -> opentelemetry_http::HttpError {
-                    match error {
-                        SendError::Connect(error) | SendError::Failed(error) => error,
-                    }
-                },
-            )?;
-            let (parts, body) = response.into_parts();
-            let body = http_body_util::Limited::new(body, MAX_ANSWER)
-                .collect()
-                .await?
-                .to_bytes();
-            Ok(Response::from_parts(parts, body))
-        })
-    }
 }

@@ -14,7 +14,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use crate::body::{ClientInfo, ProxyBody};
-use crate::config::Target;
+use crate::config::Upstream;
 use crate::error::UpstreamError;
 
 mod pool;
@@ -111,7 +111,7 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// fields, and the `X-Forwarded-*` fields.
 pub(crate) fn prepare_request<B>(
     request: &mut Request<B>,
-    target: &Target,
+    target: &Upstream,
     client: &ClientInfo,
 ) -> Result<(), http::Error> {
     let original_host = match request.headers().get(header::HOST) {

@@ -1,4 +1,4 @@
-//! The access log (DESIGN §8), read back line by line from the binary's own output in
+//! The access log (docs/design.md §8), read back line by line from the binary's own output in
 //! both log formats: one line per request, with no raw key, query or header value.
 
 // A test that cannot set itself up should fail loudly, with the reason.

@@ -1,4 +1,4 @@
-//! Connections (DESIGN §7, §10): every connection bounded in time from its accept,
+//! Connections (docs/design.md §7, §10): every connection bounded in time from its accept,
 //! the connection limit and the open-files limit, HTTP/2 floods. Real sockets, a real
 //! child process where the property is about the process.
 

@@ -1,4 +1,4 @@
-//! The published contract (DESIGN §15) over real sockets: `/.well-known/idempotency`
+//! The published contract (docs/design.md §15) over real sockets: `/.well-known/idempotency`
 //! per host with its caching, `Link` and `type` on every problem of a route with a
 //! `docs_url`, the Stripe profile (raw, and through Stripe's own Python SDK), the
 //! `contract` command's OpenAPI fragment validated against the OpenAPI 3.1 schema, and

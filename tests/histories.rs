@@ -481,7 +481,7 @@ async fn a_client_that_leaves_while_its_claim_is_in_the_store_leaves_no_ghost() 
 
 // === 6. stale owners, end to end ===
 //
-// Each fencing rule of the store (DESIGN §4.2) seen from the outside: a late write by
+// Each fencing rule of the store (docs/design.md §4.2) seen from the outside: a late write by
 // an owner that lost its record never changes what clients see. Each race runs once as
 // is and once with the rule planted out (a mutated script loaded on the side, or a
 // memory-store plant), which must be noticed: that is how each test shows it can fail.

@@ -1,4 +1,4 @@
-//! Load shaped like a slow legacy API (DESIGN §13): thousands of guarded requests held
+//! Load shaped like a slow legacy API (docs/design.md §13): thousands of guarded requests held
 //! at the upstream at once, a byte budget that refuses what it cannot hold and never a
 //! small request for what others might send, memory that stays inside the budget, and
 //! a connection limit that holds exactly whichever worker's socket a client reaches.

@@ -1,4 +1,4 @@
-//! A model check of the record protocol (DESIGN §4), by breadth-first search over
+//! A model check of the record protocol (docs/design.md §4), by breadth-first search over
 //! every interleaving of 2 or 3 proxies serving the same key (the engine is
 //! `tests/support/model.rs`; the store's answers are `tests/support/protocol.rs`, the
 //! same function the conformance test holds the real stores to).

@@ -1,4 +1,4 @@
-//! The HTTP behaviour of DESIGN §3, row by row, through real sockets: a client, the
+//! The HTTP behaviour of docs/design.md §3, row by row, through real sockets: a client, the
 //! proxy library on 127.0.0.1:0, a fake upstream, and a real `redis-server` where the
 //! property is about sharing one store. Races are driven by holding the upstream.
 
@@ -739,7 +739,7 @@ async fn admin_reports_health_readiness_and_metrics_without_keys() {
     assert!(!text.contains("secret-key-value"));
 }
 
-/// DESIGN §10: memory is bounded by configuration. Records of large distinct responses
+/// docs/design.md §10: memory is bounded by configuration. Records of large distinct responses
 /// are counted at their size in `/metrics`; at `store.max_bytes` new keys get 503
 /// `store-full` with nothing forwarded, recorded keys still replay, and new keys are
 /// admitted again once the records expire.

@@ -1,4 +1,4 @@
-//! The reconciliation probe of DESIGN §14, end to end over real sockets: the proxy in
+//! The reconciliation probe of docs/design.md §14, end to end over real sockets: the proxy in
 //! front of a fake upstream that remembers which forwarded keys took effect and answers
 //! the probe's lookups (`GET /v1/payments/by-key/{key}`), on the embedded store and a
 //! real `redis-server`. Every first request here outlives the upstream timeout, held at

@@ -1,4 +1,4 @@
-//! The records API and `idemproxy records` (DESIGN §8): an operator shows, purges and
+//! The records API and `idemproxy records` (docs/design.md §8): an operator shows, purges and
 //! releases records through the admin listener, against the memory store and a real
 //! `redis-server`, with the token rules, and the CLI's output and exit codes.
 

@@ -1,4 +1,4 @@
-//! Reload on SIGHUP (DESIGN §8): routes, policies and upstreams swapped under load
+//! Reload on SIGHUP (docs/design.md §8): routes, policies and upstreams swapped under load
 //! with no failure and no duplicate; a renewed certificate and a rotated admin token
 //! picked up; what cannot reload refused.
 

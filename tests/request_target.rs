@@ -1,4 +1,4 @@
-//! The guard and the upstream see the same request (DESIGN §3, issue 27): a path
+//! The guard and the upstream see the same request (docs/design.md §3, issue 27): a path
 //! spelled otherwise than a guarded route's (dot segments, slash runs, encodings,
 //! letter case, parameters), a method in another case, and a second, missing,
 //! invalid or conflicting `Host` are each guarded under the canonical request or

@@ -1,4 +1,4 @@
-//! Records scoped by a verified identity (`scope_jwt`, DESIGN §7): a client's retry
+//! Records scoped by a verified identity (`scope_jwt`, docs/design.md §7): a client's retry
 //! still replays after its token was refreshed, another identity never reads its
 //! record, and a token that does not verify gets 401 with nothing forwarded or stored.
 

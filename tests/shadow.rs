@@ -1,4 +1,4 @@
-//! Shadow mode (DESIGN §9): a guarded route that forwards everything and counts what
+//! Shadow mode (docs/design.md §9): a guarded route that forwards everything and counts what
 //! enforce mode would have done, against a real `redis-server` that the test takes away
 //! through a relay.
 

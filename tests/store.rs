@@ -417,7 +417,7 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
         Resolved::OtherClaim
     );
     let shown = store.inspect(&unknown).await.expect("inspect").expect("a record");
-    assert_eq!(shown.claim, Some(owner), "show names the claim to fence on");
+    assert_eq!(shown.owner, Some(owner), "show names the claim to fence on");
     assert_eq!(
         store
             .resolve(&unknown, Some(owner), &Resolution::NotApplied)
@@ -783,6 +783,115 @@ async fn an_overdue_probe_is_leased_from_now_and_deferred_by_its_interval<S: Rec
     }
 }
 
+/// A late `mark_unknown` from a claim's owner (its exchange ended after its lease, and
+/// a probe has taken the record over as `lease-expired`) is fenced: the record is not
+/// in flight any more, so its reason and its probe lease stand. And an owner cannot
+/// mark its record unknown twice.
+async fn a_late_mark_unknown_never_rewrites_an_unknown_record<S: RecordStore>(store: &S) {
+    let record = key("late-mark");
+    let owner = new_owner();
+    store
+        .claim(&claim(&record, owner, Duration::from_millis(300)))
+        .await
+        .expect("claim");
+    until_lease_expires(store, &record).await;
+    assert_eq!(
+        store
+            .begin_probe(&record, schedule(LONG * 4), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    assert_eq!(
+        store
+            .mark_unknown(&record, owner, UnknownReason::UpstreamTimeout, Some(schedule(LONG * 4)))
+            .await
+            .expect("mark"),
+        Write::Fenced
+    );
+    match state_of(store, &record).await {
+        RecordState::Unknown {
+            reason: UnknownReason::LeaseExpired,
+            probe: Probe::Next(wait),
+        } => assert!(wait > LONG / 2, "the probe's lease stands: {wait:?}"),
+        other => panic!("the late mark rewrote the record: {other:?}"),
+    }
+
+    let twice = key("marked-twice");
+    let owner = new_owner();
+    store.claim(&claim(&twice, owner, LONG)).await.expect("claim");
+    let mark = |reason| store.mark_unknown(&twice, owner, reason, Some(schedule(LONG * 4)));
+    assert_eq!(mark(UnknownReason::UpstreamFailed).await.expect("mark"), Write::Applied);
+    assert_eq!(
+        store
+            .begin_probe(&twice, schedule(LONG * 4), LONG)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    assert_eq!(mark(UnknownReason::UpstreamTimeout).await.expect("mark"), Write::Fenced);
+    match state_of(store, &twice).await {
+        RecordState::Unknown {
+            reason: UnknownReason::UpstreamFailed,
+            probe: Probe::Next(wait),
+        } => assert!(wait > LONG / 2, "{wait:?}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A probe is given up once `give_up_after` has passed, however it was found: a probe
+/// due and not taken until past it gives up at once (and stays given up), and a record
+/// that none was scheduled for counts `give_up_after` from when it was first probed.
+async fn a_probe_gives_up_at_its_give_up_after_however_it_is_found<S: RecordStore>(store: &S) {
+    let give_up = Duration::from_millis(400);
+    let overdue = key("gives-up-when-found");
+    let owner = new_owner();
+    store.claim(&claim(&overdue, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&overdue, owner, UnknownReason::UpstreamTimeout, Some(schedule(give_up)))
+        .await
+        .expect("mark");
+    tokio::time::sleep(give_up + Duration::from_millis(200)).await;
+    for _ in 0..2 {
+        assert_eq!(
+            store
+                .begin_probe(&overdue, schedule(give_up), LONG)
+                .await
+                .expect("begin"),
+            ProbeStart::GaveUp
+        );
+        assert_eq!(probe_of(store, &overdue).await, Probe::GaveUp);
+    }
+
+    let unscheduled = key("gives-up-unscheduled");
+    let owner = new_owner();
+    store.claim(&claim(&unscheduled, owner, LONG)).await.expect("claim");
+    store
+        .mark_unknown(&unscheduled, owner, UnknownReason::ResponseTooLarge, None)
+        .await
+        .expect("mark");
+    let lease = Duration::from_millis(100);
+    assert_eq!(
+        store
+            .begin_probe(&unscheduled, schedule(give_up), lease)
+            .await
+            .expect("begin"),
+        ProbeStart::Leased(owner)
+    );
+    assert_eq!(
+        store.defer_probe(&unscheduled, owner, lease).await.expect("defer"),
+        Deferred::Scheduled
+    );
+    tokio::time::sleep(give_up + Duration::from_millis(200)).await;
+    assert_eq!(
+        store
+            .begin_probe(&unscheduled, schedule(give_up), lease)
+            .await
+            .expect("begin"),
+        ProbeStart::GaveUp
+    );
+}
+
 async fn a_probe_gives_up_past_its_schedule<S: RecordStore>(store: &S) {
     let record = key("probe-gives-up");
     let owner = new_owner();
@@ -958,6 +1067,8 @@ against_both_stores!(
     an_ended_probe_lease_is_taken_over,
     an_overdue_probe_is_leased_from_now_and_deferred_by_its_interval,
     a_probe_gives_up_past_its_schedule,
+    a_late_mark_unknown_never_rewrites_an_unknown_record,
+    a_probe_gives_up_at_its_give_up_after_however_it_is_found,
     a_lapsed_lease_or_an_unscheduled_record_is_probed_when_found,
 );
 
@@ -1356,6 +1467,35 @@ async fn a_begin_probe_that_leases_from_the_old_due_time_is_caught() {
     );
     let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
     assert!(an_overdue_probe_lease_starts_now(&store).await);
+}
+
+/// An unknown record written before unknown records kept their owner
+/// (`2U<fingerprint><reason>`) has no claim to fence a resolution on: a probe leaves it
+/// alone (for an operator), never leases it with its reason read as an owner.
+#[tokio::test]
+async fn an_unknown_record_written_before_owners_were_kept_is_not_probed() {
+    let server = RedisServer::start();
+    let store = RedisStore::standalone(&server.url(), Duration::from_secs(2)).expect("store");
+    let record = key("old-format-unknown");
+    let value = format!("2U{}upstream-timeout", Fingerprint([7; 32]).to_hex());
+    let _: () = redis::cmd("SET")
+        .arg(record.as_str())
+        .arg(&value)
+        .arg("PX")
+        .arg(60_000)
+        .query(&mut server.connection())
+        .expect("SET");
+    assert_eq!(
+        store.begin_probe(&record, schedule(LONG), LONG).await.expect("begin"),
+        ProbeStart::Settled
+    );
+    assert_eq!(
+        state_of(&store, &record).await,
+        RecordState::Unknown {
+            reason: UnknownReason::UpstreamTimeout,
+            probe: Probe::Unscheduled
+        }
+    );
 }
 
 /// The memory store's probe lease holds against a paused clock too: the lease and

@@ -1,4 +1,4 @@
-//! TLS on the listener and to the upstream (DESIGN §7), with a private CA made in the
+//! TLS on the listener and to the upstream (docs/design.md §7), with a private CA made in the
 //! test: HTTP/1.1 and HTTP/2 chosen by ALPN, client certificates required and refused,
 //! handshakes that never finish or are not TLS at all, and an HTTPS upstream verified
 //! against a private CA, end to end.

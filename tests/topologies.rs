@@ -1,4 +1,4 @@
-//! Production Redis topologies under faults (DESIGN §6): a Sentinel group (one primary,
+//! Production Redis topologies under faults (docs/design.md §6): a Sentinel group (one primary,
 //! two replicas, three sentinels) and a Redis Cluster (three primaries, three
 //! replicas), each started by the test from the same `redis-server` binary. Storms of
 //! three proxy processes run through them while primaries are killed, failovers happen,

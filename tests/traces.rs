@@ -1,4 +1,4 @@
-//! Traces (DESIGN §16), end to end: the idemproxy binary exports to an OTLP/HTTP
+//! Traces (docs/design.md §16), end to end: the idemproxy binary exports to an OTLP/HTTP
 //! collector inside the test, whose exports are decoded with the `opentelemetry-proto`
 //! types. A client's trace continues through the proxy's spans to the `traceparent`
 //! the upstream receives; a replay's span links to the request that executed it, and

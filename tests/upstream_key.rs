@@ -1,4 +1,4 @@
-//! The key a guarded request carries upstream (DESIGN §14, `upstream_key`): the
+//! The key a guarded request carries upstream (docs/design.md §14, `upstream_key`): the
 //! client's own, moved to `upstream_key_header` when that names another field; the
 //! record's operation id, unique per route, scope and client key; or none. And the
 //! operation id a 409 `outcome-unknown` names, the same the records API shows. Real

@@ -1,4 +1,4 @@
-//! Wait, then replay (`wait_for_in_flight`, DESIGN §9): duplicates that find their key
+//! Wait, then replay (`wait_for_in_flight`, docs/design.md §9): duplicates that find their key
 //! in flight wait for the first request's answer, woken by the store's notifications
 //! (in-process on the memory store, pub/sub on Redis, shard channels on a cluster),
 //! across processes, through a Redis restart, and at their bounds.

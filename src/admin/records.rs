@@ -11,9 +11,11 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Response, StatusCode};
 use crate::body::{ProxyBody, full};
 use crate::config::{Config, IdempotencyPolicy};
 use crate::error::DisplayChain;
-use crate::idempotency::{self, IdempotencyKey};
+use crate::idempotency;
 use crate::jwt::{self, ScopeClaim};
-use crate::records::{RecordView, RecordedResponse, RecordsAction, RecordsError, Released, ResolvedView, Verdict};
+use crate::records::{
+    RecordView, RecordedResponse, RecordsAction, RecordsError, RecordsQuery, Released, ResolvedView, Verdict,
+};
 use crate::scope;
 use crate::store::{AnyStore, OwnerToken, RecordStore, Resolution, Resolved, StoreKey, StoredResponse};
 
@@ -53,7 +55,7 @@ pub(crate) async fn handle(
             "the route guards nothing: it has no records",
         ));
     };
-    let Named { record, verdict, claim } = match record_key(config, &route.name, policy, query.unwrap_or(""), action) {
+    let Named { record, verdict, owner } = match record_key(config, &route.name, policy, query.unwrap_or(""), action) {
         Ok(named) => named,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
@@ -61,7 +63,7 @@ pub(crate) async fn handle(
         Ok(resolution) => resolution,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
-    let response = run(store, action, &route.name, &record, claim, resolution).await;
+    let response = run(store, action, &route.name, &record, owner, resolution).await;
     tracing::info!(
         route = %route.name,
         record = %record.short_hash(),
@@ -73,17 +75,17 @@ pub(crate) async fn handle(
 }
 
 /// What a records call's query names: the record, and for `release` and `resolve` the
-/// claim it is fenced on (`claim=`, as `show` gives it; none: whichever claim is
-/// unknown when the store resolves it), and `resolve`'s verdict.
+/// owner of the claim it is fenced on (`claim=`, as `show` gives it; none: whichever
+/// claim is unknown when the store resolves it), and `resolve`'s verdict.
 struct Named {
     record: StoreKey,
     verdict: Option<Verdict>,
-    claim: Option<OwnerToken>,
+    owner: Option<OwnerToken>,
 }
 
-/// The store key the query names: `key=K` and any number of `scope=NAME:VALUE`, where
-/// NAME is one of the route's `scope_headers`, or `jwt.CLAIM` for its `scope_jwt`; for
-/// `resolve`, its `as=applied|not-applied`; for `release` and `resolve`, `claim=`.
+/// The store key the query names (`RecordsQuery`): its key within the scope its
+/// `scope=NAME:VALUE` values make, where NAME is one of the route's `scope_headers`, or
+/// `jwt.CLAIM` for its `scope_jwt`; with the claim to fence on and the verdict.
 fn record_key(
     config: &Config,
     route: &str,
@@ -91,86 +93,55 @@ fn record_key(
     query: &str,
     action: RecordsAction,
 ) -> Result<Named, String> {
-    let mut verdict: Option<Verdict> = None;
-    let mut fence: Option<OwnerToken> = None;
-    let mut key: Option<IdempotencyKey> = None;
+    let query = RecordsQuery::parse(action, query)?;
+    let key = idempotency::parse_key_value(query.key.as_bytes()).map_err(|error| format!("key: {error}"))?;
     let mut headers = HeaderMap::new();
-    let mut claim: Option<ScopeClaim> = None;
+    let mut scope_claim: Option<ScopeClaim> = None;
     let mut named: Vec<String> = Vec::new();
-    let jwt_name = policy.scope_jwt.as_ref().map(|jwt| format!("jwt.{}", jwt.claim()));
-    for (name, value) in form_urlencoded::parse(query.as_bytes()) {
-        match name.as_ref() {
-            "key" if key.is_some() => return Err("key is given twice".into()),
-            "claim" if matches!(action, RecordsAction::Release | RecordsAction::Resolve) => {
-                let given =
-                    OwnerToken::from_hex(value.as_bytes()).ok_or("claim must be 32 hex digits, as show gives it")?;
-                if fence.replace(given).is_some() {
-                    return Err("claim is given twice".into());
-                }
+    let jwt_name = policy
+        .scope_jwt
+        .as_ref()
+        .map(|jwt| format!("jwt.{}", jwt.scope_claim()));
+    for value in &query.scopes {
+        // The claim by its exact name (which may hold ':'): `jwt.sub:alice` is the
+        // string, `jwt.sub=123` the number.
+        if let Some(jwt) = &jwt_name
+            && let Some(given) = jwt_claim(value, jwt)?
+        {
+            if scope_claim.replace(given).is_some() {
+                return Err(format!("scope {jwt} is given twice"));
             }
-            "as" if action == RecordsAction::Resolve => {
-                let given = Verdict::parse(&value).ok_or("as must be applied or not-applied")?;
-                if verdict.replace(given).is_some() {
-                    return Err("as is given twice".into());
-                }
-            }
-            "key" => {
-                key = Some(idempotency::parse_key_value(value.as_bytes()).map_err(|error| format!("key: {error}"))?);
-            }
-            "scope" => {
-                // The claim by its exact name (which may hold ':'): `jwt.sub:alice` is
-                // the string, `jwt.sub=123` the number.
-                if let Some(jwt) = &jwt_name
-                    && let Some(given) = jwt_claim(&value, jwt)?
-                {
-                    if claim.replace(given).is_some() {
-                        return Err(format!("scope {jwt} is given twice"));
-                    }
-                    continue;
-                }
-                let Some((scope_name, scope_value)) = value.split_once(':') else {
-                    return Err("scope must be NAME:VALUE".into());
-                };
-                let scope_name = scope_name.trim().to_ascii_lowercase();
-                let header = HeaderName::from_bytes(scope_name.as_bytes())
-                    .ok()
-                    .filter(|header| policy.scope_headers.contains(header))
-                    .ok_or_else(|| scope_names(policy, jwt_name.as_deref(), &scope_name))?;
-                if named.contains(&scope_name) {
-                    return Err(format!("scope {scope_name} is given twice"));
-                }
-                let value = HeaderValue::from_str(scope_value)
-                    .map_err(|_| format!("scope {scope_name}: not a header value"))?;
-                headers.append(header, value);
-                named.push(scope_name);
-            }
-            other if action == RecordsAction::Resolve => {
-                return Err(format!(
-                    "unknown parameter {other:?}: the query takes key, scope, claim and as"
-                ));
-            }
-            other if action == RecordsAction::Release => {
-                return Err(format!(
-                    "unknown parameter {other:?}: the query takes key, scope and claim"
-                ));
-            }
-            other => return Err(format!("unknown parameter {other:?}: the query takes key and scope")),
+            continue;
         }
+        let Some((scope_name, scope_value)) = value.split_once(':') else {
+            return Err("scope must be NAME:VALUE".into());
+        };
+        let scope_name = scope_name.trim().to_ascii_lowercase();
+        let header = HeaderName::from_bytes(scope_name.as_bytes())
+            .ok()
+            .filter(|header| policy.scope_headers.contains(header))
+            .ok_or_else(|| scope_names(policy, jwt_name.as_deref(), &scope_name))?;
+        if named.contains(&scope_name) {
+            return Err(format!("scope {scope_name} is given twice"));
+        }
+        let value =
+            HeaderValue::from_str(scope_value).map_err(|_| format!("scope {scope_name}: not a header value"))?;
+        headers.append(header, value);
+        named.push(scope_name);
     }
-    let key = key.ok_or("key is required")?;
-    if let (Some(name), None) = (&jwt_name, &claim) {
+    if let (Some(name), None) = (&jwt_name, &scope_claim) {
         return Err(format!(
             "the route scopes records by a verified token: give scope={name}:VALUE (a string claim) or scope={name}=NUMBER"
         ));
     }
-    if action == RecordsAction::Resolve && verdict.is_none() {
-        return Err("resolve needs as=applied or as=not-applied".into());
-    }
-    let scope = scope::values(&headers, &policy.scope_headers, claim.as_ref());
+    let scope = scope::values(&headers, &policy.scope_headers, scope_claim.as_ref());
     Ok(Named {
         record: idempotency::store_key(&config.store.key_prefix, route, &scope, &key),
-        verdict,
-        claim: fence,
+        verdict: query.verdict,
+        owner: query
+            .owner
+            .as_deref()
+            .and_then(|owner| OwnerToken::from_hex(owner.as_bytes())),
     })
 }
 
@@ -250,7 +221,7 @@ async fn run(
     action: RecordsAction,
     route: &str,
     record: &StoreKey,
-    claim: Option<OwnerToken>,
+    owner: Option<OwnerToken>,
     resolution: Option<Resolution>,
 ) -> Response<ProxyBody> {
     let absent = || error(StatusCode::NOT_FOUND, "no record for this key");
@@ -276,7 +247,7 @@ async fn run(
                 (_, Some(resolution)) => resolution,
                 (_, None) => return error(StatusCode::BAD_REQUEST, "resolve needs as=applied or as=not-applied"),
             };
-            match store.resolve(record, claim, &resolution).await {
+            match store.resolve(record, owner, &resolution).await {
                 Ok(Resolved::Resolved) if action == RecordsAction::Release => {
                     let released = Released {
                         route: route.to_string(),
@@ -399,10 +370,10 @@ mod tests {
             Err(reason) => reason,
         };
         let released = name(Release, &format!("key=k&claim={claim}")).expect("release takes a claim");
-        assert_eq!(released.claim.map(OwnerToken::to_hex).as_deref(), Some(claim));
+        assert_eq!(released.owner.map(OwnerToken::to_hex).as_deref(), Some(claim));
         assert_eq!(released.verdict, None);
         let resolved = name(Resolve, &format!("key=k&claim={claim}&as=not-applied")).expect("resolve takes both");
-        assert_eq!(resolved.claim.map(OwnerToken::to_hex).as_deref(), Some(claim));
+        assert_eq!(resolved.owner.map(OwnerToken::to_hex).as_deref(), Some(claim));
         assert_eq!(resolved.verdict, Some(Verdict::NotApplied));
         let takes = [
             (Show, "key and scope"),

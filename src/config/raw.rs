@@ -1,5 +1,5 @@
 //! The configuration exactly as users write it: serde structs with the defaults of
-//! DESIGN §2, unknown keys refused, and spans kept where validation may need to point
+//! docs/design.md §2, unknown keys refused, and spans kept where validation may need to point
 //! at a value. Nothing here checks a value; `validate` does.
 
 use std::net::SocketAddr;
@@ -9,8 +9,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::{Mode, OnServerError, OnStoreError, UpstreamKey};
-use crate::error::Profile;
-use crate::target::Spelling;
+use crate::problem::Profile;
+use crate::request_target::Spelling;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -20,6 +20,7 @@ use crate::body::ProxyBody;
 use crate::error::BoxError;
 use crate::error::Outcome;
 use crate::record::ExecutionTrace;
+use crate::trace::ACCESS_LOG;
 
 /// What the access log says of a request besides its method, status and time: how it
 /// ended, on which route, how long the upstream took to its response head (when it was
@@ -70,21 +71,57 @@ struct Line {
 
 impl Line {
     fn write(self, bytes: u64, complete: bool) {
+        let note = self.note.as_ref();
+        Entry {
+            route: note.and_then(|note| note.route.as_deref()).unwrap_or("-"),
+            method: self.method.as_str(),
+            status: Some(self.status),
+            outcome: note.map_or("-", |note| note.outcome.as_str()),
+            result: None,
+            duration: self.started.elapsed(),
+            upstream: note.and_then(|note| note.upstream),
+            record: note.and_then(|note| note.record.as_deref()),
+            trace_id: self.trace_id.as_deref(),
+            sent: Some((bytes, complete)),
+        }
+        .write();
+    }
+}
+
+/// One access line, a request's or a probe's: the one place a line is written.
+pub(super) struct Entry<'a> {
+    pub(super) route: &'a str,
+    pub(super) method: &'a str,
+    /// `None`: a probe that got no answer.
+    pub(super) status: Option<u16>,
+    pub(super) outcome: &'a str,
+    /// A probe's: what it learned.
+    pub(super) result: Option<&'a str>,
+    pub(super) duration: Duration,
+    pub(super) upstream: Option<Duration>,
+    pub(super) record: Option<&'a str>,
+    pub(super) trace_id: Option<&'a str>,
+    /// A request's: the body bytes sent, and whether the body ended.
+    pub(super) sent: Option<(u64, bool)>,
+}
+
+impl Entry<'_> {
+    pub(super) fn write(&self) {
         // Milliseconds to the microsecond, printed without float noise.
         let millis = |duration: Duration| duration.as_micros() as f64 / 1000.0;
-        let note = self.note.as_ref();
         tracing::info!(
-            target: crate::ACCESS_LOG,
-            route = note.and_then(|note| note.route.as_deref()).unwrap_or("-"),
-            method = self.method.as_str(),
+            target: ACCESS_LOG,
+            route = self.route,
+            method = self.method,
             status = self.status,
-            outcome = note.map_or("-", |note| note.outcome.as_str()),
-            duration_ms = millis(self.started.elapsed()),
-            upstream_ms = note.and_then(|note| note.upstream).map(millis),
-            record = note.and_then(|note| note.record.as_deref()),
-            trace_id = self.trace_id.as_deref(),
-            bytes,
-            complete,
+            outcome = self.outcome,
+            result = self.result,
+            duration_ms = millis(self.duration),
+            upstream_ms = self.upstream.map(millis),
+            record = self.record,
+            trace_id = self.trace_id,
+            bytes = self.sent.map(|(bytes, _)| bytes),
+            complete = self.sent.map(|(_, complete)| complete),
             "access"
         );
     }

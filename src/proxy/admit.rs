@@ -14,8 +14,8 @@ use hyper::body::Incoming;
 use super::Proxy;
 use crate::config::IdempotencyPolicy;
 use crate::error::{ProxyError, Rejection};
+use crate::request_target::{self, RequestTargetError};
 use crate::router::{RouteState, Router};
-use crate::target::{self, TargetError};
 
 /// A request admitted: as forwarded, its route, and the policy that guards it.
 pub(super) struct Admitted {
@@ -47,8 +47,8 @@ impl From<Rejection> for NotAdmitted {
     }
 }
 
-impl From<TargetError> for NotAdmitted {
-    fn from(error: TargetError) -> NotAdmitted {
+impl From<RequestTargetError> for NotAdmitted {
+    fn from(error: RequestTargetError) -> NotAdmitted {
         Rejection::from(error).into()
     }
 }
@@ -56,10 +56,10 @@ impl From<TargetError> for NotAdmitted {
 impl Proxy {
     pub(super) fn admit(&self, mut request: Request<Incoming>) -> Result<Admission, NotAdmitted> {
         let router = self.shared.router.load();
-        let authority = target::authority(request.version(), request.uri(), request.headers())?;
-        if let Cow::Owned(path) = target::canonical_path(request.uri().path(), &router.paths)? {
-            let uri =
-                target::with_path(request.uri(), &path).map_err(|error| Rejection::from(ProxyError::Rewrite(error)))?;
+        let authority = request_target::authority(request.version(), request.uri(), request.headers())?;
+        if let Cow::Owned(path) = request_target::canonical_path(request.uri().path(), &router.paths)? {
+            let uri = request_target::with_path(request.uri(), &path)
+                .map_err(|error| Rejection::from(ProxyError::Rewrite(error)))?;
             *request.uri_mut() = uri;
         }
         if let Some(authority) = &authority
@@ -70,7 +70,7 @@ impl Proxy {
         let host = authority
             .as_ref()
             .and_then(|host| host.to_str().ok())
-            .map(target::host_of);
+            .map(request_target::host_of);
         let path = request.uri().path();
         // Matched on the canonical path, so no other spelling of it is forwarded.
         if router.contract_path.as_deref() == Some(path) {
@@ -78,7 +78,7 @@ impl Proxy {
             return Ok(Admission::Contract { request, host });
         }
         let route = router.route(host, path).cloned().ok_or(Rejection::NoRoute)?;
-        let refused = |route: &Arc<RouteState>, error: TargetError| NotAdmitted {
+        let refused = |route: &Arc<RouteState>, error: RequestTargetError| NotAdmitted {
             route: Some(route.clone()),
             rejection: error.into(),
         };
@@ -89,11 +89,11 @@ impl Proxy {
                 .iter()
                 .any(|guarded| guarded.as_str().eq_ignore_ascii_case(method.as_str()))
         {
-            return Err(refused(&route, TargetError::MethodCase));
+            return Err(refused(&route, RequestTargetError::MethodCase));
         }
         let guard = guard(&route, &request);
         if guard.is_none() && case_variant_guards(&router, host, &request, &route) {
-            return Err(refused(&route, TargetError::CaseVariant));
+            return Err(refused(&route, RequestTargetError::CaseVariant));
         }
         Ok(Admission::Route(Admitted { request, route, guard }))
     }
@@ -103,7 +103,7 @@ impl Proxy {
 /// a key or the route requires one (a keyless request on a `required = false` route
 /// passes unguarded).
 fn guard(route: &RouteState, request: &Request<Incoming>) -> Option<Arc<IdempotencyPolicy>> {
-    let policy = route.route.idempotency.as_ref()?;
+    let policy = route.config.idempotency.as_ref()?;
     let guarded = policy.methods.contains(request.method())
         && (policy.required || request.headers().contains_key(&policy.header));
     guarded.then(|| policy.clone())

@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
-use crate::error::{StoreError, UpstreamError};
+use crate::error::StoreError;
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::{AnyStore, ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, StoreKey, StoredResponse};
 use crate::store::{ProbeSchedule, UnknownReason, Write};
-use crate::trace;
+use crate::trace::Spans;
 
 /// The first pause between two tries of a background write, and the longest.
 const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
@@ -28,17 +28,17 @@ pub(super) struct Ledger {
     store: AnyStore,
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
-    /// `[tracing]` is on: each operation runs in a span of its own.
-    traced: bool,
+    /// Each operation runs in a span of its own (`Span::none()` with tracing off).
+    spans: Spans,
 }
 
 impl Ledger {
-    pub(super) fn new(store: AnyStore, metrics: Arc<Metrics>, tasks: TaskTracker, traced: bool) -> Ledger {
+    pub(super) fn new(store: AnyStore, metrics: Arc<Metrics>, tasks: TaskTracker, spans: Spans) -> Ledger {
         Ledger {
             store,
             metrics,
             tasks,
-            traced,
+            spans,
         }
     }
 
@@ -85,24 +85,18 @@ impl Ledger {
         &self.store
     }
 
-    /// Runs one store operation and records its latency; with tracing on, in a span of
-    /// its own.
+    /// Runs one store operation in a span of its own, and records its latency.
     pub(super) async fn timed<T>(
         &self,
         op: StoreOp,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let started = Instant::now();
-        let result = if self.traced {
-            let span = trace::store(op.as_str());
-            let result = call.instrument(span.clone()).await;
-            if let Err(error) = &result {
-                span.record("error.type", error.kind());
-            }
-            result
-        } else {
-            call.await
-        };
+        let span = self.spans.store(op.as_str());
+        let result = call.instrument(span.clone()).await;
+        if let Err(error) = &result {
+            span.record("error.type", error.kind());
+        }
         self.metrics.store_op(op, result.is_ok(), started.elapsed());
         result
     }
@@ -243,19 +237,6 @@ impl OwnedClaim {
         if let Err(error) = self.ledger.write(StoreOp::Release, write).await {
             tracing::warn!(%error, "cannot release the claim; retrying in the background");
             self.retry_release();
-        }
-    }
-
-    /// The upstream failed the exchange: frees the key if nothing was sent, else marks
-    /// it unknown (`true`, as `mark_unknown`).
-    pub(super) async fn upstream_failed(self, error: &UpstreamError, schedule: Option<ProbeSchedule>) -> bool {
-        match error {
-            UpstreamError::Unavailable(_) => {
-                self.release().await;
-                false
-            }
-            UpstreamError::Timeout(_) => self.mark_unknown(UnknownReason::UpstreamTimeout, schedule).await,
-            UpstreamError::Failed(_) => self.mark_unknown(UnknownReason::UpstreamFailed, schedule).await,
         }
     }
 

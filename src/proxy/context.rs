@@ -1,131 +1,25 @@
 //! A guarded request's context and the steps that make it: the record it names
 //! (`identify`), its place among the guarded requests in flight (`enter`, bounded by
-//! `GuardedRequests`), and its body read and fingerprinted (`prepare`). Nothing here
-//! touches the store or the upstream.
+//! `bounds::GuardedRequests`), and its body read and fingerprinted (`prepare`).
+//! Nothing here touches the store or the upstream.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::{Request, request};
 use hyper::body::Incoming;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
+use crate::bounds::Share;
 use crate::config::IdempotencyPolicy;
-use crate::error::{Bound, KeyError, ProxyError, Rejection};
+use crate::error::{KeyError, ProxyError, Rejection};
 use crate::idempotency::{self, IdempotencyKey};
-use crate::metrics::Metrics;
 use crate::record::ExecutionTrace;
 use crate::router::RouteState;
 use crate::scope;
 use crate::store::{ClaimRequest, Fingerprint, OwnerToken, ScopeId, StoreKey};
-
-/// What bounds the guarded requests in flight, process-wide (the workers share it):
-/// their number (`max_guarded_requests`), and the bytes their bodies hold while they
-/// are buffered (`max_buffered_bytes`): a request body as it is read (by its
-/// `Content-Length` up front when it has one, chunk by chunk when it has not), a
-/// response as it is read for recording. Request bodies may take three quarters of the
-/// budget; the last quarter is kept for the responses of requests already forwarded,
-/// which cannot be refused any more.
-#[derive(Clone, Debug)]
-pub(crate) struct GuardedRequests {
-    permits: Arc<Semaphore>,
-    max: usize,
-    budget: Arc<Budget>,
-}
-
-#[derive(Debug)]
-struct Budget {
-    held: AtomicU64,
-    max: u64,
-}
-
-impl Budget {
-    /// Takes `bytes` if what is held stays at most `cap`.
-    fn take(&self, bytes: u64, cap: u64) -> bool {
-        self.held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|total| *total <= cap)
-            })
-            .is_ok()
-    }
-}
-
-impl GuardedRequests {
-    pub(crate) fn new(max: usize, max_bytes: u64) -> GuardedRequests {
-        GuardedRequests {
-            permits: Arc::new(Semaphore::new(max)),
-            max,
-            budget: Arc::new(Budget {
-                held: AtomicU64::new(0),
-                max: max_bytes,
-            }),
-        }
-    }
-
-    /// A share for one more guarded request, unless `max` are in flight.
-    pub(super) fn try_enter(&self) -> Result<Share, Rejection> {
-        let permit = self
-            .permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Rejection::Overloaded(Bound::Requests(self.max)))?;
-        Ok(Share {
-            _permit: permit,
-            budget: self.budget.clone(),
-            bytes: 0,
-        })
-    }
-
-    /// Reports the guarded requests in flight now, the bytes their bodies hold, and the
-    /// bounds on both, in `metrics`.
-    pub(crate) fn report(&self, metrics: &Metrics) {
-        let in_flight = self.max - self.permits.available_permits();
-        let held = self.budget.held.load(Ordering::Acquire);
-        metrics.guarded(in_flight, self.max, held, self.budget.max);
-    }
-}
-
-/// One guarded request's place among those in flight, and the bytes of the budget it
-/// holds: all given back when it is dropped, once its bodies are recorded or handed on.
-#[derive(Debug)]
-pub(super) struct Share {
-    _permit: OwnedSemaphorePermit,
-    budget: Arc<Budget>,
-    bytes: u64,
-}
-
-impl Share {
-    /// Takes `bytes` for the request body, unless request bodies would hold more than
-    /// their three quarters of the budget.
-    pub(super) fn take_for_request(&mut self, bytes: u64) -> bool {
-        let cap = self.budget.max / 4 * 3;
-        self.take(bytes, cap)
-    }
-
-    /// Takes `bytes` for a response buffered for recording, unless the budget is spent.
-    pub(super) fn take_for_response(&mut self, bytes: u64) -> bool {
-        let cap = self.budget.max;
-        self.take(bytes, cap)
-    }
-
-    fn take(&mut self, bytes: u64, cap: u64) -> bool {
-        let taken = self.budget.take(bytes, cap);
-        if taken {
-            self.bytes += bytes;
-        }
-        taken
-    }
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
-}
 
 /// A guarded request's context, shared by its steps: its route and policy, the client,
 /// the record it names, and its share of the bounds on guarded requests (given back
@@ -177,7 +71,7 @@ impl Prepared {
             owner: OwnerToken::generate().map_err(|_| ProxyError::Random)?,
             fingerprint,
             retention: policy.retention,
-            lease: guarded.route.route.lease(),
+            lease: guarded.route.config.lease(),
         };
         Ok(Prepared {
             parts,
@@ -203,11 +97,11 @@ impl Proxy {
         headers: &http::HeaderMap,
     ) -> Result<Named, Rejection> {
         let key = idempotency::parse_key(headers.get_all(&policy.header))?.ok_or(KeyError::Missing)?;
-        let claim = match &policy.scope_jwt {
+        let scope_claim = match &policy.scope_jwt {
             None => None,
             Some(verifier) => Some(verifier.verify(headers, SystemTime::now())?),
         };
-        let scope = scope::values(headers, &policy.scope_headers, claim.as_ref());
+        let scope = scope::values(headers, &policy.scope_headers, scope_claim.as_ref());
         Ok(Named {
             record: idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key),
             scope: idempotency::scope_id(&route.name, &scope),

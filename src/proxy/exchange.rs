@@ -1,73 +1,31 @@
 //! The exchange of a claimed request: sent from a task of its own (so a client that
 //! goes away changes nothing), timed, and its claim resolved by what came back:
-//! completed with the response, released, or marked unknown.
+//! completed with the response, released, or (`unknown_outcome`, in `reconcile`) marked
+//! unknown and handed to the probe.
 
-use http::{Request, Response};
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, response};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::sync::oneshot;
-use tokio::time::Duration;
 use tracing::Instrument;
 
 use super::claim::OwnedClaim;
-use super::{Answer, Ended, Guarded, Prepared, Proxy, Refusal};
+use super::send::send;
+use super::{Answer, Guarded, Handled, Prepared, Proxy, Refusal};
 use crate::body::{self, Buffered, ProxyBody, StreamedBody, full};
 use crate::config::{IdempotencyPolicy, Mode, UpstreamKey};
 use crate::error::{ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, Recording};
-use crate::router::RouteState;
 use crate::store::{StoreKey, StoredResponse, UnknownReason};
-use crate::trace;
-use crate::upstream::{self, Clock};
-
-/// Sends `request` on `route`'s upstream within its timeout, and times the response
-/// head in the route's metrics. `traced`: in a span of its own, which the upstream
-/// gets as its parent.
-pub(super) async fn send(
-    route: &RouteState,
-    request: Request<ProxyBody>,
-    traced: bool,
-) -> (Result<Response<Incoming>, UpstreamError>, Clock, Duration) {
-    let clock = Clock::start(route.route.upstream_timeout);
-    let sent = upstream_traced(&route.client, request, &clock, traced).await;
-    let elapsed = clock.started.elapsed();
-    route.metrics.upstream(elapsed);
-    (sent, clock, elapsed)
-}
-
-/// `upstream::send`, in an `upstream` span when `traced`: its trace context replaces
-/// the client's in `request`, and it records the status, or the kind of failure.
-pub(super) async fn upstream_traced(
-    client: &upstream::HttpClient,
-    mut request: Request<ProxyBody>,
-    clock: &Clock,
-    traced: bool,
-) -> Result<Response<Incoming>, UpstreamError> {
-    if !traced {
-        return upstream::send(client, request, clock).await;
-    }
-    let authority = request.uri().authority().map_or("", |authority| authority.as_str());
-    let span = trace::upstream(request.method(), authority);
-    trace::inject(&span, request.headers_mut());
-    let sent = upstream::send(client, request, clock).instrument(span.clone()).await;
-    match &sent {
-        Ok(response) => {
-            span.record("http.response.status_code", response.status().as_u16());
-        }
-        Err(error) => {
-            span.record("error.type", error.kind());
-        }
-    }
-    sent
-}
+use crate::upstream;
 
 impl Proxy {
     /// Sends the claimed request from a task of its own, and returns its response once
     /// the record is updated, so that a retry that follows it sees the record.
-    pub(super) async fn forward(&self, guarded: Guarded, claim: OwnedClaim, prepared: Prepared) -> Ended {
+    pub(super) async fn forward(&self, guarded: Guarded, claim: OwnedClaim, prepared: Prepared) -> Handled {
         let mut request = prepared.into_request();
         let rewritten = upstream_key(request.headers_mut(), &guarded.policy, &guarded.record).and_then(|()| {
-            upstream::prepare_request(&mut request, &guarded.route.route.upstream, &guarded.client)
+            upstream::prepare_request(&mut request, &guarded.route.config.upstream, &guarded.client)
                 .map_err(|error| ProxyError::Rewrite(error).into())
         });
         if let Err(rejection) = rewritten {
@@ -92,49 +50,35 @@ impl Proxy {
 
     /// Runs in its own task: forwards the claimed request, then resolves the claim by
     /// what came back.
-    async fn exchange(&self, guarded: &mut Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Ended {
+    async fn exchange(&self, guarded: &mut Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Handled {
         claim.forwarding();
-        let (sent, clock, elapsed) = send(&guarded.route, request, self.shared.traced).await;
+        let (sent, clock, elapsed) = send(&guarded.route, request, self.shared.spans).await;
         let failed = |rejection: Rejection| Refusal {
             rejection,
             upstream: Some(elapsed),
             operation: None,
         };
-        let schedule = guarded.route.route.reconcile().map(super::reconcile::schedule);
         let response = match sent {
             Ok(response) => response,
             Err(error) => {
-                if claim.upstream_failed(&error, schedule).await {
-                    self.reconcile_later(guarded);
-                }
+                self.upstream_failed(guarded, claim, &error).await;
                 return Err(failed(error.into()));
             }
         };
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
-        let policy = guarded.policy.clone();
-        let recording = idempotency::recording_for(parts.status, policy.on_server_error);
-        let limit = policy.max_response_body_bytes;
+        let limit = guarded.policy.max_response_body_bytes;
         let share = &mut guarded.share;
         let buffered = body::buffer_response(body, limit, clock.deadline, clock.timeout, |bytes| {
             share.take_for_response(bytes)
         });
         let body = match buffered.await {
             Err(error) => {
-                if claim.upstream_failed(&error, schedule).await {
-                    self.reconcile_later(guarded);
-                }
+                self.upstream_failed(guarded, claim, &error).await;
                 return Err(failed(error.into()));
             }
             Ok(Buffered::Whole(body)) => {
-                match recording {
-                    Recording::Record => {
-                        let stored = StoredResponse::from_parts(&parts, body.clone(), &policy.replay_exclude_headers)
-                            .traced(guarded.execution);
-                        claim.complete(stored).await;
-                    }
-                    Recording::Release => claim.release().await,
-                }
+                self.record(guarded, claim, &parts, &body).await;
                 full(body)
             }
             Ok(Buffered::Cut {
@@ -142,27 +86,53 @@ impl Proxy {
                 rest,
                 over_budget,
             }) => {
-                match recording {
-                    Recording::Record if over_budget => {
-                        tracing::warn!(
-                            "no budget left to buffer the response for recording; the key's outcome is now unknown"
-                        );
-                        if claim.mark_unknown(UnknownReason::OverBudget, schedule).await {
-                            self.reconcile_later(guarded);
-                        }
-                    }
-                    Recording::Record => {
-                        tracing::warn!(limit, "response too large to record; the key's outcome is now unknown");
-                        if claim.mark_unknown(UnknownReason::ResponseTooLarge, schedule).await {
-                            self.reconcile_later(guarded);
-                        }
-                    }
-                    Recording::Release => claim.release().await,
-                }
+                self.unrecordable(guarded, claim, parts.status, over_budget).await;
                 StreamedBody::new(Some(head), rest, clock.deadline, clock.timeout).boxed_unsync()
             }
         };
         Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed))
+    }
+
+    /// The upstream's whole response: recorded, or the key released, as its status says.
+    async fn record(&self, guarded: &Guarded, claim: OwnedClaim, parts: &response::Parts, body: &Bytes) {
+        let policy = &guarded.policy;
+        match idempotency::recording_for(parts.status, policy.on_server_error) {
+            Recording::Record => {
+                let stored = StoredResponse::from_parts(parts, body.clone(), &policy.replay_exclude_headers)
+                    .traced(guarded.execution);
+                claim.complete(stored).await;
+            }
+            Recording::Release => claim.release().await,
+        }
+    }
+
+    /// A response that reaches the client but cannot be recorded (over
+    /// `max_response_body_bytes`, or over the byte budget while it was read): its
+    /// outcome is unknown, unless its status releases the key anyway.
+    async fn unrecordable(&self, guarded: &Guarded, claim: OwnedClaim, status: StatusCode, over_budget: bool) {
+        if idempotency::recording_for(status, guarded.policy.on_server_error) == Recording::Release {
+            return claim.release().await;
+        }
+        let reason = if over_budget {
+            tracing::warn!("no budget left to buffer the response for recording; the key's outcome is now unknown");
+            UnknownReason::OverBudget
+        } else {
+            let limit = guarded.policy.max_response_body_bytes;
+            tracing::warn!(limit, "response too large to record; the key's outcome is now unknown");
+            UnknownReason::ResponseTooLarge
+        };
+        self.unknown_outcome(guarded, claim, reason).await;
+    }
+
+    /// The upstream failed the exchange: the key is freed if nothing was sent, else its
+    /// outcome is unknown.
+    async fn upstream_failed(&self, guarded: &Guarded, claim: OwnedClaim, error: &UpstreamError) {
+        let reason = match error {
+            UpstreamError::Unavailable(_) => return claim.release().await,
+            UpstreamError::Timeout(_) => UnknownReason::UpstreamTimeout,
+            UpstreamError::Failed(_) => UnknownReason::UpstreamFailed,
+        };
+        self.unknown_outcome(guarded, claim, reason).await;
     }
 }
 

@@ -1,4 +1,4 @@
-//! The reconciliation probe (DESIGN §14): when a record's outcome becomes unknown on a
+//! The reconciliation probe (docs/design.md §14): when a record's outcome becomes unknown on a
 //! route with `[route.idempotency.reconcile]`, a `GET` or `HEAD` to the route's
 //! upstream asks what became of it, and its answer resolves the record, fenced on the
 //! claim it is about, or schedules the next probe. One chain of probes per record: the
@@ -19,9 +19,10 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
-use super::Proxy;
+use super::claim::OwnedClaim;
 use super::context::Guarded;
-use super::exchange::upstream_traced;
+use super::send::send_within;
+use super::{Proxy, access};
 use crate::body::{self, Buffered, full};
 use crate::config::{IdempotencyPolicy, Reconcile, UpstreamKey};
 use crate::error::UpstreamError;
@@ -29,9 +30,9 @@ use crate::metrics::{Reconciliation, StoreOp};
 use crate::record::ExecutionTrace;
 use crate::router::RouteState;
 use crate::store::{
-    Deferred, OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordStore, Resolution, Resolved, StoreKey, StoredResponse,
+    Deferred, OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordStore, Resolution, Resolved, StoreKey,
+    StoredResponse, UnknownReason,
 };
-use crate::trace;
 use crate::upstream::{self, Clock};
 
 /// How early a probe may find itself against the store's clock and still wait for its
@@ -136,10 +137,14 @@ enum Learned {
 }
 
 impl Proxy {
-    /// A guarded request's record became unknown by its own exchange: its chain of
-    /// probes begins here, the first after `first_after`.
-    pub(super) fn reconcile_later(&self, guarded: &Guarded) {
-        if let Some(reconcile) = guarded.route.route.reconcile() {
+    /// A claimed request was forwarded and its outcome cannot be learned: its record is
+    /// marked unknown, with the route's probe scheduled when it has one, and the chain
+    /// of probes begins here, the first after `first_after`. The one place an exchange
+    /// hands a record to reconciliation.
+    pub(super) async fn unknown_outcome(&self, guarded: &Guarded, claim: OwnedClaim, reason: UnknownReason) {
+        let reconcile = guarded.route.config.reconcile();
+        let marked = claim.mark_unknown(reason, reconcile.map(schedule)).await;
+        if let (true, Some(reconcile)) = (marked, reconcile) {
             self.begin_chain(guarded, reconcile.first_after);
         }
     }
@@ -148,7 +153,7 @@ impl Proxy {
     /// probe is reconciling it, and when the next probe is. A probe that is due with
     /// nobody on it, or was never begun, is taken over by this instance now.
     pub(super) fn reconciling(&self, guarded: &Guarded, probe: Probe) -> Option<Duration> {
-        guarded.route.route.reconcile()?;
+        guarded.route.config.reconcile()?;
         match probe {
             Probe::GaveUp => None,
             Probe::Next(next) if !next.is_zero() => Some(next),
@@ -160,7 +165,7 @@ impl Proxy {
     }
 
     fn begin_chain(&self, guarded: &Guarded, first: Duration) {
-        let Some(reconcile) = guarded.route.route.reconcile() else {
+        let Some(reconcile) = guarded.route.config.reconcile() else {
             return;
         };
         let Some(place) = self.shared.probes.chains.enter(&guarded.record) else {
@@ -220,15 +225,15 @@ impl Proxy {
             drop(waiting);
             // Each probe is a trace of its own, linked to the request that began the
             // chain: a chain may last minutes.
-            let span = match self.shared.traced {
-                true => trace::probe(&job.route.name, job.record.short_hash(), job.execution),
-                false => Span::none(),
-            };
+            let span = self
+                .shared
+                .spans
+                .probe(&job.route.name, job.record.short_hash(), job.execution);
             let start = ledger
                 .store()
                 .begin_probe(&job.record, schedule(reconcile), reconcile.lease());
-            let claim = match ledger.timed(StoreOp::BeginProbe, start).instrument(span.clone()).await {
-                Ok(ProbeStart::Leased(claim)) => claim,
+            let owner = match ledger.timed(StoreOp::BeginProbe, start).instrument(span.clone()).await {
+                Ok(ProbeStart::Leased(owner)) => owner,
                 Ok(ProbeStart::NotDue(next)) if next <= CLOCK_SLACK => {
                     wait = next;
                     continue;
@@ -248,22 +253,22 @@ impl Proxy {
             };
             let learned = self.probe(&job).instrument(span.clone()).await;
             drop(permit);
-            wait = match self.settle(&job, claim, learned).instrument(span).await {
+            wait = match self.settle(&job, owner, learned).instrument(span).await {
                 Some(next) => next,
                 None => return,
             };
         }
     }
 
-    /// Writes what a probe learned about `claim`; the wait before the next probe, or
-    /// `None` when the chain is over.
-    async fn settle(&self, job: &Job, claim: OwnerToken, learned: Learned) -> Option<Duration> {
+    /// Writes what a probe learned about the claim `owner` made; the wait before the next
+    /// probe, or `None` when the chain is over.
+    async fn settle(&self, job: &Job, owner: OwnerToken, learned: Learned) -> Option<Duration> {
         let (ledger, metrics, reconcile) = (&self.shared.ledger, &job.route.metrics, &job.reconcile);
         let resolution = match learned {
             Learned::Applied(response) => Resolution::Applied(response),
             Learned::NotApplied => Resolution::NotApplied,
             Learned::Nothing(why) => {
-                let deferred = ledger.store().defer_probe(&job.record, claim, reconcile.every);
+                let deferred = ledger.store().defer_probe(&job.record, owner, reconcile.every);
                 return match ledger.timed(StoreOp::DeferProbe, deferred).await {
                     Ok(Deferred::Scheduled) => {
                         metrics.reconciled(Reconciliation::Retry);
@@ -291,7 +296,7 @@ impl Proxy {
             }
         };
         let applied = matches!(resolution, Resolution::Applied(_));
-        let resolved = ledger.store().resolve(&job.record, Some(claim), &resolution);
+        let resolved = ledger.store().resolve(&job.record, Some(owner), &resolution);
         match ledger.timed(StoreOp::Resolve, resolved).await {
             Ok(Resolved::Resolved) if applied => {
                 metrics.reconciled(Reconciliation::Applied);
@@ -323,7 +328,7 @@ impl Proxy {
         let clock = Clock::start(reconcile.timeout);
         let (learned, status) = match probe_request(job) {
             Err(_) => (Learned::Nothing("the probe's path does not make a URI"), None),
-            Ok(request) => match upstream_traced(&job.route.client, request, &clock, self.shared.traced).await {
+            Ok(request) => match send_within(&job.route.client, request, &clock, self.shared.spans).await {
                 Err(error) => (Learned::Nothing(unsettled(&error)), None),
                 Ok(response) => {
                     let status = response.status();
@@ -334,23 +339,24 @@ impl Proxy {
         let elapsed = clock.started.elapsed();
         job.route.metrics.probe(elapsed);
         if self.access_log() {
-            let millis = elapsed.as_micros() as f64 / 1000.0;
-            tracing::info!(
-                target: crate::ACCESS_LOG,
-                route = &*job.route.name,
-                method = reconcile.method.as_str(),
-                status = status.map(|status| status.as_u16()),
-                outcome = "probe",
-                result = match &learned {
-                    Learned::Applied(_) => "applied",
-                    Learned::NotApplied => "not_applied",
-                    Learned::Nothing(_) => "retry",
-                },
-                duration_ms = millis,
-                upstream_ms = millis,
-                record = job.record.short_hash(),
-                "access"
-            );
+            let result = match &learned {
+                Learned::Applied(_) => "applied",
+                Learned::NotApplied => "not_applied",
+                Learned::Nothing(_) => "retry",
+            };
+            access::Entry {
+                route: &job.route.name,
+                method: reconcile.method.as_str(),
+                status: status.map(|status| status.as_u16()),
+                outcome: "probe",
+                result: Some(result),
+                duration: elapsed,
+                upstream: Some(elapsed),
+                record: Some(job.record.short_hash()),
+                trace_id: None,
+                sent: None,
+            }
+            .write();
         }
         learned
     }
@@ -375,7 +381,7 @@ impl Proxy {
             Ok(Buffered::Whole(body)) => Learned::Applied(
                 StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers)
                     .reconciled()
-                    .traced(trace::reference(&Span::current())),
+                    .traced(self.shared.spans.reference(&Span::current())),
             ),
             Ok(Buffered::Cut { .. }) => Learned::Nothing("the probe's answer is larger than max_response_body_bytes"),
             Err(error) => Learned::Nothing(unsettled(&error)),
@@ -384,7 +390,7 @@ impl Proxy {
 }
 
 /// What the store keeps of a route's probe schedule.
-pub(super) fn schedule(reconcile: &Reconcile) -> ProbeSchedule {
+fn schedule(reconcile: &Reconcile) -> ProbeSchedule {
     ProbeSchedule {
         first_after: reconcile.first_after,
         give_up_after: reconcile.give_up_after,
@@ -393,7 +399,7 @@ pub(super) fn schedule(reconcile: &Reconcile) -> ProbeSchedule {
 
 /// The probe's request: no body, no client header, to the route's upstream.
 fn probe_request(job: &Job) -> Result<Request<crate::body::ProxyBody>, http::Error> {
-    let target = &job.route.route.upstream;
+    let target = &job.route.config.upstream;
     let path = job.reconcile.path.render(&job.key, &job.record.operation_id());
     let path_and_query = match target.base_path() {
         None => path,

@@ -13,12 +13,12 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::{Ended, Named, Prepared, Proxy};
+use super::{Handled, Named, Prepared, Proxy};
 use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, streamed};
 use crate::config::IdempotencyPolicy;
-use crate::error::{KeyError, Rejection};
+use crate::error::Rejection;
 use crate::idempotency::Decision;
-use crate::metrics::Would;
+use crate::problem::Would;
 use crate::record::ExecutionTrace;
 use crate::router::RouteState;
 
@@ -34,7 +34,7 @@ impl Proxy {
         request: Request<Incoming>,
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
-    ) -> Ended {
+    ) -> Handled {
         let entered = identified.and_then(|named| self.enter(route, policy, &client, named, execution));
         let mut guarded = match entered {
             Ok(guarded) => guarded,
@@ -54,7 +54,7 @@ impl Proxy {
             Peeked::Whole(body) => body,
             Peeked::Partial { head, rest, .. } => {
                 drop(guarded);
-                let timeout = route.route.upstream_timeout;
+                let timeout = route.config.upstream_timeout;
                 let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
                 let request = Request::from_parts(parts, body.boxed_unsync());
                 return self.unguarded(route, Would::Rejected, request, &client).await;
@@ -85,28 +85,13 @@ impl Proxy {
         would: Would,
         request: Request<ProxyBody>,
         client: &ClientInfo,
-    ) -> Ended {
+    ) -> Handled {
         route.metrics.shadow(would);
         self.pass(route, request, client).await
     }
 }
 
-/// What enforce mode does with a request it refuses, as a shadow decision.
+/// What enforce mode does with a request it refuses, as a shadow decision: its kind's.
 fn would(rejection: &Rejection) -> Would {
-    match rejection {
-        Rejection::Key(KeyError::Missing) => Would::MissingKey,
-        Rejection::Key(_) => Would::InvalidKey,
-        Rejection::KeyReused => Would::Mismatch,
-        Rejection::InProgress { .. } | Rejection::OutcomeUnknown { .. } => Would::Conflict,
-        Rejection::Overloaded(_) => Would::Overloaded,
-        Rejection::Store(_) => Would::StoreError,
-        Rejection::NoRoute
-        | Rejection::Target(_)
-        | Rejection::BodyTooLarge(_)
-        | Rejection::BodyTimeout(_)
-        | Rejection::BodyIncomplete(_)
-        | Rejection::UnverifiedScope(_)
-        | Rejection::Upstream(_)
-        | Rejection::Internal(_) => Would::Rejected,
-    }
+    rejection.kind().row().would
 }

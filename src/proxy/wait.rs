@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::{Answer, Ended, Guarded, Prepared, Proxy, Refusal};
+use super::{Answer, Guarded, Handled, Prepared, Proxy, Refusal};
 use crate::error::Rejection;
 use crate::idempotency::Decision;
 use crate::metrics::{Metrics, WaitEnd};
@@ -91,7 +91,7 @@ impl Proxy {
     /// that waits: it waits for the record to change, up to `wait_for_in_flight`, and
     /// answers as the record then says. It keeps its context (its place among the
     /// guarded requests, and its body) throughout, in case it wins the key.
-    pub(super) async fn wait(&self, guarded: Guarded, prepared: Prepared, first: Rejection) -> Ended {
+    pub(super) async fn wait(&self, guarded: Guarded, prepared: Prepared, first: Rejection) -> Handled {
         let waiting = &self.shared.waiting;
         let Ok(slot) = waiting.slots.clone().try_acquire_owned() else {
             self.shared.metrics.wait_ended(WaitEnd::Full, Duration::ZERO);

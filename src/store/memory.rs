@@ -551,7 +551,7 @@ impl RecordStore for MemoryStore {
                 probe: probe(schedule.as_ref(), now),
             },
         };
-        let claim = match &record.state {
+        let owner = match &record.state {
             State::Unknown { owner, .. } => Some(*owner),
             State::InFlight { owner, lease_until } if *lease_until <= now => Some(*owner),
             State::InFlight { .. } | State::Completed(_) => None,
@@ -560,14 +560,14 @@ impl RecordStore for MemoryStore {
             fingerprint: record.fingerprint,
             ttl: record.expires_at - now,
             state,
-            claim,
+            owner,
         }))
     }
 
     async fn resolve(
         &self,
         key: &StoreKey,
-        claim: Option<OwnerToken>,
+        owner: Option<OwnerToken>,
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
         let mut records = self.shared.lock();
@@ -581,7 +581,7 @@ impl RecordStore for MemoryStore {
             _ if planted!(self, ResolveCheckDropped) => None,
             State::InFlight { .. } | State::Completed(_) => return Ok(Resolved::NotUnknown),
         };
-        if let (Some(named), Some(holder)) = (claim, unknown_for)
+        if let (Some(named), Some(holder)) = (owner, unknown_for)
             && named != holder
         {
             return Ok(Resolved::OtherClaim);
@@ -645,7 +645,7 @@ impl RecordStore for MemoryStore {
         }
     }
 
-    async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+    async fn defer_probe(&self, key: &StoreKey, named: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
         let mut records = self.shared.lock();
         let now = Instant::now();
         let Some(record) = records.live_mut(key, now) else {
@@ -659,7 +659,7 @@ impl RecordStore for MemoryStore {
         else {
             return Ok(Deferred::Settled);
         };
-        if *owner != claim {
+        if *owner != named {
             return Ok(Deferred::Settled);
         }
         let next = now + every;

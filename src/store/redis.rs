@@ -453,12 +453,12 @@ impl RecordStore for RedisStore {
     async fn resolve(
         &self,
         key: &StoreKey,
-        claim: Option<OwnerToken>,
+        owner: Option<OwnerToken>,
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
         let mut invocation = self.scripts.resolve.key(key.as_str());
         invocation.arg(self.publish);
-        invocation.arg(claim.map(OwnerToken::to_hex).unwrap_or_default());
+        invocation.arg(owner.map(OwnerToken::to_hex).unwrap_or_default());
         if let Resolution::Applied(response) = resolution {
             invocation.arg(layout::completed_tail(response));
         }
@@ -479,13 +479,13 @@ impl RecordStore for RedisStore {
     ) -> Result<ProbeStart, StoreError> {
         let mut invocation = self.scripts.begin_probe.key(key.as_str());
         invocation.arg(millis(lease)).arg(millis(schedule.give_up_after));
-        let (code, claim, wait): (i64, String, i64) = self.invoke(&invocation).await?;
-        layout::probe_start(code, &claim, wait)
+        let (code, owner, wait): (i64, String, i64) = self.invoke(&invocation).await?;
+        layout::probe_start(code, &owner, wait)
     }
 
-    async fn defer_probe(&self, key: &StoreKey, claim: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+    async fn defer_probe(&self, key: &StoreKey, owner: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
         let mut invocation = self.scripts.defer_probe.key(key.as_str());
-        invocation.arg(claim.to_hex()).arg(millis(every));
+        invocation.arg(owner.to_hex()).arg(millis(every));
         let code: i64 = self.invoke(&invocation).await?;
         Ok(layout::deferred(code))
     }

@@ -1,4 +1,4 @@
-//! The record protocol of DESIGN §4 as a model: one record, the owners that write it,
+//! The record protocol of docs/design.md §4 as a model: one record, the owners that write it,
 //! and what the store answers each operation. The model check (`tests/model.rs`) proves
 //! the protocol safe over every interleaving of proxies with `Record::apply`; the
 //! conformance test (`tests/conformance.rs`) checks that the real stores answer exactly

@@ -76,11 +76,13 @@ pub(super) fn lease_depends_on_ttl(value: &[u8]) -> bool {
     }
 }
 
-/// What `begin_probe.lua` answered: a code, the claim leased, and how long until due.
-pub(super) fn probe_start(code: i64, claim: &str, wait_ms: i64) -> Result<ProbeStart, StoreError> {
+/// What `begin_probe.lua` answered: a code, the owner of the claim leased for, and how
+/// long until due.
+pub(super) fn probe_start(code: i64, owner: &str, wait_ms: i64) -> Result<ProbeStart, StoreError> {
     Ok(match code {
         1 => ProbeStart::Leased(
-            OwnerToken::from_hex(claim.as_bytes()).ok_or(StoreError::Protocol("a probe lease without its claim"))?,
+            OwnerToken::from_hex(owner.as_bytes())
+                .ok_or(StoreError::Protocol("a probe lease without its claim's owner"))?,
         ),
         2 => ProbeStart::NotDue(Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))),
         -3 => ProbeStart::GaveUp,
@@ -240,7 +242,7 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
     };
     let Decoded { fingerprint, state } = decode(value, Some(pttl))?;
     let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
-    let claim = match &state {
+    let owner = match &state {
         Read::InFlight { lease: None, owner } | Read::Unknown { owner: Some(owner), .. } => OwnerToken::from_hex(owner),
         Read::InFlight { .. } | Read::Completed(_) | Read::Unknown { owner: None, .. } => None,
     };
@@ -261,7 +263,7 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
         fingerprint,
         ttl: millis(pttl),
         state,
-        claim,
+        owner,
     }))
 }
 
@@ -347,7 +349,7 @@ mod tests {
             .expect("decodes")
             .expect("a record");
         assert_eq!(
-            (old.state, old.claim),
+            (old.state, old.owner),
             (
                 SummaryState::Unknown {
                     reason: UnknownReason::UpstreamTimeout,
@@ -363,7 +365,7 @@ mod tests {
             .expect("decodes")
             .expect("a record");
         assert_eq!(
-            (new.state, new.claim),
+            (new.state, new.owner),
             (
                 SummaryState::Unknown {
                     reason: UnknownReason::OverBudget,

@@ -9,7 +9,7 @@ use http::uri::{Authority, Scheme, Uri};
 
 /// A route's upstream, as the request path uses it.
 #[derive(Debug, Clone)]
-pub struct Target {
+pub struct Upstream {
     uri: Uri,
     scheme: Scheme,
     authority: Authority,
@@ -18,11 +18,11 @@ pub struct Target {
     host: HeaderValue,
 }
 
-impl TryFrom<Uri> for Target {
+impl TryFrom<Uri> for Upstream {
     /// Why the URL cannot be an upstream, for the config error.
     type Error = &'static str;
 
-    fn try_from(uri: Uri) -> Result<Target, &'static str> {
+    fn try_from(uri: Uri) -> Result<Upstream, &'static str> {
         let scheme = match uri.scheme_str() {
             Some("http") => Scheme::HTTP,
             Some("https") => Scheme::HTTPS,
@@ -37,7 +37,7 @@ impl TryFrom<Uri> for Target {
         let host =
             HeaderValue::from_str(authority.as_str()).map_err(|_| "the URL's host is not a valid Host header")?;
         let base = uri.path().trim_end_matches('/');
-        Ok(Target {
+        Ok(Upstream {
             scheme,
             base_path: (!base.is_empty()).then(|| base.to_string()),
             authority,
@@ -47,13 +47,13 @@ impl TryFrom<Uri> for Target {
     }
 }
 
-impl fmt::Display for Target {
+impl fmt::Display for Upstream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.uri.fmt(f)
     }
 }
 
-impl Target {
+impl Upstream {
     pub(crate) fn scheme(&self) -> &Scheme {
         &self.scheme
     }

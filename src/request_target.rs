@@ -75,7 +75,7 @@ impl std::fmt::Display for PathPolicy {
 
 /// Why a request target is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum TargetError {
+pub enum RequestTargetError {
     #[error("the path holds a '%' that is not followed by two hex digits")]
     MalformedEscape,
     #[error("the path holds an encoded slash or a backslash (%2F, %5C, \\)")]
@@ -98,7 +98,7 @@ pub enum TargetError {
 
 /// The canonical form of `path` under `policy`: borrowed when `path` is canonical
 /// already (the common case, found in one pass), else rebuilt.
-pub fn canonical_path<'a>(path: &'a str, policy: &PathPolicy) -> Result<Cow<'a, str>, TargetError> {
+pub fn canonical_path<'a>(path: &'a str, policy: &PathPolicy) -> Result<Cow<'a, str>, RequestTargetError> {
     if !path.starts_with('/') {
         // `*` (OPTIONS) or an authority-form target: nothing to normalise.
         return Ok(Cow::Borrowed(path));
@@ -139,7 +139,7 @@ fn is_unreserved(byte: u8) -> bool {
 
 /// `path` with unreserved escapes decoded and the others in upper-case hex; refuses
 /// what the policy refuses.
-fn decode(path: &str, policy: &PathPolicy) -> Result<String, TargetError> {
+fn decode(path: &str, policy: &PathPolicy) -> Result<String, RequestTargetError> {
     let bytes = path.as_bytes();
     let mut out = String::with_capacity(path.len());
     let mut at = 0;
@@ -147,17 +147,17 @@ fn decode(path: &str, policy: &PathPolicy) -> Result<String, TargetError> {
         let byte = bytes[at];
         match byte {
             b'%' => {
-                let hex = bytes.get(at + 1..at + 3).ok_or(TargetError::MalformedEscape)?;
+                let hex = bytes.get(at + 1..at + 3).ok_or(RequestTargetError::MalformedEscape)?;
                 let value = std::str::from_utf8(hex)
                     .ok()
                     .and_then(|hex| u8::from_str_radix(hex, 16).ok())
                     .filter(|_| hex.iter().all(u8::is_ascii_hexdigit))
-                    .ok_or(TargetError::MalformedEscape)?;
+                    .ok_or(RequestTargetError::MalformedEscape)?;
                 if is_unreserved(value) {
                     out.push(char::from(value));
                 } else {
                     if matches!(value, b'/' | b'\\') && policy.escaped_slashes == Spelling::Reject {
-                        return Err(TargetError::EscapedSlash);
+                        return Err(RequestTargetError::EscapedSlash);
                     }
                     out.push('%');
                     out.push_str(&format!("{value:02X}"));
@@ -165,8 +165,8 @@ fn decode(path: &str, policy: &PathPolicy) -> Result<String, TargetError> {
                 at += 3;
                 continue;
             }
-            b'\\' if policy.escaped_slashes == Spelling::Reject => return Err(TargetError::EscapedSlash),
-            b';' if policy.path_parameters == Spelling::Reject => return Err(TargetError::Parameter),
+            b'\\' if policy.escaped_slashes == Spelling::Reject => return Err(RequestTargetError::EscapedSlash),
+            b';' if policy.path_parameters == Spelling::Reject => return Err(RequestTargetError::Parameter),
             _ => out.push(char::from(byte)),
         }
         at += 1;
@@ -210,36 +210,36 @@ fn remove_dot_segments(path: &str, merge: bool) -> String {
 /// The authority a request names, validated: the absolute-form target's or
 /// `:authority` (HTTP/2), else the one `Host`. `None` only where the protocol allows
 /// none (HTTP/1.0, and HTTP/2 without `:authority`).
-pub fn authority(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<Option<HeaderValue>, TargetError> {
+pub fn authority(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<Option<HeaderValue>, RequestTargetError> {
     let mut hosts = headers.get_all(header::HOST).iter();
     let host = hosts.next();
     if hosts.next().is_some() {
-        return Err(TargetError::RepeatedHost);
+        return Err(RequestTargetError::RepeatedHost);
     }
     if let Some(host) = host
         && !valid_authority(host.as_bytes())
     {
-        return Err(TargetError::InvalidHost);
+        return Err(RequestTargetError::InvalidHost);
     }
     let Some(target) = uri.authority() else {
         return match host {
-            None if version == Version::HTTP_11 => Err(TargetError::MissingHost),
+            None if version == Version::HTTP_11 => Err(RequestTargetError::MissingHost),
             host => Ok(host.cloned()),
         };
     };
     if !valid_authority(target.as_str().as_bytes()) {
-        return Err(TargetError::InvalidHost);
+        return Err(RequestTargetError::InvalidHost);
     }
     // On HTTP/2 both name the target, and must agree; on HTTP/1.1 the absolute-form
     // target's authority wins and `Host` is ignored (RFC 9112 §3.2.2).
     if version == Version::HTTP_2
         && host.is_some_and(|host| !host.as_bytes().eq_ignore_ascii_case(target.as_str().as_bytes()))
     {
-        return Err(TargetError::ConflictingHost);
+        return Err(RequestTargetError::ConflictingHost);
     }
     HeaderValue::from_str(target.as_str())
         .map(Some)
-        .map_err(|_| TargetError::InvalidHost)
+        .map_err(|_| RequestTargetError::InvalidHost)
 }
 
 /// Whether `value` is `host[:port]`: a DNS name or IPv4 address (letters, digits,

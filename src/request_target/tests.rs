@@ -1,6 +1,6 @@
 use super::*;
 
-fn canonical(path: &str) -> Result<String, TargetError> {
+fn canonical(path: &str) -> Result<String, RequestTargetError> {
     canonical_path(path, &PathPolicy::default()).map(Cow::into_owned)
 }
 
@@ -26,13 +26,17 @@ fn the_probes_spellings_are_the_guarded_path_or_refused() {
         let path = canonical(spelling).unwrap_or_else(|error| panic!("{spelling}: {error}"));
         assert!(path == "/v1/pay" || path == "/v1/pay/", "{spelling} -> {path}");
     }
-    assert_eq!(canonical("/v1/pay;x"), Err(TargetError::Parameter));
-    assert_eq!(canonical("/v1%2Fpay"), Err(TargetError::EscapedSlash));
-    assert_eq!(canonical("/v1%2fpay"), Err(TargetError::EscapedSlash));
-    assert_eq!(canonical("/v1%5Cpay"), Err(TargetError::EscapedSlash));
-    assert_eq!(canonical("/v1\\pay"), Err(TargetError::EscapedSlash));
+    assert_eq!(canonical("/v1/pay;x"), Err(RequestTargetError::Parameter));
+    assert_eq!(canonical("/v1%2Fpay"), Err(RequestTargetError::EscapedSlash));
+    assert_eq!(canonical("/v1%2fpay"), Err(RequestTargetError::EscapedSlash));
+    assert_eq!(canonical("/v1%5Cpay"), Err(RequestTargetError::EscapedSlash));
+    assert_eq!(canonical("/v1\\pay"), Err(RequestTargetError::EscapedSlash));
     for malformed in ["/v1/%", "/v1/%7", "/v1/%zz", "/v1/%+1", "/v1/%7g"] {
-        assert_eq!(canonical(malformed), Err(TargetError::MalformedEscape), "{malformed}");
+        assert_eq!(
+            canonical(malformed),
+            Err(RequestTargetError::MalformedEscape),
+            "{malformed}"
+        );
     }
 }
 
@@ -67,11 +71,11 @@ fn the_policy_keeps_what_it_is_told_to() {
     assert_eq!(canonical("/v1/./x/../pay").as_deref(), Ok("/v1/pay"));
     assert_eq!(canonical("/v1%2fpay").as_deref(), Ok("/v1%2Fpay"));
     assert_eq!(canonical("/v1/pay;x").as_deref(), Ok("/v1/pay;x"));
-    assert_eq!(canonical("/v1/%"), Err(TargetError::MalformedEscape));
+    assert_eq!(canonical("/v1/%"), Err(RequestTargetError::MalformedEscape));
     assert!(PathPolicy::default().to_string().contains("slashes merged"));
 }
 
-fn request(version: Version, uri: &str, hosts: &[&str]) -> Result<Option<String>, TargetError> {
+fn request(version: Version, uri: &str, hosts: &[&str]) -> Result<Option<String>, RequestTargetError> {
     let uri: Uri = uri.parse().expect("a URI");
     let mut headers = HeaderMap::new();
     for host in hosts {
@@ -90,11 +94,11 @@ fn one_valid_host_names_the_request() {
         Ok(Some("pay.example:8443".into()))
     );
     assert_eq!(request(HTTP_11, "/x", &["[::1]:80"]), Ok(Some("[::1]:80".into())));
-    assert_eq!(request(HTTP_11, "/x", &[]), Err(TargetError::MissingHost));
+    assert_eq!(request(HTTP_11, "/x", &[]), Err(RequestTargetError::MissingHost));
     assert_eq!(request(HTTP_10, "/x", &[]), Ok(None));
     assert_eq!(
         request(HTTP_11, "/x", &["a.example", "b.example"]),
-        Err(TargetError::RepeatedHost)
+        Err(RequestTargetError::RepeatedHost)
     );
     for invalid in [
         "a.example, b.example",
@@ -111,7 +115,7 @@ fn one_valid_host_names_the_request() {
     ] {
         assert_eq!(
             request(HTTP_11, "/x", &[invalid]),
-            Err(TargetError::InvalidHost),
+            Err(RequestTargetError::InvalidHost),
             "{invalid:?}"
         );
     }
@@ -122,7 +126,7 @@ fn one_valid_host_names_the_request() {
     );
     assert_eq!(
         request(HTTP_11, "http://user@pay.example/z", &["pay.example"]),
-        Err(TargetError::InvalidHost)
+        Err(RequestTargetError::InvalidHost)
     );
     // HTTP/2: `:authority` (the URI's) and `host` must agree.
     assert_eq!(
@@ -135,7 +139,7 @@ fn one_valid_host_names_the_request() {
     );
     assert_eq!(
         request(HTTP_2, "https://pay.example/z", &["other.example"]),
-        Err(TargetError::ConflictingHost)
+        Err(RequestTargetError::ConflictingHost)
     );
     assert_eq!(request(HTTP_2, "/z", &[]), Ok(None));
 }

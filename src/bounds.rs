@@ -1,0 +1,116 @@
+//! The process-wide bounds on guarded requests in flight, which every worker shares:
+//! their number (`server.max_guarded_requests`) and the bytes their bodies hold while
+//! they are buffered (`server.max_buffered_bytes`). The proxy takes a share for each
+//! guarded request; the admin listener reports what is held. No I/O.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::error::{Bound, Rejection};
+use crate::metrics::Metrics;
+
+/// What bounds the guarded requests in flight, process-wide (the workers share it):
+/// their number (`max_guarded_requests`), and the bytes their bodies hold while they
+/// are buffered (`max_buffered_bytes`): a request body as it is read (by its
+/// `Content-Length` up front when it has one, chunk by chunk when it has not), a
+/// response as it is read for recording. Request bodies may take three quarters of the
+/// budget; the last quarter is kept for the responses of requests already forwarded,
+/// which cannot be refused any more.
+#[derive(Clone, Debug)]
+pub(crate) struct GuardedRequests {
+    permits: Arc<Semaphore>,
+    max: usize,
+    budget: Arc<Budget>,
+}
+
+#[derive(Debug)]
+struct Budget {
+    held: AtomicU64,
+    max: u64,
+}
+
+impl Budget {
+    /// Takes `bytes` if what is held stays at most `cap`.
+    fn take(&self, bytes: u64, cap: u64) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(bytes).filter(|total| *total <= cap)
+            })
+            .is_ok()
+    }
+}
+
+impl GuardedRequests {
+    pub(crate) fn new(max: usize, max_bytes: u64) -> GuardedRequests {
+        GuardedRequests {
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+            budget: Arc::new(Budget {
+                held: AtomicU64::new(0),
+                max: max_bytes,
+            }),
+        }
+    }
+
+    /// A share for one more guarded request, unless `max` are in flight.
+    pub(crate) fn try_enter(&self) -> Result<Share, Rejection> {
+        let permit = self
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Rejection::Overloaded(Bound::Requests(self.max)))?;
+        Ok(Share {
+            _permit: permit,
+            budget: self.budget.clone(),
+            bytes: 0,
+        })
+    }
+
+    /// Reports the guarded requests in flight now, the bytes their bodies hold, and the
+    /// bounds on both, in `metrics`.
+    pub(crate) fn report(&self, metrics: &Metrics) {
+        let in_flight = self.max - self.permits.available_permits();
+        let held = self.budget.held.load(Ordering::Acquire);
+        metrics.guarded(in_flight, self.max, held, self.budget.max);
+    }
+}
+
+/// One guarded request's place among those in flight, and the bytes of the budget it
+/// holds: all given back when it is dropped, once its bodies are recorded or handed on.
+#[derive(Debug)]
+pub(crate) struct Share {
+    _permit: OwnedSemaphorePermit,
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl Share {
+    /// Takes `bytes` for the request body, unless request bodies would hold more than
+    /// their three quarters of the budget.
+    pub(crate) fn take_for_request(&mut self, bytes: u64) -> bool {
+        let cap = self.budget.max / 4 * 3;
+        self.take(bytes, cap)
+    }
+
+    /// Takes `bytes` for a response buffered for recording, unless the budget is spent.
+    pub(crate) fn take_for_response(&mut self, bytes: u64) -> bool {
+        let cap = self.budget.max;
+        self.take(bytes, cap)
+    }
+
+    fn take(&mut self, bytes: u64, cap: u64) -> bool {
+        let taken = self.budget.take(bytes, cap);
+        if taken {
+            self.bytes += bytes;
+        }
+        taken
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}

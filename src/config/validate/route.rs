@@ -1,0 +1,447 @@
+//! `[[route]]` and `[route.idempotency]` (with `reconcile` and `scope_jwt`): what each
+//! route matches, where it sends requests, and the policy that guards them.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use toml::Spanned;
+
+use crate::config::raw::{RawFingerprintBody, RawIdempotency, RawReconcile, RawRoute, RawScopeJwt};
+use crate::config::{
+    FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Route,
+    ServerConfig, Upstream, UpstreamKey,
+};
+use crate::error::ConfigError;
+use crate::jwt::{JwtVerifier, KeySource};
+use crate::tls::{self};
+
+use super::{Validator, is_name_byte};
+
+impl Validator<'_> {
+    pub(super) fn route(&self, index: usize, raw: RawRoute, server: &ServerConfig) -> Result<Route, ConfigError> {
+        let field = |name: &str| format!("route[{index}].{name}");
+        let name = raw.name.get_ref();
+        if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
+            return Err(self.error(
+                raw.name.span(),
+                field("name"),
+                "must be 1 to 64 of the characters A-Z a-z 0-9 _ - .",
+            ));
+        }
+        let prefix = raw.path_prefix.get_ref();
+        if !prefix.starts_with('/') {
+            return Err(self.error(raw.path_prefix.span(), field("path_prefix"), "must start with /"));
+        }
+        // Requests are routed by their canonical path: a prefix spelled otherwise
+        // would match none of them.
+        match crate::request_target::canonical_path(prefix, &server.paths) {
+            Ok(canonical) if canonical == *prefix => {}
+            Ok(canonical) => {
+                return Err(self.error(
+                    raw.path_prefix.span(),
+                    field("path_prefix"),
+                    format!("must be a canonical path: write {canonical:?}"),
+                ));
+            }
+            Err(error) => return Err(self.error(raw.path_prefix.span(), field("path_prefix"), error.to_string())),
+        }
+        let host = match raw.host {
+            Some(host) if host.get_ref().is_empty() => {
+                return Err(self.error(host.span(), field("host"), "must not be empty"));
+            }
+            Some(host) => Some(host.into_inner().to_ascii_lowercase()),
+            None => None,
+        };
+        let upstream = self.upstream(&raw.upstream, field("upstream"))?;
+        let upstream_timeout = raw.upstream_timeout.get_ref().0;
+        if upstream_timeout.is_zero() {
+            return Err(self.error(
+                raw.upstream_timeout.span(),
+                field("upstream_timeout"),
+                "must be greater than 0",
+            ));
+        }
+        let upstream_tls = match &raw.upstream_ca_file {
+            None => None,
+            Some(ca) => Some(
+                tls::upstream_client_config(&self.file(ca.get_ref()))
+                    .map_err(|error| self.error(ca.span(), field("upstream_ca_file"), error.to_string()))?,
+            ),
+        };
+        let idempotency = match raw.idempotency {
+            Some(policy) => Some(Arc::new(self.policy(
+                index,
+                policy,
+                upstream_timeout,
+                server.max_buffered_bytes,
+            )?)),
+            None => None,
+        };
+        let docs_url = match &raw.docs_url {
+            None => None,
+            Some(url) => Some(self.docs_url(url, field("docs_url"))?),
+        };
+        Ok(Route {
+            docs_url,
+            name: raw.name.into_inner(),
+            path_prefix: raw.path_prefix.into_inner(),
+            host,
+            upstream,
+            upstream_timeout,
+            upstream_tls,
+            idempotency,
+        })
+    }
+
+    pub(super) fn upstream(&self, raw: &Spanned<String>, field: String) -> Result<Upstream, ConfigError> {
+        let uri: http::Uri = raw
+            .get_ref()
+            .parse()
+            .map_err(|_| self.error(raw.span(), field.clone(), "not a valid URL"))?;
+        Upstream::try_from(uri).map_err(|reason| self.error(raw.span(), field, reason))
+    }
+
+    pub(super) fn policy(
+        &self,
+        index: usize,
+        raw: RawIdempotency,
+        upstream_timeout: Duration,
+        max_buffered_bytes: u64,
+    ) -> Result<IdempotencyPolicy, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.{name}");
+        let mut methods = Vec::new();
+        for method in raw.methods.get_ref() {
+            let parsed = Method::from_bytes(method.to_ascii_uppercase().as_bytes()).map_err(|_| {
+                self.error(
+                    raw.methods.span(),
+                    field("methods"),
+                    format!("{method:?} is not an HTTP method"),
+                )
+            })?;
+            methods.push(parsed);
+        }
+        if methods.is_empty() {
+            return Err(self.error(raw.methods.span(), field("methods"), "must name at least one method"));
+        }
+        let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
+        let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
+        let fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
+        let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
+        let replay_exclude_headers = self.header_names(&raw.replay_exclude_headers, field("replay_exclude_headers"))?;
+        let upstream_key_header = self.header_name(
+            &raw.upstream_key_header.span(),
+            raw.upstream_key_header.get_ref(),
+            field("upstream_key_header"),
+        )?;
+        let scope_jwt = match &raw.scope_jwt {
+            None => None,
+            Some(jwt) => Some(self.scope_jwt(index, jwt)?),
+        };
+        let retention = raw.retention.get_ref().0;
+        if retention <= upstream_timeout + LEASE_GRACE {
+            return Err(self.error(
+                raw.retention.span(),
+                field("retention"),
+                format!(
+                    "{} does not exceed the lease (upstream_timeout {} + 1s); a record would expire while its request may still be in flight",
+                    humantime::format_duration(retention),
+                    humantime::format_duration(upstream_timeout)
+                ),
+            ));
+        }
+        let wait_for_in_flight = raw.wait_for_in_flight.get_ref().0;
+        if wait_for_in_flight > upstream_timeout + LEASE_GRACE {
+            return Err(self.error(
+                raw.wait_for_in_flight.span(),
+                field("wait_for_in_flight"),
+                format!(
+                    "{} is longer than the lease (upstream_timeout {} + 1s): past the lease a waiter can only get 409 outcome-unknown",
+                    humantime::format_duration(wait_for_in_flight),
+                    humantime::format_duration(upstream_timeout)
+                ),
+            ));
+        }
+        if *raw.max_response_body_bytes.get_ref() == 0 {
+            return Err(self.error(
+                raw.max_response_body_bytes.span(),
+                field("max_response_body_bytes"),
+                "must be greater than 0",
+            ));
+        }
+        if *raw.max_response_body_bytes.get_ref() > max_buffered_bytes {
+            return Err(self.error(
+                raw.max_response_body_bytes.span(),
+                field("max_response_body_bytes"),
+                format!(
+                    "is more than server.max_buffered_bytes ({max_buffered_bytes}): no such response could be recorded"
+                ),
+            ));
+        }
+        let reconcile = match &raw.reconcile {
+            None => None,
+            Some(reconcile) => Some(self.reconcile(index, reconcile, upstream_timeout, raw.upstream_key)?),
+        };
+        Ok(IdempotencyPolicy {
+            methods,
+            header,
+            required: raw.required,
+            retention,
+            wait_for_in_flight,
+            fingerprint_headers,
+            mode: raw.mode,
+            fingerprint_body,
+            scope_headers,
+            replay_exclude_headers,
+            scope_jwt,
+            max_response_body_bytes: raw.max_response_body_bytes.into_inner(),
+            on_server_error: raw.on_server_error,
+            on_store_error: raw.on_store_error,
+            upstream_key: raw.upstream_key,
+            upstream_key_header,
+            reconcile,
+            profile: raw.profile,
+        })
+    }
+
+    /// `[route.idempotency.reconcile]`: a read-only method, a path whose only
+    /// placeholders are `{key}` and `{record}`, status lists that do not overlap, and a
+    /// schedule that can run.
+    pub(super) fn reconcile(
+        &self,
+        index: usize,
+        raw: &Spanned<RawReconcile>,
+        upstream_timeout: Duration,
+        upstream_key: UpstreamKey,
+    ) -> Result<Reconcile, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.reconcile.{name}");
+        let span = raw.span();
+        let raw = raw.get_ref();
+        let method = match raw.method.get_ref().to_ascii_uppercase().as_str() {
+            "GET" => Method::GET,
+            "HEAD" => Method::HEAD,
+            other => {
+                return Err(self.error(
+                    raw.method.span(),
+                    field("method"),
+                    format!("{other:?} is not GET or HEAD: a probe must never run the operation it asks about"),
+                ));
+            }
+        };
+        let path = self.probe_path(&raw.path, field("path"))?;
+        if path.names_key() && upstream_key == UpstreamKey::None {
+            return Err(self.error(
+                raw.path.span(),
+                field("path"),
+                "names {key}, but upstream_key = \"none\" sends the upstream no key to look up; use {record} with upstream_key = \"derived\", or forward a key",
+            ));
+        }
+        let statuses = |list: &Spanned<Vec<u16>>, name: &str| {
+            list.get_ref()
+                .iter()
+                .map(|code| {
+                    http::StatusCode::from_u16(*code)
+                        .ok()
+                        .filter(|status| (200..600).contains(&status.as_u16()))
+                        .ok_or_else(|| {
+                            self.error(
+                                list.span(),
+                                field(name),
+                                format!("{code} is not a final status (200 to 599)"),
+                            )
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let applied = statuses(&raw.applied, "applied")?;
+        let not_applied = statuses(&raw.not_applied, "not_applied")?;
+        if applied.is_empty() && not_applied.is_empty() {
+            return Err(self.error(
+                span,
+                field("applied"),
+                "and not_applied are both empty: no answer could settle an operation",
+            ));
+        }
+        if let Some(both) = applied.iter().find(|status| not_applied.contains(status)) {
+            return Err(self.error(
+                raw.not_applied.span(),
+                field("not_applied"),
+                format!("{} is also in applied: one answer cannot mean both", both.as_u16()),
+            ));
+        }
+        let every = raw.every.get_ref().0;
+        if every.is_zero() {
+            return Err(self.error(raw.every.span(), field("every"), "must be greater than 0"));
+        }
+        let (first_after, give_up_after) = (raw.first_after.get_ref().0, raw.give_up_after.get_ref().0);
+        if give_up_after <= first_after {
+            return Err(self.error(
+                raw.give_up_after.span(),
+                field("give_up_after"),
+                format!(
+                    "{} does not exceed first_after ({}): no probe would ever run",
+                    humantime::format_duration(give_up_after),
+                    humantime::format_duration(first_after)
+                ),
+            ));
+        }
+        let timeout = match &raw.timeout {
+            None => upstream_timeout,
+            Some(timeout) if timeout.get_ref().0.is_zero() => {
+                return Err(self.error(timeout.span(), field("timeout"), "must be greater than 0"));
+            }
+            Some(timeout) => timeout.get_ref().0,
+        };
+        let max_concurrent = *raw.max_concurrent.get_ref();
+        if max_concurrent == 0 {
+            return Err(self.error(raw.max_concurrent.span(), field("max_concurrent"), "must be at least 1"));
+        }
+        Ok(Reconcile {
+            method,
+            path,
+            applied,
+            not_applied,
+            first_after,
+            every,
+            give_up_after,
+            timeout,
+            max_concurrent,
+        })
+    }
+
+    /// A `docs_url`: an absolute `http` or `https` URL without a fragment (the
+    /// problem's slug becomes its fragment), usable as a `Link` target.
+    pub(super) fn docs_url(&self, raw: &Spanned<String>, field: String) -> Result<Arc<str>, ConfigError> {
+        let text = raw.get_ref();
+        let bad = |reason: &str| self.error(raw.span(), field.clone(), format!("{text:?} {reason}"));
+        if text.contains('#') {
+            return Err(bad("has a fragment: the problem's slug is appended as one"));
+        }
+        let uri: http::Uri = text.parse().map_err(|_| bad("is not an absolute http or https URL"))?;
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+            return Err(bad("is not an absolute http or https URL"));
+        }
+        if text.bytes().any(|byte| matches!(byte, b'<' | b'>' | b'"' | b' ')) {
+            return Err(bad("has a character a Link header cannot carry"));
+        }
+        Ok(Arc::from(text.as_str()))
+    }
+
+    /// A probe path: begins with `/`, and every `{…}` in it is `{key}` or `{record}`;
+    /// filled in, it must be a valid path and query.
+    pub(super) fn probe_path(&self, raw: &Spanned<String>, field: String) -> Result<ProbePath, ConfigError> {
+        let text = raw.get_ref();
+        let bad = |reason: String| self.error(raw.span(), field.clone(), reason);
+        if !text.starts_with('/') {
+            return Err(bad(format!("{text:?} does not begin with /")));
+        }
+        let mut pieces = Vec::new();
+        let mut rest = text.as_str();
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                pieces.push(ProbePiece::Literal(rest[..open].to_string()));
+            }
+            let close = rest[open..]
+                .find('}')
+                .ok_or_else(|| bad(format!("{text:?} has a {{ without its }}")))?;
+            pieces.push(match &rest[open + 1..open + close] {
+                "key" => ProbePiece::Key,
+                "record" => ProbePiece::Record,
+                other => {
+                    return Err(bad(format!(
+                        "{{{other}}} is not a placeholder: use {{key}} or {{record}}"
+                    )));
+                }
+            });
+            rest = &rest[open + close + 1..];
+        }
+        if rest.contains('}') {
+            return Err(bad(format!("{text:?} has a }} without its {{")));
+        }
+        if !rest.is_empty() {
+            pieces.push(ProbePiece::Literal(rest.to_string()));
+        }
+        let path = ProbePath(pieces);
+        path.render("k", "0")
+            .parse::<http::uri::PathAndQuery>()
+            .map_err(|_| bad(format!("{text:?} is not a valid path and query")))?;
+        Ok(path)
+    }
+
+    /// `fingerprint_body` with its `fingerprint_ignore` pointers (only with `"json"`).
+    pub(super) fn fingerprint_body(&self, raw: &RawIdempotency, field: &str) -> Result<FingerprintBody, ConfigError> {
+        let span = raw.fingerprint_ignore.span();
+        let pointers = raw.fingerprint_ignore.get_ref();
+        if raw.fingerprint_body == RawFingerprintBody::Bytes {
+            if !pointers.is_empty() {
+                return Err(self.error(span, field.to_string(), "needs fingerprint_body = \"json\""));
+            }
+            return Ok(FingerprintBody::Bytes);
+        }
+        let ignore = pointers
+            .iter()
+            .map(|pointer| JsonPointer::parse(pointer))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|reason| self.error(span, field.to_string(), reason))?;
+        Ok(FingerprintBody::Json { ignore })
+    }
+
+    /// The route's JWT verifier: its keys read from the JWKS file or the secret taken
+    /// from the environment, exactly one of them.
+    pub(super) fn scope_jwt(&self, index: usize, raw: &RawScopeJwt) -> Result<JwtVerifier, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.scope_jwt.{name}");
+        let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
+        let invalid = |span: Range<usize>, name: &str, reason: String| self.error(span, field(name), reason);
+        let (keys, span, name) = match (&raw.jwks_file, &raw.hs256_secret_env) {
+            (Some(file), None) => {
+                let path = self.file(file.get_ref());
+                let text = std::fs::read_to_string(&path).map_err(|error| {
+                    invalid(
+                        file.span(),
+                        "jwks_file",
+                        format!("cannot read {}: {error}", path.display()),
+                    )
+                })?;
+                (KeySource::Jwks(text), file.span(), "jwks_file")
+            }
+            (None, Some(variable)) => {
+                let secret = std::env::var(variable.get_ref()).map_err(|_| {
+                    invalid(
+                        variable.span(),
+                        "hs256_secret_env",
+                        format!("the environment variable {} is not set", variable.get_ref()),
+                    )
+                })?;
+                (
+                    KeySource::Secret(secret.into_bytes()),
+                    variable.span(),
+                    "hs256_secret_env",
+                )
+            }
+            (Some(file), Some(_)) => {
+                return Err(invalid(
+                    file.span(),
+                    "jwks_file",
+                    "give jwks_file or hs256_secret_env, not both".into(),
+                ));
+            }
+            (None, None) => {
+                return Err(invalid(
+                    raw.claim.span(),
+                    "jwks_file",
+                    "scope_jwt needs jwks_file (RS256, ES256, EdDSA) or hs256_secret_env (HS256)".into(),
+                ));
+            }
+        };
+        JwtVerifier::new(
+            header,
+            raw.claim.get_ref().clone(),
+            keys,
+            raw.issuer.clone(),
+            raw.audience.clone(),
+            raw.leeway.0,
+        )
+        .map_err(|error| invalid(span, name, error.to_string()))
+    }
+}

@@ -1,0 +1,293 @@
+//! `[store]`: the backend and its bounds, and for Redis its topology, durability and TLS.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use toml::Spanned;
+
+use crate::config::raw::{BackendKind, RawStore};
+use crate::config::{
+    Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
+    DEFAULT_STORE_CONNECTIONS, RedisConfig, RedisTopology, StoreConfig, StoreTls,
+};
+use crate::error::ConfigError;
+use crate::tls::{self, TlsError};
+
+use super::{Validator, is_name_byte};
+
+impl Validator<'_> {
+    pub(super) fn store(&self, raw: RawStore) -> Result<StoreConfig, ConfigError> {
+        let key_prefix = raw.key_prefix.get_ref();
+        if key_prefix.is_empty() || !key_prefix.bytes().all(is_name_byte) {
+            return Err(self.error(
+                raw.key_prefix.span(),
+                "store.key_prefix",
+                "must be 1 or more of the characters A-Z a-z 0-9 _ - .",
+            ));
+        }
+        if raw.timeout.get_ref().0.is_zero() {
+            return Err(self.error(raw.timeout.span(), "store.timeout", "must be greater than 0"));
+        }
+        let backend = match *raw.backend.get_ref() {
+            BackendKind::Memory => {
+                let redis_only = [
+                    ("store.url", raw.url.as_ref().map(Spanned::span)),
+                    ("store.urls", raw.urls.as_ref().map(Spanned::span)),
+                    ("store.master_name", raw.master_name.as_ref().map(Spanned::span)),
+                    (
+                        "store.min_replica_acks",
+                        raw.min_replica_acks.as_ref().map(Spanned::span),
+                    ),
+                    (
+                        "store.replica_ack_timeout",
+                        raw.replica_ack_timeout.as_ref().map(Spanned::span),
+                    ),
+                    ("store.tls_ca_file", raw.tls_ca_file.as_ref().map(Spanned::span)),
+                    ("store.tls_cert_file", raw.tls_cert_file.as_ref().map(Spanned::span)),
+                    ("store.tls_key_file", raw.tls_key_file.as_ref().map(Spanned::span)),
+                    ("store.connections", raw.connections.as_ref().map(Spanned::span)),
+                ];
+                if let Some((field, Some(span))) = redis_only.into_iter().find(|(_, span)| span.is_some()) {
+                    return Err(self.error(span, field, "only the redis backends take this"));
+                }
+                let max_records = match &raw.max_records {
+                    Some(max) if *max.get_ref() == 0 => {
+                        return Err(self.error(max.span(), "store.max_records", "must be greater than 0"));
+                    }
+                    Some(max) => *max.get_ref(),
+                    None => DEFAULT_MAX_RECORDS,
+                };
+                let max_bytes = match &raw.max_bytes {
+                    Some(max) if *max.get_ref() < 1024 * 1024 => {
+                        return Err(self.error(max.span(), "store.max_bytes", "must be at least 1048576 (1 MiB)"));
+                    }
+                    Some(max) => *max.get_ref(),
+                    None => DEFAULT_MAX_BYTES,
+                };
+                // A quarter of each bound by default: one client cannot take the store
+                // from the others.
+                let per_scope = |value: &Option<Spanned<usize>>, field: &str, default: usize| match value {
+                    Some(max) if *max.get_ref() == 0 => Err(self.error(max.span(), field, "must be greater than 0")),
+                    Some(max) => Ok(*max.get_ref()),
+                    None => Ok((default / 4).max(1)),
+                };
+                let max_records_per_scope =
+                    per_scope(&raw.max_records_per_scope, "store.max_records_per_scope", max_records)?;
+                let max_bytes_per_scope = per_scope(&raw.max_bytes_per_scope, "store.max_bytes_per_scope", max_bytes)?;
+                Backend::Memory {
+                    max_records,
+                    max_bytes,
+                    max_records_per_scope,
+                    max_bytes_per_scope,
+                }
+            }
+            kind => Backend::Redis(self.redis(kind, &raw)?),
+        };
+        Ok(StoreConfig {
+            backend,
+            key_prefix: raw.key_prefix.into_inner(),
+            timeout: raw.timeout.into_inner().0,
+        })
+    }
+
+    /// The Redis backends: which fields each topology takes, every URL checked.
+    pub(super) fn redis(&self, kind: BackendKind, raw: &RawStore) -> Result<RedisConfig, ConfigError> {
+        for (field, span) in [
+            ("store.max_records", raw.max_records.as_ref().map(Spanned::span)),
+            ("store.max_bytes", raw.max_bytes.as_ref().map(Spanned::span)),
+            (
+                "store.max_records_per_scope",
+                raw.max_records_per_scope.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.max_bytes_per_scope",
+                raw.max_bytes_per_scope.as_ref().map(Spanned::span),
+            ),
+        ] {
+            if let Some(span) = span {
+                return Err(self.error(
+                    span,
+                    field,
+                    "only the memory backend takes this; bound Redis with maxmemory",
+                ));
+            }
+        }
+        let refuse = |value: Option<Range<usize>>, field: &str, reason: &str| match value {
+            Some(span) => Err(self.error(span, field, reason)),
+            None => Ok(()),
+        };
+        let topology = match kind {
+            BackendKind::Redis => {
+                refuse(
+                    raw.urls.as_ref().map(Spanned::span),
+                    "store.urls",
+                    "the redis backend takes one url; urls is for redis-sentinel and redis-cluster",
+                )?;
+                refuse(
+                    raw.master_name.as_ref().map(Spanned::span),
+                    "store.master_name",
+                    "only the redis-sentinel backend takes master_name",
+                )?;
+                let Some(url) = &raw.url else {
+                    return Err(self.error(
+                        raw.backend.span(),
+                        "store.url",
+                        "the redis backend needs url = \"redis://host:6379/0\"",
+                    ));
+                };
+                self.redis_url(url.get_ref(), url.span(), "store.url")?;
+                RedisTopology::Standalone {
+                    url: url.get_ref().clone(),
+                }
+            }
+            BackendKind::RedisSentinel | BackendKind::RedisCluster => {
+                let name = if kind == BackendKind::RedisSentinel {
+                    "redis-sentinel"
+                } else {
+                    "redis-cluster"
+                };
+                refuse(
+                    raw.url.as_ref().map(Spanned::span),
+                    "store.url",
+                    &format!("the {name} backend takes urls = [...], not url"),
+                )?;
+                let urls = match &raw.urls {
+                    Some(urls) if !urls.get_ref().is_empty() => urls,
+                    Some(urls) => return Err(self.error(urls.span(), "store.urls", "must name at least one node")),
+                    None => {
+                        let example = if kind == BackendKind::RedisSentinel {
+                            "the redis-sentinel backend needs urls = [\"redis://sentinel:26379\", ...] and master_name"
+                        } else {
+                            "the redis-cluster backend needs urls = [\"redis://node:6379\", ...] (seed nodes)"
+                        };
+                        return Err(self.error(raw.backend.span(), "store.urls", example));
+                    }
+                };
+                for (index, url) in urls.get_ref().iter().enumerate() {
+                    self.redis_url(url, urls.span(), &format!("store.urls[{index}]"))?;
+                }
+                let urls = urls.get_ref().clone();
+                if kind == BackendKind::RedisCluster {
+                    refuse(
+                        raw.master_name.as_ref().map(Spanned::span),
+                        "store.master_name",
+                        "only the redis-sentinel backend takes master_name",
+                    )?;
+                    RedisTopology::Cluster { urls }
+                } else {
+                    let master_name = match &raw.master_name {
+                        Some(name) if !name.get_ref().is_empty() => name.get_ref().clone(),
+                        Some(name) => return Err(self.error(name.span(), "store.master_name", "must not be empty")),
+                        None => {
+                            return Err(self.error(
+                                raw.backend.span(),
+                                "store.master_name",
+                                "the redis-sentinel backend needs master_name, the name the sentinels monitor",
+                            ));
+                        }
+                    };
+                    RedisTopology::Sentinel { urls, master_name }
+                }
+            }
+            // `store` validates the memory backend itself and never asks for this.
+            BackendKind::Memory => {
+                return Err(self.error(raw.backend.span(), "store.backend", "memory is not a Redis backend"));
+            }
+        };
+        let replica_ack_timeout = match &raw.replica_ack_timeout {
+            Some(timeout) if timeout.get_ref().0 < Duration::from_millis(1) => {
+                return Err(self.error(
+                    timeout.span(),
+                    "store.replica_ack_timeout",
+                    "must be at least 1ms (WAIT 0 would wait forever)",
+                ));
+            }
+            Some(timeout) => timeout.get_ref().0,
+            None => DEFAULT_REPLICA_ACK_TIMEOUT,
+        };
+        let tls = self.store_tls(raw, &topology)?;
+        let connections = match &raw.connections {
+            Some(count) if !(1..=64).contains(count.get_ref()) => {
+                return Err(self.error(count.span(), "store.connections", "must be between 1 and 64"));
+            }
+            Some(count) => *count.get_ref(),
+            None => DEFAULT_STORE_CONNECTIONS,
+        };
+        Ok(RedisConfig {
+            topology,
+            min_replica_acks: raw.min_replica_acks.as_ref().map_or(0, |acks| *acks.get_ref()),
+            replica_ack_timeout,
+            tls,
+            connections,
+        })
+    }
+
+    /// The store's CA and client certificate, each file read and checked and named by
+    /// its own field: only with a `rediss://` URL, a certificate only with its key.
+    pub(super) fn store_tls(&self, raw: &RawStore, topology: &RedisTopology) -> Result<Option<StoreTls>, ConfigError> {
+        let fields = [
+            ("store.tls_ca_file", &raw.tls_ca_file),
+            ("store.tls_cert_file", &raw.tls_cert_file),
+            ("store.tls_key_file", &raw.tls_key_file),
+        ];
+        let Some((first, span)) = fields
+            .iter()
+            .find_map(|(field, value)| value.as_ref().map(|value| (*field, value.span())))
+        else {
+            return Ok(None);
+        };
+        if !topology.urls().iter().any(|url| url.starts_with("rediss://")) {
+            return Err(self.error(
+                span,
+                first,
+                "TLS settings need a rediss:// store URL; with redis:// they would never be used",
+            ));
+        }
+        let failed =
+            |span: Range<usize>, field: &'static str| move |error: TlsError| self.error(span, field, error.to_string());
+        let ca_file = match &raw.tls_ca_file {
+            None => None,
+            Some(ca) => {
+                let path = self.file(ca.get_ref());
+                tls::roots(&path).map_err(failed(ca.span(), "store.tls_ca_file"))?;
+                Some(path)
+            }
+        };
+        let client = match (&raw.tls_cert_file, &raw.tls_key_file) {
+            (None, None) => None,
+            (Some(cert), None) => {
+                return Err(self.error(cert.span(), "store.tls_cert_file", "needs store.tls_key_file, its key"));
+            }
+            (None, Some(key)) => {
+                return Err(self.error(
+                    key.span(),
+                    "store.tls_key_file",
+                    "needs store.tls_cert_file, its certificate",
+                ));
+            }
+            (Some(cert), Some(key)) => {
+                let (cert_file, key_file) = (self.file(cert.get_ref()), self.file(key.get_ref()));
+                let chain = tls::certificates(&cert_file).map_err(failed(cert.span(), "store.tls_cert_file"))?;
+                let private = tls::private_key(&key_file).map_err(failed(key.span(), "store.tls_key_file"))?;
+                tls::client_identity(chain, private).map_err(|error| {
+                    self.error(
+                        key.span(),
+                        "store.tls_key_file",
+                        format!("does not go with store.tls_cert_file: {error}"),
+                    )
+                })?;
+                Some(ClientIdentity { cert_file, key_file })
+            }
+        };
+        Ok(Some(StoreTls { ca_file, client }))
+    }
+
+    /// A `redis://` or `rediss://` URL the redis crate can open.
+    pub(super) fn redis_url(&self, url: &str, span: Range<usize>, field: &str) -> Result<(), ConfigError> {
+        let scheme_ok = url.starts_with("redis://") || url.starts_with("rediss://");
+        if !scheme_ok || redis::Client::open(url).is_err() {
+            return Err(self.error(span, field, "must be a redis:// or rediss:// URL"));
+        }
+        Ok(())
+    }
+}
