@@ -20,6 +20,7 @@ pub use crate::problem::Profile;
 pub use crate::request_target::{PathPolicy, Spelling};
 
 mod raw;
+pub mod reference;
 mod upstream;
 mod validate;
 
@@ -594,13 +595,13 @@ impl std::fmt::Display for Config {
         }
         writeln!(
             f,
-            "limits max_connections {}, max_buffered_bytes {} = {:.1} MiB (request bodies at most {:.1} MiB of it), \
-             max_guarded_requests {}",
+            "limits max_connections {}, max_buffered_bytes {} (request bodies at most {} of it), \
+             max_guarded_requests {}, max_request_body_bytes {}",
             self.server.max_connections,
-            self.server.max_buffered_bytes,
-            self.server.max_buffered_bytes as f64 / (1024.0 * 1024.0),
-            (self.server.max_buffered_bytes / 4 * 3) as f64 / (1024.0 * 1024.0),
+            size(self.server.max_buffered_bytes),
+            unit(self.server.max_buffered_bytes / 4 * 3),
             self.server.max_guarded_requests,
+            size(self.server.max_request_body_bytes),
         )?;
         writeln!(f, "paths  {}", self.server.paths)?;
         match &self.tracing {
@@ -619,11 +620,10 @@ impl std::fmt::Display for Config {
                 max_bytes_per_scope,
             } => writeln!(
                 f,
-                "store  {} (max_records {max_records}, max_bytes {max_bytes} = {:.1} MiB; per scope \
-                 {max_records_per_scope} records, {:.1} MiB)",
+                "store  {} (max_records {max_records}, max_bytes {}; per scope {max_records_per_scope} records, {})",
                 self.store.backend.name(),
-                *max_bytes as f64 / (1024.0 * 1024.0),
-                *max_bytes_per_scope as f64 / (1024.0 * 1024.0)
+                size(*max_bytes as u64),
+                unit(*max_bytes_per_scope as u64),
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
         }
@@ -719,6 +719,26 @@ impl std::fmt::Display for RedisConfig {
                 humantime::format_duration(self.replica_ack_timeout)
             ),
         }
+    }
+}
+
+/// A size as `check` prints it: its bytes, and in the largest binary unit that fits
+/// (`268435456 = 256 MiB`), as it may be written in the config.
+fn size(bytes: u64) -> String {
+    match unit(bytes) {
+        unit if unit.ends_with(" B") => unit,
+        unit => format!("{bytes} = {unit}"),
+    }
+}
+
+/// `bytes` in the largest binary unit that fits: whole (`256 MiB`) or to a tenth
+/// (`1.5 MiB`).
+fn unit(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    match UNITS.iter().find(|(_, size)| bytes >= *size) {
+        None => format!("{bytes} B"),
+        Some((name, size)) if bytes.is_multiple_of(*size) => format!("{} {name}", bytes / size),
+        Some((name, size)) => format!("{:.1} {name}", bytes as f64 / *size as f64),
     }
 }
 

@@ -14,7 +14,7 @@ use idemproxy::trace::Export;
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc: fewer cycles per request than the system allocator on this workload
-/// (see the bench figures in the README).
+/// (see the bench figures in docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -72,6 +72,11 @@ enum Command {
         #[arg(long, default_value = "Idempotency-Key")]
         key_header: String,
     },
+    /// About the configuration itself.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
     /// Show, purge, release or resolve one record through the running proxy's admin
     /// listener (needs admin.token_file). Exit status: 0 done, 3 no such record, 4
     /// release or resolve refused (the record is not unknown), 1 any other failure.
@@ -95,6 +100,13 @@ enum Command {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print every setting the config file takes, with its default and meaning, as
+    /// Markdown (the book's configuration page is this output).
+    Reference,
 }
 
 /// What `records resolve` records: the upstream took the operation (`--applied`, with
@@ -197,6 +209,12 @@ fn main() -> ExitCode {
             Ok(code) => return code,
             Err(error) => Err(error),
         },
+        Command::Config {
+            command: ConfigCommand::Reference,
+        } => {
+            print!("{}", idemproxy::config::reference::markdown());
+            Ok(())
+        }
         Command::Records {
             action,
             route,

@@ -134,7 +134,7 @@ impl RedisFault {
     /// The share of keys that must end in a success after this fault. A key ends
     /// unknown only when its first request was forwarded and the proxy could not record
     /// the answer before the lease (here 6 s) ran out; these outages last well under a
-    /// second, so every key has succeeded in every run so far (see the README). The
+    /// second, so every key has succeeded in every run so far (see docs/guarantees.md). The
     /// bound leaves room for a slow machine, and still fails a proxy that turns even
     /// one key in twenty into a 409 for good.
     fn min_success(self) -> f64 {

@@ -358,7 +358,7 @@ async fn twenty_five_hundred_http2_streams_on_redis_are_all_served_then_all_repl
     let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
     // What is under test is the bounds, not how fast a debug build on a busy machine
     // reads 2,560 claims' replies that arrive at once: the store's timeout is the
-    // README's advice for bursts (a claim that timed out would be a 503
+    // docs/performance.md's advice for bursts (a claim that timed out would be a 503
     // `store-unavailable`, not `overloaded`).
     config.store_timeout = "5s".into();
     let proxy = config.start().await;

@@ -496,7 +496,7 @@ async fn storm(records: usize) {
         StoreKind::Memory,
         &upstream,
         // Under a storm the first requests reach the upstream late: the first probe
-        // waits until every one that will arrive has (see `first_after` in the README).
+        // waits until every one that will arrive has (see `first_after` in docs/configuration.md).
         "give_up_after = \"5m\", max_concurrent = 4, first_after = \"2s\"",
     );
     let proxy = config.start().await;

@@ -376,7 +376,7 @@ def start_redis(processes):
 
 
 def smoke(processes, shipped, store, upstream_port, redis_port=None):
-    """The image run as the README says: the shipped config (its upstream pointed at
+    """The image run as docs/container.md says: the shipped config (its upstream pointed at
     this host), read-only, no capabilities, ports published. Returns the seconds
     from `run` to a ready `/readyz`."""
     config_dir = tempfile.mkdtemp(prefix=f"idemproxy-{store}-", dir=scratch())

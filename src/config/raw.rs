@@ -29,14 +29,14 @@ pub(super) struct RawConfig {
 #[serde(deny_unknown_fields, default)]
 pub(super) struct RawServer {
     pub(super) listen: SocketAddr,
-    pub(super) max_request_body_bytes: Spanned<u64>,
+    pub(super) max_request_body_bytes: Spanned<ByteSize>,
     pub(super) header_read_timeout: Spanned<HumanDuration>,
     pub(super) request_body_timeout: Spanned<HumanDuration>,
     pub(super) shutdown_grace: HumanDuration,
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) max_connections: Spanned<usize>,
     pub(super) max_guarded_requests: Spanned<usize>,
-    pub(super) max_buffered_bytes: Spanned<u64>,
+    pub(super) max_buffered_bytes: Spanned<ByteSize>,
     pub(super) max_waiters: Spanned<usize>,
     pub(super) access_log: bool,
     pub(super) contract_path: Spanned<String>,
@@ -58,14 +58,14 @@ impl Default for RawServer {
     fn default() -> Self {
         RawServer {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
-            max_request_body_bytes: Spanned::new(0..0, 1024 * 1024),
+            max_request_body_bytes: Spanned::new(0..0, ByteSize(1024 * 1024)),
             header_read_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(10))),
             request_body_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(30))),
             shutdown_grace: HumanDuration(Duration::from_secs(30)),
             workers: None,
             max_connections: Spanned::new(0..0, 10_000),
             max_guarded_requests: Spanned::new(0..0, super::DEFAULT_MAX_GUARDED_REQUESTS),
-            max_buffered_bytes: Spanned::new(0..0, super::DEFAULT_MAX_BUFFERED_BYTES),
+            max_buffered_bytes: Spanned::new(0..0, ByteSize(super::DEFAULT_MAX_BUFFERED_BYTES)),
             max_waiters: Spanned::new(0..0, super::DEFAULT_MAX_WAITERS),
             access_log: false,
             contract_path: Spanned::new(0..0, "/.well-known/idempotency".into()),
@@ -126,9 +126,9 @@ pub(super) struct RawStore {
     pub(super) key_prefix: Spanned<String>,
     pub(super) timeout: Spanned<HumanDuration>,
     pub(super) max_records: Option<Spanned<usize>>,
-    pub(super) max_bytes: Option<Spanned<usize>>,
+    pub(super) max_bytes: Option<Spanned<ByteSize>>,
     pub(super) max_records_per_scope: Option<Spanned<usize>>,
-    pub(super) max_bytes_per_scope: Option<Spanned<usize>>,
+    pub(super) max_bytes_per_scope: Option<Spanned<ByteSize>>,
     pub(super) min_replica_acks: Option<Spanned<u32>>,
     pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
     pub(super) connections: Option<Spanned<usize>>,
@@ -193,7 +193,7 @@ pub(super) struct RawIdempotency {
     pub(super) scope_headers: Spanned<Vec<String>>,
     pub(super) replay_exclude_headers: Spanned<Vec<String>>,
     pub(super) scope_jwt: Option<RawScopeJwt>,
-    pub(super) max_response_body_bytes: Spanned<u64>,
+    pub(super) max_response_body_bytes: Spanned<ByteSize>,
     pub(super) on_server_error: OnServerError,
     pub(super) on_store_error: OnStoreError,
     pub(super) upstream_key: UpstreamKey,
@@ -273,7 +273,7 @@ impl Default for RawIdempotency {
             scope_headers: Spanned::new(0..0, Vec::new()),
             replay_exclude_headers: Spanned::new(0..0, vec!["set-cookie".into()]),
             scope_jwt: None,
-            max_response_body_bytes: Spanned::new(0..0, 1024 * 1024),
+            max_response_body_bytes: Spanned::new(0..0, ByteSize(1024 * 1024)),
             on_server_error: OnServerError::Release,
             on_store_error: OnStoreError::Reject,
             upstream_key: UpstreamKey::Client,
@@ -322,5 +322,51 @@ impl<'de> Deserialize<'de> for HumanDuration {
                 "invalid duration {text:?}: {error} (write e.g. \"250ms\", \"30s\", \"24h\")"
             ))
         })
+    }
+}
+
+/// A size in bytes: an integer, or a string with a unit as `"256MiB"`, `"64KiB"`,
+/// `"1GiB"` (binary) or `"10MB"` (decimal), as durations are `"30s"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ByteSize(pub(super) u64);
+
+impl ByteSize {
+    /// The size as a `usize` (the memory store's bounds), saturating on a 32-bit host.
+    pub(super) fn as_usize(self) -> usize {
+        usize::try_from(self.0).unwrap_or(usize::MAX)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = ByteSize;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a number of bytes, or a size such as \"256MiB\"")
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, bytes: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(bytes))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, bytes: i64) -> Result<ByteSize, E> {
+                u64::try_from(bytes)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom(format!("invalid size {bytes}: a size cannot be negative")))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<ByteSize, E> {
+                parse_size::parse_size(text).map(ByteSize).map_err(|error| {
+                    E::custom(format!(
+                        "invalid size {text:?}: {error} (write e.g. \"256MiB\", \"64KiB\", \"1GiB\", or a number of bytes)"
+                    ))
+                })
+            }
+        }
+
+        deserializer.deserialize_any(Visitor)
     }
 }

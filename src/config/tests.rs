@@ -202,7 +202,8 @@ fn the_byte_budget_bounds_the_bodies_and_a_count_bounds_the_rest() {
     assert_eq!(config.server.max_buffered_bytes, 256 * 1024 * 1024);
     assert!(
         config.to_string().contains(
-            "max_buffered_bytes 268435456 = 256.0 MiB (request bodies at most 192.0 MiB of it), max_guarded_requests 16384"
+            "max_buffered_bytes 268435456 = 256 MiB (request bodies at most 192 MiB of it), max_guarded_requests 16384, \
+             max_request_body_bytes 1048576 = 1 MiB"
         ),
         "{config}"
     );
@@ -774,4 +775,180 @@ fn a_tracing_change_needs_a_restart() {
     .expect("valid");
     assert_eq!(off.needs_restart(&on), ["tracing"]);
     assert!(on.needs_restart(&on.clone()).is_empty());
+}
+
+/// Every byte setting takes a number of bytes or a size with a unit, as durations take
+/// `"30s"`; a size that does not parse names its setting; `check` prints both forms.
+#[test]
+fn byte_sizes_read_like_durations() {
+    let config = parse(&format!(
+        "[server]\nmax_buffered_bytes = \"1GiB\"\nmax_request_body_bytes = \"64KiB\"\n\
+         [store]\nmax_bytes = \"512 MiB\"\nmax_bytes_per_scope = \"10MB\"\n\
+         {ROUTE}[route.idempotency]\nmax_response_body_bytes = \"1.5MiB\"\n"
+    ))
+    .expect("valid");
+    assert_eq!(config.server.max_buffered_bytes, 1 << 30);
+    assert_eq!(config.server.max_request_body_bytes, 64 * 1024);
+    match config.store.backend {
+        Backend::Memory {
+            max_bytes,
+            max_bytes_per_scope,
+            ..
+        } => assert_eq!((max_bytes, max_bytes_per_scope), (512 << 20, 10_000_000)),
+        other => panic!("{other:?}"),
+    }
+    let policy = config.routes[0].idempotency.as_ref().expect("guarded");
+    assert_eq!(policy.max_response_body_bytes, 1024 * 1024 * 3 / 2);
+    let printed = config.to_string();
+    for shown in [
+        "max_buffered_bytes 1073741824 = 1 GiB (request bodies at most 768 MiB of it)",
+        "max_request_body_bytes 65536 = 64 KiB",
+        "max_bytes 536870912 = 512 MiB; per scope 25000 records, 9.5 MiB",
+    ] {
+        assert!(printed.contains(shown), "{shown:?} not in {printed}");
+    }
+    for (setting, bad) in [
+        ("server.max_buffered_bytes", "\"256MiBs\""),
+        ("server.max_request_body_bytes", "\"lots\""),
+        ("server.max_request_body_bytes", "-1"),
+        ("store.max_bytes", "\"1 XB\""),
+    ] {
+        let (table, key) = setting.rsplit_once('.').expect("a table and a key");
+        let error = parse(&format!("[{table}]\n{key} = {bad}\n{ROUTE}"))
+            .map(|_| ())
+            .expect_err("refused");
+        let text = error.to_string();
+        assert!(text.contains(&format!("t.toml:2: {setting}:")), "{text}");
+        assert!(text.contains("invalid size"), "{text}");
+    }
+}
+
+/// The keys the validator accepts in `table`, as its refusal of an unknown one lists
+/// them (`expected one of `a`, `b``): what serde's `deny_unknown_fields` knows.
+fn accepted(table: &str) -> std::collections::BTreeSet<String> {
+    let unknown = "zzz_not_a_setting = 1\n";
+    let source = match table {
+        "" => format!("{unknown}{ROUTE}"),
+        "route" => {
+            format!("[[route]]\n{unknown}name = \"a\"\npath_prefix = \"/a\"\nupstream = \"http://127.0.0.1:9\"\n")
+        }
+        "route.idempotency" => format!("{ROUTE}[route.idempotency]\n{unknown}"),
+        "route.idempotency.reconcile" | "route.idempotency.scope_jwt" => {
+            format!("{ROUTE}[route.idempotency]\n[{table}]\n{unknown}")
+        }
+        table => format!("[{table}]\n{unknown}{ROUTE}"),
+    };
+    let error = parse(&source)
+        .map(|_| ())
+        .expect_err("an unknown key is refused")
+        .to_string();
+    let expected = error
+        .split("expected")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{table}: {error}"));
+    expected.split('`').skip(1).step_by(2).map(str::to_string).collect()
+}
+
+/// Every key the validator accepts, in every table, is in the configuration
+/// reference, and the reference lists nothing the validator would refuse.
+#[test]
+fn the_reference_lists_every_setting_the_validator_accepts() {
+    use super::reference::{SETTINGS, TABLES, split};
+    let tables = std::iter::once("").chain(TABLES.iter().copied());
+    for table in tables {
+        let accepted = accepted(table);
+        let mut listed: std::collections::BTreeSet<String> = SETTINGS
+            .iter()
+            .filter(|setting| split(setting.key).0 == table)
+            .map(|setting| split(setting.key).1.to_string())
+            .collect();
+        // The tables inside this one are keys of it too.
+        listed.extend(
+            TABLES
+                .iter()
+                .filter(|child| split(child).0 == table)
+                .map(|child| split(child).1.to_string()),
+        );
+        assert_eq!(
+            accepted, listed,
+            "[{table}]: what the validator accepts and what the reference lists"
+        );
+    }
+    let mut keys: Vec<&str> = SETTINGS.iter().map(|setting| setting.key).collect();
+    let count = keys.len();
+    keys.dedup();
+    assert_eq!(keys.len(), count, "a setting listed twice");
+}
+
+/// Each default the reference gives as a value is the default the validator applies:
+/// writing it out changes nothing.
+#[test]
+fn the_reference_defaults_are_the_ones_applied() {
+    use super::reference::{DefaultValue, SETTINGS, split};
+    let redis = "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n";
+    let dir = tempfile::tempdir().expect("a directory");
+    let jwks = dir.path().join("jwks.json");
+    let ed25519 = "{\"keys\": [{\"kty\": \"OKP\", \"crv\": \"Ed25519\", \"x\": \"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo\"}]}";
+    std::fs::write(&jwks, ed25519).expect("write the JWKS");
+    let bases = |table: &str| -> Vec<(String, String)> {
+        let route = "[[route]]\nname = \"a\"\npath_prefix = \"/a\"\nupstream = \"http://127.0.0.1:9\"\n";
+        let policy = format!("{route}[route.idempotency]\n");
+        match table {
+            "route" => vec![(route.to_string(), String::new())],
+            "route.idempotency" => vec![(policy.clone(), String::new())],
+            "route.idempotency.reconcile" => vec![(
+                format!("{policy}[route.idempotency.reconcile]\npath = \"/by-key/{{record}}\"\n"),
+                String::new(),
+            )],
+            "route.idempotency.scope_jwt" => vec![(
+                format!(
+                    "{policy}[route.idempotency.scope_jwt]\njwks_file = {:?}\n",
+                    jwks.display().to_string()
+                ),
+                String::new(),
+            )],
+            "tracing" => vec![(
+                format!("[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n__SETTING__{route}"),
+                String::new(),
+            )],
+            "store" => vec![
+                (format!("[store]\n__SETTING__{route}"), String::new()),
+                (format!("{redis}__SETTING__{route}"), String::new()),
+            ],
+            table => vec![(format!("[{table}]\n__SETTING__{route}"), String::new())],
+        }
+    };
+    let debug = |mut config: super::Config| {
+        config.sha256.clear();
+        format!("{config:?}")
+    };
+    let mut checked = 0;
+    for setting in SETTINGS {
+        let DefaultValue::Toml(value) = setting.default else {
+            continue;
+        };
+        let (table, name) = split(setting.key);
+        let line = format!("{name} = {value}\n");
+        let mut matched = false;
+        for (base, _) in bases(table) {
+            let (with, without) = if base.contains("__SETTING__") {
+                (base.replace("__SETTING__", &line), base.replace("__SETTING__", ""))
+            } else {
+                (format!("{base}{line}"), base.clone())
+            };
+            if let (Ok(with), Ok(without)) = (parse(&with), parse(&without)) {
+                assert_eq!(
+                    debug(with),
+                    debug(without),
+                    "{}: the default {value} is not the one applied",
+                    setting.key
+                );
+                matched = true;
+                break;
+            }
+        }
+        assert!(matched, "{}: no config takes {value}", setting.key);
+        checked += 1;
+    }
+    assert!(checked > 50, "only {checked} defaults checked");
 }

@@ -163,14 +163,14 @@ impl Validator<'_> {
                 ),
             ));
         }
-        if *raw.max_response_body_bytes.get_ref() == 0 {
+        if raw.max_response_body_bytes.get_ref().0 == 0 {
             return Err(self.error(
                 raw.max_response_body_bytes.span(),
                 field("max_response_body_bytes"),
                 "must be greater than 0",
             ));
         }
-        if *raw.max_response_body_bytes.get_ref() > max_buffered_bytes {
+        if raw.max_response_body_bytes.get_ref().0 > max_buffered_bytes {
             return Err(self.error(
                 raw.max_response_body_bytes.span(),
                 field("max_response_body_bytes"),
@@ -195,7 +195,7 @@ impl Validator<'_> {
             scope_headers,
             replay_exclude_headers,
             scope_jwt,
-            max_response_body_bytes: raw.max_response_body_bytes.into_inner(),
+            max_response_body_bytes: raw.max_response_body_bytes.into_inner().0,
             on_server_error: raw.on_server_error,
             on_store_error: raw.on_store_error,
             upstream_key: raw.upstream_key,

@@ -11,7 +11,7 @@ use super::Validator;
 
 impl Validator<'_> {
     pub(super) fn server(&self, raw: RawServer) -> Result<ServerConfig, ConfigError> {
-        if *raw.max_request_body_bytes.get_ref() == 0 {
+        if raw.max_request_body_bytes.get_ref().0 == 0 {
             return Err(self.error(
                 raw.max_request_body_bytes.span(),
                 "server.max_request_body_bytes",
@@ -48,14 +48,14 @@ impl Validator<'_> {
         }
         // A request body of the largest size must fit the request bodies' three
         // quarters, or such a request could never be admitted.
-        let max_buffered_bytes = *raw.max_buffered_bytes.get_ref();
-        if max_buffered_bytes / 4 * 3 < *raw.max_request_body_bytes.get_ref() {
+        let max_buffered_bytes = raw.max_buffered_bytes.get_ref().0;
+        if max_buffered_bytes / 4 * 3 < raw.max_request_body_bytes.get_ref().0 {
             return Err(self.error(
                 raw.max_buffered_bytes.span(),
                 "server.max_buffered_bytes",
                 format!(
                     "{max_buffered_bytes} leaves less than max_request_body_bytes ({}) for request bodies, which may take three quarters of it",
-                    raw.max_request_body_bytes.get_ref()
+                    raw.max_request_body_bytes.get_ref().0
                 ),
             ));
         }
@@ -89,7 +89,7 @@ impl Validator<'_> {
                 path_parameters: raw.path_parameters,
             },
             listen: raw.listen,
-            max_request_body_bytes: raw.max_request_body_bytes.into_inner(),
+            max_request_body_bytes: raw.max_request_body_bytes.into_inner().0,
             header_read_timeout: raw.header_read_timeout.into_inner().0,
             request_body_timeout: raw.request_body_timeout.into_inner().0,
             shutdown_grace: raw.shutdown_grace.0,

@@ -58,22 +58,29 @@ impl Validator<'_> {
                     None => DEFAULT_MAX_RECORDS,
                 };
                 let max_bytes = match &raw.max_bytes {
-                    Some(max) if *max.get_ref() < 1024 * 1024 => {
+                    Some(max) if max.get_ref().0 < 1024 * 1024 => {
                         return Err(self.error(max.span(), "store.max_bytes", "must be at least 1048576 (1 MiB)"));
                     }
-                    Some(max) => *max.get_ref(),
+                    Some(max) => max.get_ref().as_usize(),
                     None => DEFAULT_MAX_BYTES,
                 };
                 // A quarter of each bound by default: one client cannot take the store
                 // from the others.
-                let per_scope = |value: &Option<Spanned<usize>>, field: &str, default: usize| match value {
-                    Some(max) if *max.get_ref() == 0 => Err(self.error(max.span(), field, "must be greater than 0")),
-                    Some(max) => Ok(*max.get_ref()),
+                let per_scope = |value: Option<(usize, Range<usize>)>, field: &str, default: usize| match value {
+                    Some((0, span)) => Err(self.error(span, field, "must be greater than 0")),
+                    Some((max, _)) => Ok(max),
                     None => Ok((default / 4).max(1)),
                 };
-                let max_records_per_scope =
-                    per_scope(&raw.max_records_per_scope, "store.max_records_per_scope", max_records)?;
-                let max_bytes_per_scope = per_scope(&raw.max_bytes_per_scope, "store.max_bytes_per_scope", max_bytes)?;
+                let records = raw
+                    .max_records_per_scope
+                    .as_ref()
+                    .map(|max| (*max.get_ref(), max.span()));
+                let max_records_per_scope = per_scope(records, "store.max_records_per_scope", max_records)?;
+                let bytes = raw
+                    .max_bytes_per_scope
+                    .as_ref()
+                    .map(|max| (max.get_ref().as_usize(), max.span()));
+                let max_bytes_per_scope = per_scope(bytes, "store.max_bytes_per_scope", max_bytes)?;
                 Backend::Memory {
                     max_records,
                     max_bytes,

@@ -1,0 +1,483 @@
+//! Every setting the config file takes, with its default and what it means: the one
+//! list that `idemproxy config reference` prints as the book's configuration page
+//! (`docs/configuration.md`), and that tests hold to what the validator accepts, table
+//! by table, and to the defaults it applies. A new setting is one row here.
+
+/// A setting's default, as the page shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultValue {
+    /// A TOML value, exactly what leaving the setting out means.
+    Toml(&'static str),
+    /// A default that depends on something else, in words.
+    Text(&'static str),
+    /// No default: the setting must be given where its table is.
+    Required,
+}
+
+/// One setting: its dotted key, its default, and what it means (Markdown).
+#[derive(Debug, Clone, Copy)]
+pub struct Setting {
+    pub key: &'static str,
+    pub default: DefaultValue,
+    pub meaning: &'static str,
+}
+
+/// The tables settings live in, besides the top level's: a key in one of them is
+/// `table.name`.
+pub const TABLES: &[&str] = &[
+    "server",
+    "server.tls",
+    "admin",
+    "store",
+    "tracing",
+    "route",
+    "route.idempotency",
+    "route.idempotency.reconcile",
+    "route.idempotency.scope_jwt",
+];
+
+/// Every setting, in the page's order.
+pub const SETTINGS: &[Setting] = &[
+    Setting {
+        key: "server.listen",
+        default: DefaultValue::Toml("\"127.0.0.1:8080\""),
+        meaning: "the proxy's address",
+    },
+    Setting {
+        key: "server.max_request_body_bytes",
+        default: DefaultValue::Toml("\"1MiB\""),
+        meaning: "a larger body on a guarded request gets 413",
+    },
+    Setting {
+        key: "server.header_read_timeout",
+        default: DefaultValue::Toml("\"10s\""),
+        meaning: "a client must send its request head within this",
+    },
+    Setting {
+        key: "server.request_body_timeout",
+        default: DefaultValue::Toml("\"30s\""),
+        meaning: "a guarded request's whole body must arrive within this, else 408",
+    },
+    Setting {
+        key: "server.shutdown_grace",
+        default: DefaultValue::Toml("\"30s\""),
+        meaning: "how long shutdown waits for open requests",
+    },
+    Setting {
+        key: "server.workers",
+        default: DefaultValue::Text("the number of cores"),
+        meaning: "worker threads; each has its own runtime, upstream pool and store connection (and, with Redis, its own `SO_REUSEPORT` socket)",
+    },
+    Setting {
+        key: "server.max_connections",
+        default: DefaultValue::Toml("10000"),
+        meaning: "client connections the process holds at once, exactly, whichever worker's socket they reach; past it, each worker holds the connection it accepted unserved and more wait in the kernel's accept queue until one closes (also bounded by the open-files limit, see [The edge](edge.md))",
+    },
+    Setting {
+        key: "server.max_buffered_bytes",
+        default: DefaultValue::Toml("\"256MiB\""),
+        meaning: "the body bytes guarded requests hold at once while they are buffered: a request body as it is read (its `Content-Length` up front when it has one, chunk by chunk when not; request bodies may take three quarters), a response as it is read for recording; past it, 503 `overloaded` before the request is read, claimed or forwarded (see [Memory and limits](limits.md)); at least 4/3 of `max_request_body_bytes`",
+    },
+    Setting {
+        key: "server.max_guarded_requests",
+        default: DefaultValue::Toml("16384"),
+        meaning: "guarded requests in flight at once, from reading the body to recording the response; more get 503 `overloaded`. It bounds what each costs besides its bodies (see [Memory and limits](limits.md))",
+    },
+    Setting {
+        key: "server.max_waiters",
+        default: DefaultValue::Toml("10000"),
+        meaning: "duplicates waiting for their first request at once (`wait_for_in_flight`); past it a duplicate gets its 409 at once",
+    },
+    Setting {
+        key: "server.access_log",
+        default: DefaultValue::Toml("false"),
+        meaning: "one log line per request, target `idemproxy::access` (see [Operations](operations.md))",
+    },
+    Setting {
+        key: "tracing.otlp_endpoint",
+        default: DefaultValue::Text("unset"),
+        meaning: "OTLP/HTTP endpoint for traces (see [Traces](traces.md)); unset: no traces",
+    },
+    Setting {
+        key: "tracing.service_name",
+        default: DefaultValue::Toml("\"idemproxy\""),
+        meaning: "the traces' `service.name`",
+    },
+    Setting {
+        key: "tracing.sample_ratio",
+        default: DefaultValue::Toml("1.0"),
+        meaning: "share of the traces the proxy starts that are sampled (0.0 to 1.0); a client's `traceparent` flag decides for its own",
+    },
+    Setting {
+        key: "server.contract_path",
+        default: DefaultValue::Toml("\"/.well-known/idempotency\""),
+        meaning: "where the proxy answers with the published contract of the guarded routes the request's host may reach, itself, never forwarded (see [Publishing the contract](contract.md)); `\"\"` turns it off",
+    },
+    Setting {
+        key: "server.merge_slashes",
+        default: DefaultValue::Toml("true"),
+        meaning: "runs of `/` in a path are one `/` before it is routed and forwarded; `false` keeps them (see [The request the guard matches](behaviour.md#the-request-the-guard-matches-is-the-request-forwarded))",
+    },
+    Setting {
+        key: "server.escaped_slashes",
+        default: DefaultValue::Toml("\"reject\""),
+        meaning: "`%2F`, `%5C` or a raw `\\` in a path: `\"reject\"` (400 `invalid-path`) or `\"keep\"` (forwarded, part of a segment)",
+    },
+    Setting {
+        key: "server.path_parameters",
+        default: DefaultValue::Toml("\"reject\""),
+        meaning: "a `;` in a path (`/v1/pay;jsessionid=1`): `\"reject\"` (400 `invalid-path`) or `\"keep\"` (forwarded; a prefix matches at `;` as at `/`)",
+    },
+    Setting {
+        key: "server.tls.cert_file",
+        default: DefaultValue::Required,
+        meaning: "with `[server.tls]`: the listener's certificate chain, PEM",
+    },
+    Setting {
+        key: "server.tls.key_file",
+        default: DefaultValue::Required,
+        meaning: "its private key, PEM (PKCS#8, RSA or SEC1)",
+    },
+    Setting {
+        key: "server.tls.client_ca_file",
+        default: DefaultValue::Text("none"),
+        meaning: "PEM CA certificates: every client must present a certificate one of them signed (mTLS)",
+    },
+    Setting {
+        key: "admin.listen",
+        default: DefaultValue::Toml("\"127.0.0.1:9090\""),
+        meaning: "admin endpoints; leave out `[admin]` to disable",
+    },
+    Setting {
+        key: "admin.token_file",
+        default: DefaultValue::Text("none"),
+        meaning: "a file holding the records API's Bearer token (at least 16 characters, surrounding whitespace ignored); without it `/records` does not exist",
+    },
+    Setting {
+        key: "store.backend",
+        default: DefaultValue::Toml("\"memory\""),
+        meaning: "`\"memory\"` (one instance only), `\"redis\"` (one primary), `\"redis-sentinel\"` or `\"redis-cluster\"`",
+    },
+    Setting {
+        key: "store.url",
+        default: DefaultValue::Required,
+        meaning: "`\"redis\"` only: `redis://host:6379/0` or `rediss://` (TLS)",
+    },
+    Setting {
+        key: "store.urls",
+        default: DefaultValue::Required,
+        meaning: "`\"redis-sentinel\"`: the sentinels; `\"redis-cluster\"`: seed nodes (`redis://` or `rediss://` each)",
+    },
+    Setting {
+        key: "store.master_name",
+        default: DefaultValue::Required,
+        meaning: "`\"redis-sentinel\"` only: the name the sentinels monitor",
+    },
+    Setting {
+        key: "store.min_replica_acks",
+        default: DefaultValue::Toml("0"),
+        meaning: "Redis backends: more than 0 makes a claim count only once this many replicas acknowledged it (`WAIT`); fewer in time releases it and answers 503, nothing forwarded",
+    },
+    Setting {
+        key: "store.replica_ack_timeout",
+        default: DefaultValue::Toml("\"100ms\""),
+        meaning: "Redis backends: how long a claim waits for those acknowledgements (at least 1 ms)",
+    },
+    Setting {
+        key: "store.connections",
+        default: DefaultValue::Toml("1"),
+        meaning: "Redis backends: multiplexed connections each worker keeps to the store, taken in turn (1 to 64; more did not shorten claims here, see [Performance](performance.md))",
+    },
+    Setting {
+        key: "store.tls_ca_file",
+        default: DefaultValue::Text("the webpki roots"),
+        meaning: "Redis backends, `rediss://`: PEM CA certificates a Redis node's (and sentinel's) certificate must chain to, instead of the webpki roots",
+    },
+    Setting {
+        key: "store.tls_cert_file",
+        default: DefaultValue::Text("none"),
+        meaning: "with `tls_key_file`: the client certificate chain (PEM) presented to a Redis with `tls-auth-clients yes`",
+    },
+    Setting {
+        key: "store.tls_key_file",
+        default: DefaultValue::Text("none"),
+        meaning: "its private key, PEM (PKCS#8, RSA or SEC1)",
+    },
+    Setting {
+        key: "store.key_prefix",
+        default: DefaultValue::Toml("\"idemproxy\""),
+        meaning: "first part of every store key",
+    },
+    Setting {
+        key: "store.timeout",
+        default: DefaultValue::Toml("\"500ms\""),
+        meaning: "bound on each store operation, counted from when the request asks (the time a busy worker takes to read the reply included): raise it to `\"2s\"` where bursts of many thousands of requests arrive at once on few cores (see [Load shaped like a slow legacy API](performance.md#load-shaped-like-a-slow-legacy-api))",
+    },
+    Setting {
+        key: "store.max_records",
+        default: DefaultValue::Toml("100000"),
+        meaning: "memory only: live records held at most; then new claims get 503 `store-full`",
+    },
+    Setting {
+        key: "store.max_bytes",
+        default: DefaultValue::Toml("\"256MiB\""),
+        meaning: "memory only, at least 1 MiB: once live records hold this many bytes (bodies, header names and values, keys, and 160 bytes of bookkeeping each), new claims get 503 `store-full`",
+    },
+    Setting {
+        key: "store.max_records_per_scope",
+        default: DefaultValue::Text("a quarter of `max_records`"),
+        meaning: "memory only: live records one scope (a route's client, as its `scope_headers` and `scope_jwt` name it) may hold; its new keys then get 429 `scope-full`. Routes without scope are not bounded by it",
+    },
+    Setting {
+        key: "store.max_bytes_per_scope",
+        default: DefaultValue::Text("a quarter of `max_bytes`"),
+        meaning: "memory only: the bytes one scope's live records may hold, likewise",
+    },
+    Setting {
+        key: "route.name",
+        default: DefaultValue::Required,
+        meaning: "unique, `A-Z a-z 0-9 _ - .`; part of every record's scope",
+    },
+    Setting {
+        key: "route.path_prefix",
+        default: DefaultValue::Required,
+        meaning: "the longest matching prefix wins, at a `/` (or `;`) boundary; it must be a canonical path (`check` names the canonical spelling)",
+    },
+    Setting {
+        key: "route.host",
+        default: DefaultValue::Text("any"),
+        meaning: "exact `Host` match (port ignored); host routes are tried first",
+    },
+    Setting {
+        key: "route.upstream",
+        default: DefaultValue::Required,
+        meaning: "`http://` or `https://` base URL; the request path is appended",
+    },
+    Setting {
+        key: "route.upstream_timeout",
+        default: DefaultValue::Toml("\"30s\""),
+        meaning: "bound on the whole upstream exchange",
+    },
+    Setting {
+        key: "route.upstream_ca_file",
+        default: DefaultValue::Text("none"),
+        meaning: "PEM CA certificates an `https://` upstream may be signed by, beside the webpki roots",
+    },
+    Setting {
+        key: "route.docs_url",
+        default: DefaultValue::Text("none"),
+        meaning: "where the route's API documents its errors (an absolute `http`/`https` URL, no fragment): every problem response on the route carries `Link: <docs_url>; rel=\"describedby\"`, and its `type` is `docs_url#slug` instead of `urn:idemproxy:problem:slug`",
+    },
+    Setting {
+        key: "route.idempotency.methods",
+        default: DefaultValue::Toml("[\"POST\", \"PATCH\"]"),
+        meaning: "the guarded methods",
+    },
+    Setting {
+        key: "route.idempotency.profile",
+        default: DefaultValue::Toml("\"ietf\""),
+        meaning: "the error shape the route's clients expect: `\"ietf\"` (RFC 9457 problems, 422 on key reuse, as the draft says) or `\"stripe\"` (as Stripe's API answers: `{\"error\": {\"type\", \"code\", \"message\"}}` with `application/json`, key reuse a 400 `idempotency_error`, a duplicate in flight a 409 `idempotency_error` with code `idempotency_key_in_use`, a client's other mistakes `invalid_request_error`, the rest `api_error`); statuses, headers and `Retry-After` are otherwise the same",
+    },
+    Setting {
+        key: "route.idempotency.header",
+        default: DefaultValue::Toml("\"Idempotency-Key\""),
+        meaning: "where the key is read",
+    },
+    Setting {
+        key: "route.idempotency.required",
+        default: DefaultValue::Toml("true"),
+        meaning: "`false`: a request without a key passes unguarded",
+    },
+    Setting {
+        key: "route.idempotency.retention",
+        default: DefaultValue::Toml("\"24h\""),
+        meaning: "how long a key stays bound to its first outcome; must exceed `upstream_timeout + 1s`",
+    },
+    Setting {
+        key: "route.idempotency.fingerprint_headers",
+        default: DefaultValue::Toml("[\"content-type\"]"),
+        meaning: "headers that, with method, path, query and body, make two requests \"the same\"",
+    },
+    Setting {
+        key: "route.idempotency.wait_for_in_flight",
+        default: DefaultValue::Toml("\"0s\""),
+        meaning: "a duplicate that finds its first request in flight waits up to this long for its answer instead of 409 (see [Wait, then replay](beyond.md#wait-then-replay)); at most the lease (`upstream_timeout + 1s`)",
+    },
+    Setting {
+        key: "route.idempotency.mode",
+        default: DefaultValue::Toml("\"enforce\""),
+        meaning: "`\"shadow\"`: forward every request as an unguarded route would, write claims and records, and count what enforce would have done (see [Shadow mode](beyond.md#shadow-mode))",
+    },
+    Setting {
+        key: "route.idempotency.fingerprint_body",
+        default: DefaultValue::Toml("\"bytes\""),
+        meaning: "`\"json\"`: a body counts by its JSON value (key order, whitespace, escapes and number spelling ignored; see [JSON fingerprint](beyond.md#json-fingerprint)); a body that is not JSON counts by its bytes",
+    },
+    Setting {
+        key: "route.idempotency.fingerprint_ignore",
+        default: DefaultValue::Toml("[]"),
+        meaning: "with `\"json\"`: JSON pointers (RFC 6901) left out of the fingerprint, e.g. `[\"/sent_at\", \"/meta/request_id\"]`",
+    },
+    Setting {
+        key: "route.idempotency.scope_headers",
+        default: DefaultValue::Toml("[]"),
+        meaning: "e.g. `[\"authorization\"]`: hashed into the record's scope, so tenants never share keys",
+    },
+    Setting {
+        key: "route.idempotency.max_response_body_bytes",
+        default: DefaultValue::Toml("\"1MiB\""),
+        meaning: "the largest response that can be recorded",
+    },
+    Setting {
+        key: "route.idempotency.on_server_error",
+        default: DefaultValue::Toml("\"release\""),
+        meaning: "a 5xx: `\"release\"` (a retry runs again) or `\"store\"` (replayed)",
+    },
+    Setting {
+        key: "route.idempotency.on_store_error",
+        default: DefaultValue::Toml("\"reject\""),
+        meaning: "store unreachable: `\"reject\"` (503) or `\"forward\"` (unguarded)",
+    },
+    Setting {
+        key: "route.idempotency.upstream_key",
+        default: DefaultValue::Toml("\"client\""),
+        meaning: "the key a guarded request carries upstream: `\"client\"` (the client's own), `\"derived\"` (the record's operation id: unique per route, scope and client key, so an upstream that deduplicates on it never confuses two tenants' keys; it contains none of the client's bytes) or `\"none\"` (removed). Whatever a client sent in `upstream_key_header` is replaced. Every request enforce mode forwards carries it, also unguarded with `on_store_error = \"forward\"`, so an upstream that deduplicates sees one key per operation; shadow mode forwards every request as an unguarded route does, the client's key as sent",
+    },
+    Setting {
+        key: "route.idempotency.upstream_key_header",
+        default: DefaultValue::Toml("\"Idempotency-Key\""),
+        meaning: "the field the upstream finds that key in (the client's `header` is removed when this names another field)",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.path",
+        default: DefaultValue::Text("— (no probe)"),
+        meaning: "with `[route.idempotency.reconcile]`: the probe's path and query on the route's upstream; `{key}` is the key as sent upstream (percent-encoded; refused with `upstream_key = \"none\"`), `{record}` the operation id. See [When the outcome is unknown](unknown-outcomes.md)",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.method",
+        default: DefaultValue::Toml("\"GET\""),
+        meaning: "`GET` or `HEAD`, nothing else: a probe never runs the operation it asks about, and never sends the client's body or headers",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.applied",
+        default: DefaultValue::Toml("[200]"),
+        meaning: "statuses that mean \"it took effect\": the probe's answer (status, headers, body within `max_response_body_bytes`) becomes the record's response",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.not_applied",
+        default: DefaultValue::Toml("[404]"),
+        meaning: "statuses that mean \"it did not\": the key is released and the next retry runs. Any other answer, a timeout or a refused connection means \"ask again\"",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.first_after",
+        default: DefaultValue::Toml("\"1s\""),
+        meaning: "from the moment the outcome became unknown to the first probe. Make it longer than the upstream may go on working on a request the proxy gave up on: a \"not found\" from an upstream that commits a second later releases a key whose operation then takes effect",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.every",
+        default: DefaultValue::Toml("\"5s\""),
+        meaning: "between probes that learned nothing",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.give_up_after",
+        default: DefaultValue::Toml("\"10m\""),
+        meaning: "from the moment the outcome became unknown: no probe begins after it, and the record waits for an operator (`reconciling: false`)",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.timeout",
+        default: DefaultValue::Text("the route's `upstream_timeout`"),
+        meaning: "one probe, its answer's body included; the probe lease is this plus 1 s",
+    },
+    Setting {
+        key: "route.idempotency.reconcile.max_concurrent",
+        default: DefaultValue::Toml("8"),
+        meaning: "probes of this route running at once in one process (the rest wait their turn), so that a storm of timeouts does not flood the upstream",
+    },
+    Setting {
+        key: "route.idempotency.replay_exclude_headers",
+        default: DefaultValue::Toml("[\"set-cookie\"]"),
+        meaning: "response fields the first client gets and that are never recorded, so never replayed to anyone",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.header",
+        default: DefaultValue::Toml("\"authorization\""),
+        meaning: "with `[route.idempotency.scope_jwt]`: where the `Bearer` token is",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.claim",
+        default: DefaultValue::Toml("\"sub\""),
+        meaning: "the verified claim that scopes the records",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.jwks_file",
+        default: DefaultValue::Required,
+        meaning: "a JWKS file: RS256, ES256 and EdDSA keys (give this or `hs256_secret_env`)",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.hs256_secret_env",
+        default: DefaultValue::Required,
+        meaning: "the environment variable holding an HS256 secret of 32 bytes or more",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.issuer",
+        default: DefaultValue::Text("none"),
+        meaning: "when set, `iss` must equal it",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.audience",
+        default: DefaultValue::Text("none"),
+        meaning: "when set, `aud` must equal or contain it",
+    },
+    Setting {
+        key: "route.idempotency.scope_jwt.leeway",
+        default: DefaultValue::Toml("\"30s\""),
+        meaning: "clock skew allowed on `exp` and `nbf`",
+    },
+];
+
+/// What the page says before the table.
+const INTRO: &str = "# Configuration reference
+
+One TOML file (`idemproxy serve --config PATH`; `idemproxy check --config PATH`
+validates it and prints what it understood). Durations are strings such as `\"250ms\"`,
+`\"30s\"`, `\"24h\"`. Sizes are a number of bytes or a string with a unit, such as
+`\"64KiB\"`, `\"256MiB\"`, `\"1GiB\"` (binary) or `\"10MB\"` (decimal); `check` prints
+both. Unknown keys are errors, and every error names the file, the line and the field.
+Only `route.name`, `route.path_prefix`, `route.upstream`, and the store's address
+(`store.url`, or `store.urls` and `store.master_name`) with a Redis backend are
+required.
+
+This page is printed by `idemproxy config reference` from the code's own list of
+settings; a test fails when the two disagree.
+";
+
+/// What the page says after the table.
+const OUTRO: &str = "
+Paths (`cert_file`, `key_file`, the CA files, the store's TLS files, `jwks_file`) are
+relative to the config file's directory. `idemproxy check` reads every one of them and
+names a bad one by its field; it also warns about each guarded route with neither
+`scope_headers` nor `scope_jwt` (every client then shares one key space).
+
+A route without a `[route.idempotency]` table is a plain reverse-proxy route.
+";
+
+/// The configuration reference, as Markdown: the book's configuration page.
+pub fn markdown() -> String {
+    let mut page = String::from(INTRO);
+    page.push_str("\n| key | default | meaning |\n|---|---|---|\n");
+    for setting in SETTINGS {
+        let default = match setting.default {
+            DefaultValue::Toml(value) => format!("`{value}`"),
+            DefaultValue::Text(text) => text.to_string(),
+            DefaultValue::Required => "—".to_string(),
+        };
+        page.push_str(&format!("| `{}` | {default} | {} |\n", setting.key, setting.meaning));
+    }
+    page.push_str(OUTRO);
+    page
+}
+
+/// The table `key` is in (`server` for `server.listen`), and its own name in it.
+pub fn split(key: &str) -> (&str, &str) {
+    key.rsplit_once('.').unwrap_or(("", key))
+}
