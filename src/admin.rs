@@ -73,6 +73,12 @@ impl Admin {
         if request.uri().path().starts_with("/records/") {
             let config = self.live.load_full();
             let (parts, body) = request.into_parts();
+            // The token first: nothing of an unauthenticated request's body is read.
+            match records::door(&config, parts.uri.path(), &parts.headers) {
+                None => return text(StatusCode::NOT_FOUND, "not found\n"),
+                Some(Err(refused)) => return refused,
+                Some(Ok(())) => {}
+            }
             // A resolution's response, base64 in JSON: at most the largest a route
             // records, and some room around it.
             let limit = config
@@ -85,7 +91,12 @@ impl Admin {
                 .saturating_mul(4)
                 / 3
                 + RESOLUTION_OVERHEAD;
-            let body = match body::read_request_body(body, &parts.headers, limit, BODY_TIMEOUT, |_| true).await {
+            let limits = body::BodyLimits {
+                max_bytes: limit,
+                timeout: BODY_TIMEOUT,
+                idle: BODY_TIMEOUT,
+            };
+            let body = match body::read_request_body(body, &parts.headers, limits, None, |_| true).await {
                 Ok(body) => body,
                 Err(rejection) => {
                     let problem = rejection.problem();

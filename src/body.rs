@@ -5,6 +5,8 @@
 
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -56,6 +58,11 @@ pub(crate) fn broken_by_client(error: &(dyn std::error::Error + 'static)) -> boo
 /// connection rather than once per request.
 #[derive(Debug, Clone)]
 pub(crate) struct ClientInfo {
+    /// The client's address.
+    pub(crate) addr: IpAddr,
+    /// What this connection's requests may take of the byte budget for bytes they
+    /// declared and have not sent.
+    pub(crate) allowance: Arc<Allowance>,
     /// The client's address as a header value, for `X-Forwarded-For`.
     pub(crate) forwarded_for: HeaderValue,
     /// `http` or `https`, for `X-Forwarded-Proto`.
@@ -68,24 +75,76 @@ impl ClientInfo {
         let forwarded_for =
             HeaderValue::from_str(&addr.to_string()).unwrap_or_else(|_| HeaderValue::from_static("unknown"));
         let proto = HeaderValue::from_static(if tls { "https" } else { "http" });
-        ClientInfo { forwarded_for, proto }
+        ClientInfo {
+            addr,
+            allowance: Arc::default(),
+            forwarded_for,
+            proto,
+        }
     }
 }
 
-/// Reads a guarded request's whole body: at most `max` bytes (a declared larger
-/// length is refused before reading), within `timeout`, each byte first taken from the
-/// byte budget by `reserve` (refused, 503 `overloaded`, before anything is claimed).
+/// One connection's reservations for request body bytes it has declared
+/// (`Content-Length`) and not sent yet: at most one body's worth however many streams
+/// it opens, so that declaring costs a client nothing it has not sent. Bytes past it
+/// are taken as they arrive.
+#[derive(Debug, Default)]
+pub(crate) struct Allowance {
+    held: AtomicU64,
+}
+
+impl Allowance {
+    /// Up to `want` bytes, as far as what the connection holds stays within `max`.
+    fn grant(&self, want: u64, max: u64) -> Grant<'_> {
+        let mut granted = 0;
+        let _ = self.held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            granted = want.min(max.saturating_sub(held));
+            Some(held + granted)
+        });
+        Grant {
+            allowance: self,
+            bytes: granted,
+        }
+    }
+}
+
+/// What one body was granted of its connection's allowance, given back when its read
+/// ends.
+struct Grant<'a> {
+    allowance: &'a Allowance,
+    bytes: u64,
+}
+
+impl Drop for Grant<'_> {
+    fn drop(&mut self) {
+        self.allowance.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// How a guarded request's body may be read: at most `max_bytes`, all of it within
+/// `timeout`, and no longer than `idle` without a byte.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BodyLimits {
+    pub(crate) max_bytes: u64,
+    pub(crate) timeout: Duration,
+    pub(crate) idle: Duration,
+}
+
+/// Reads a guarded request's whole body within `limits` (a declared length over them
+/// is refused before reading), each byte first taken from the byte budget by `reserve`
+/// (refused, 503 `overloaded`, before anything is claimed).
 pub(crate) async fn read_request_body(
     body: Incoming,
     headers: &HeaderMap,
-    max: u64,
-    timeout: Duration,
+    limits: BodyLimits,
+    allowance: Option<&Allowance>,
     reserve: impl FnMut(u64) -> bool,
 ) -> Result<Bytes, Rejection> {
-    match peek_request_body(body, headers, max, timeout, reserve).await? {
+    match peek_request_body(body, headers, limits, allowance, reserve).await? {
         Peeked::Whole(body) => Ok(body),
-        Peeked::Partial { cut: Cut::TooLarge, .. } => Err(Rejection::BodyTooLarge(max)),
-        Peeked::Partial { cut: Cut::TooSlow, .. } => Err(Rejection::BodyTimeout(timeout)),
+        Peeked::Partial { cut: Cut::TooLarge, .. } => Err(Rejection::BodyTooLarge(limits.max_bytes)),
+        Peeked::Partial { cut: Cut::TooSlow, .. } => Err(Rejection::BodyTimeout(limits.timeout)),
+        Peeked::Partial { cut: Cut::Idle, .. } => Err(Rejection::BodyIdle(limits.idle)),
         Peeked::Partial {
             cut: Cut::OverBudget, ..
         } => Err(Rejection::Overloaded(Bound::Bytes)),
@@ -105,28 +164,42 @@ pub(crate) enum Peeked {
 pub(crate) enum Cut {
     TooLarge,
     TooSlow,
+    /// No byte came for the idle limit.
+    Idle,
     /// The byte budget could not hold it.
     OverBudget,
 }
 
-/// Reads `body` up to `max` bytes (a declared larger length is not read at all),
-/// within `timeout`, taking its bytes from the budget with `reserve` first: all of a
-/// declared length up front, else each frame as it comes. A body the client broke is
+/// Reads `body` up to `limits.max_bytes` (a declared larger length is not read at
+/// all), within its timeouts, taking its bytes from the budget with `reserve` first: of
+/// a declared length, as much up front as the connection's `allowance` grants (all of
+/// it without one), and every byte past that as it comes. A body the client broke is
 /// refused.
 pub(crate) async fn peek_request_body(
     mut body: Incoming,
     headers: &HeaderMap,
-    max: u64,
-    timeout: Duration,
+    limits: BodyLimits,
+    allowance: Option<&Allowance>,
     mut reserve: impl FnMut(u64) -> bool,
 ) -> Result<Peeked, Rejection> {
+    let max = limits.max_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.parse::<u64>().ok());
+    // Held until the body is read: the bytes it stands for are then real, and taken.
+    let grant = match (declared, allowance) {
+        (Some(length), Some(allowance)) if length <= max => Some(allowance.grant(length, max)),
+        _ => None,
+    };
+    let up_front = match (declared, &grant) {
+        (Some(length), None) => length,
+        (_, Some(grant)) => grant.bytes,
+        (None, None) => 0,
+    };
     let refused = match declared {
         Some(length) if length > max => Some(Cut::TooLarge),
-        Some(length) if !reserve(length) => Some(Cut::OverBudget),
+        Some(_) if up_front > 0 && !reserve(up_front) => Some(Cut::OverBudget),
         _ => None,
     };
     if let Some(cut) = refused {
@@ -142,7 +215,7 @@ pub(crate) async fn peek_request_body(
     let mut joined = BytesMut::new();
     let mut read: u64 = 0;
     let head = |first: Option<Bytes>, joined: BytesMut| first.unwrap_or_else(|| joined.freeze());
-    let deadline = tokio::time::sleep(timeout);
+    let deadline = tokio::time::sleep(limits.timeout);
     tokio::pin!(deadline);
     loop {
         // `frame()` only polls the body, so a deadline that wins loses nothing.
@@ -150,6 +223,9 @@ pub(crate) async fn peek_request_body(
             frame = body.frame() => frame,
             () = &mut deadline => {
                 return Ok(Peeked::Partial { head: head(first, joined), rest: body, cut: Cut::TooSlow });
+            }
+            () = tokio::time::sleep(limits.idle) => {
+                return Ok(Peeked::Partial { head: head(first, joined), rest: body, cut: Cut::Idle });
             }
         };
         let Some(frame) = frame else {
@@ -160,9 +236,10 @@ pub(crate) async fn peek_request_body(
             continue;
         };
         let length = data.len() as u64;
+        // What of this frame lies past the bytes taken up front is taken now.
+        let past = (read + length).saturating_sub(up_front.max(read));
         read += length;
-        // A declared length was taken whole; more than it is hyper's error, not ours.
-        let over_budget = declared.is_none() && read <= max && !reserve(length);
+        let over_budget = read <= max && past > 0 && !reserve(past);
         match first.take() {
             None if joined.is_empty() => first = Some(data),
             earlier => {

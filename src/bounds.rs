@@ -1,12 +1,13 @@
-//! The process-wide bounds on guarded requests in flight, which every worker shares:
-//! their number (`server.max_guarded_requests`) and the bytes their bodies hold while
-//! they are buffered (`server.max_buffered_bytes`). The proxy takes a share for each
-//! guarded request; the admin listener reports what is held. No I/O.
+//! The process-wide bounds every worker shares: on guarded requests in flight, their
+//! number (`server.max_guarded_requests`) and the bytes their bodies hold while they
+//! are buffered (`server.max_buffered_bytes`), and on each route's reconciliation
+//! probes at once (`max_concurrent`, which a reload may move). The proxy takes a share
+//! or a place; the admin listener reports what is held. No I/O.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::{Bound, Rejection};
 use crate::metrics::Metrics;
@@ -112,5 +113,52 @@ impl Share {
 impl Drop for Share {
     fn drop(&mut self) {
         self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
+/// How many probes of one route may run at once, and how many do: a bound that a
+/// reload may move while probes hold their places.
+#[derive(Debug, Default)]
+pub(crate) struct ProbeLimit {
+    /// (the bound, the probes running).
+    places: Mutex<(usize, usize)>,
+    freed: Notify,
+}
+
+impl ProbeLimit {
+    pub(crate) fn set(&self, max: usize) {
+        self.places.lock().unwrap_or_else(std::sync::PoisonError::into_inner).0 = max;
+        self.freed.notify_waiters();
+    }
+
+    /// Waits for a place: fewer running than the bound as it is now.
+    pub(crate) async fn acquire(self: &Arc<Self>) -> ProbePlace {
+        loop {
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            {
+                let mut places = self.places.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if places.1 < places.0 {
+                    places.1 += 1;
+                    return ProbePlace(self.clone());
+                }
+            }
+            freed.await;
+        }
+    }
+}
+
+/// One probe's place among its route's `max_concurrent`, given back when dropped.
+pub(crate) struct ProbePlace(Arc<ProbeLimit>);
+
+impl Drop for ProbePlace {
+    fn drop(&mut self) {
+        self.0
+            .places
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1 -= 1;
+        self.0.freed.notify_waiters();
     }
 }

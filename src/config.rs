@@ -50,6 +50,8 @@ pub struct ServerConfig {
     pub max_request_body_bytes: u64,
     pub header_read_timeout: Duration,
     pub request_body_timeout: Duration,
+    /// A guarded body with no byte for this long is cut, 408.
+    pub request_body_idle_timeout: Duration,
     pub shutdown_grace: Duration,
     /// Worker threads, each with its own runtime and listening socket.
     pub workers: usize,
@@ -157,6 +159,8 @@ pub enum Backend {
         /// client, as `scope_headers` and `scope_jwt` name it) may have at once.
         max_records_per_scope: usize,
         max_bytes_per_scope: usize,
+        /// The scoped records one client address may hold, across the scopes it sends.
+        max_records_per_client: usize,
     },
     Redis(RedisConfig),
 }
@@ -301,6 +305,8 @@ pub struct IdempotencyPolicy {
     pub scope_jwt: Option<JwtVerifier>,
     pub max_response_body_bytes: u64,
     pub on_server_error: OnServerError,
+    /// A 401 or 403 from the upstream: released (the default) or recorded.
+    pub on_unauthorized: OnUnauthorized,
     pub on_store_error: OnStoreError,
     /// The key the upstream is sent with a guarded request, and the field it is in.
     pub upstream_key: UpstreamKey,
@@ -354,12 +360,12 @@ pub(crate) enum ProbePiece {
 
 impl ProbePath {
     /// The path with `key` and `record` in their places. A key is visible ASCII; every
-    /// byte of it but the unreserved ones is percent-encoded, so that it stays one
-    /// path segment (or one query value).
+    /// byte of it but letters, digits, `-`, `_` and `~` is percent-encoded, `.` too,
+    /// so that it stays one path segment (or one query value): never a `.` or `..`
+    /// segment that an upstream which normalises paths would remove.
     pub fn render(&self, key: &str, record: &str) -> String {
         const ENCODED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
             .remove(b'-')
-            .remove(b'.')
             .remove(b'_')
             .remove(b'~');
         let mut path = String::new();
@@ -431,6 +437,16 @@ pub enum FingerprintBody {
 #[serde(rename_all = "snake_case")]
 pub enum OnServerError {
     Release,
+    Store,
+}
+
+/// `on_unauthorized`: what a 401 or 403 from the upstream does to the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnauthorized {
+    /// The request was refused, not executed: the key is released, and nothing is kept.
+    Release,
+    /// Recorded and replayed like any other answer.
     Store,
 }
 
@@ -618,9 +634,11 @@ impl std::fmt::Display for Config {
                 max_bytes,
                 max_records_per_scope,
                 max_bytes_per_scope,
+                max_records_per_client,
             } => writeln!(
                 f,
-                "store  {} (max_records {max_records}, max_bytes {}; per scope {max_records_per_scope} records, {})",
+                "store  {} (max_records {max_records}, max_bytes {}; per scope {max_records_per_scope} records, {}; \
+                 per client address {max_records_per_client} scoped records)",
                 self.store.backend.name(),
                 size(*max_bytes as u64),
                 unit(*max_bytes_per_scope as u64),

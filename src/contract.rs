@@ -125,6 +125,9 @@ fn header_name(policy: &IdempotencyPolicy) -> String {
 fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, ProblemKind)> + '_ {
     ProblemKind::ALL
         .into_iter()
+        // A shadow-mode route forwards every request as an unguarded route would: it
+        // answers none of the guard's problems, only the upstream's failures.
+        .filter(|kind| policy.mode == Mode::Enforce || kind.row().in_shadow)
         .filter(|kind| match kind.row().listed {
             Listed::Always => true,
             Listed::WhenRequired => policy.required,
@@ -184,6 +187,23 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
                 });
             }
         }
+        // Whatever the upstream answers, and every replay of it, besides the problems.
+        responses.insert(
+            "default".to_string(),
+            json!({
+                "description": "The upstream's own response. A retry of a completed request gets it again, byte for byte, with `Idempotent-Replayed: true`; a response learned by resolving an unknown outcome also carries `Idempotency-Reconciled: true`.",
+                "headers": {
+                    "Idempotent-Replayed": {
+                        "description": "On a replay of a recorded response.",
+                        "schema": {"type": "string", "enum": ["true"]},
+                    },
+                    "Idempotency-Reconciled": {
+                        "description": "On a replay of a response learned by resolving an unknown outcome (the route's probe, or an operator).",
+                        "schema": {"type": "string", "enum": ["true"]},
+                    },
+                },
+            }),
+        );
         let mut operations = serde_json::Map::new();
         for method in &policy.methods {
             operations.insert(
@@ -305,7 +325,7 @@ mod tests {
         let config = crate::Config::parse(source, std::path::Path::new("t.toml")).expect("a valid config");
         let policy = config.routes[0].idempotency.as_deref().expect("guarded");
         let listed: Vec<(u16, &str)> = answers(policy).map(|(status, kind)| (status, kind.slug())).collect();
-        assert_eq!(listed.len(), 14, "{listed:?}");
+        assert_eq!(listed.len(), 15, "{listed:?}");
         assert!(
             listed.contains(&(400, "idempotency-key-reused")),
             "Stripe's status: {listed:?}"
@@ -318,5 +338,19 @@ mod tests {
         ] {
             assert!(listed.iter().all(|(_, slug)| *slug != absent), "{absent}: {listed:?}");
         }
+        // In shadow mode, only what a forwarded request can still get.
+        let shadow = source.replace("required = false", "mode = \"shadow\"");
+        let config = crate::Config::parse(&shadow, std::path::Path::new("t.toml")).expect("a valid config");
+        let policy = config.routes[0].idempotency.as_deref().expect("guarded");
+        let listed: Vec<&str> = answers(policy).map(|(_, kind)| kind.slug()).collect();
+        assert_eq!(
+            listed,
+            [
+                "request-body-incomplete",
+                "upstream-unavailable",
+                "upstream-timeout",
+                "upstream-failed"
+            ]
+        );
     }
 }

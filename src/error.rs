@@ -48,6 +48,10 @@ pub enum KeyError {
     Repeated,
     #[error("the idempotency key is a malformed structured-field string")]
     MalformedString,
+    /// On a route whose probe names the key in its path: `.` or `..` would be a dot
+    /// segment there, which an upstream that normalises paths removes.
+    #[error("the idempotency key is only dots, which this route's probe cannot carry in a path")]
+    OnlyDots,
 }
 
 /// The store did not answer as it should.
@@ -70,6 +74,13 @@ pub enum StoreError {
     /// or `max_bytes_per_scope`); its oldest expires in `retry_after`.
     #[error("the client's records hold their share of the memory store ({what})")]
     ScopeFull { what: &'static str, retry_after: Duration },
+    /// One client address's scoped records, across the scopes it sends, hold its share
+    /// of the memory store (`max_records_per_client`); its oldest expires in
+    /// `retry_after`.
+    #[error(
+        "the records made from this client address hold its share of the memory store (store.max_records_per_client)"
+    )]
+    ClientFull { retry_after: Duration },
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
     /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
@@ -91,6 +102,7 @@ impl StoreError {
             StoreError::Tls(_) => "tls",
             StoreError::Full { .. } => "full",
             StoreError::ScopeFull { .. } => "scope_full",
+            StoreError::ClientFull { .. } => "client_full",
             StoreError::Protocol(_) => "protocol",
             StoreError::NotReplicated { .. } => "not_replicated",
             StoreError::Unready(_) => "unready",
@@ -107,9 +119,11 @@ impl StoreError {
             | StoreError::Unavailable(_)
             | StoreError::Protocol(_)
             | StoreError::NotReplicated { .. } => true,
-            StoreError::Full { .. } | StoreError::ScopeFull { .. } | StoreError::Unready(_) | StoreError::Tls(_) => {
-                false
-            }
+            StoreError::Full { .. }
+            | StoreError::ScopeFull { .. }
+            | StoreError::ClientFull { .. }
+            | StoreError::Unready(_)
+            | StoreError::Tls(_) => false,
         }
     }
 }
@@ -163,6 +177,8 @@ pub(crate) enum Rejection {
     BodyTooLarge(u64),
     #[error("the request body did not arrive within {0:?}")]
     BodyTimeout(Duration),
+    #[error("no byte of the request body arrived for {0:?}")]
+    BodyIdle(Duration),
     #[error("the request body could not be read")]
     BodyIncomplete(#[source] BoxError),
     #[error("the idempotency key was used with a different request")]
@@ -211,6 +227,7 @@ impl Rejection {
             Rejection::NoRoute => ProblemKind::NoRoute,
             Rejection::RequestTarget(
                 RequestTargetError::MalformedEscape
+                | RequestTargetError::InvalidUtf8
                 | RequestTargetError::EscapedSlash
                 | RequestTargetError::Parameter
                 | RequestTargetError::CaseVariant,
@@ -228,10 +245,11 @@ impl Rejection {
                 | KeyError::TooLong
                 | KeyError::NotVisibleAscii
                 | KeyError::Repeated
-                | KeyError::MalformedString,
+                | KeyError::MalformedString
+                | KeyError::OnlyDots,
             ) => ProblemKind::InvalidKey,
             Rejection::BodyTooLarge(_) => ProblemKind::BodyTooLarge,
-            Rejection::BodyTimeout(_) => ProblemKind::BodyTimeout,
+            Rejection::BodyTimeout(_) | Rejection::BodyIdle(_) => ProblemKind::BodyTimeout,
             Rejection::BodyIncomplete(_) => ProblemKind::BodyIncomplete,
             Rejection::UnverifiedScope(_) => ProblemKind::UnverifiedScope,
             Rejection::KeyReused => ProblemKind::KeyReused,
@@ -240,6 +258,7 @@ impl Rejection {
             Rejection::Overloaded(_) => ProblemKind::Overloaded,
             Rejection::Store(StoreError::Full { .. }) => ProblemKind::StoreFull,
             Rejection::Store(StoreError::ScopeFull { .. }) => ProblemKind::ScopeFull,
+            Rejection::Store(StoreError::ClientFull { .. }) => ProblemKind::ClientFull,
             Rejection::Store(
                 StoreError::Unavailable(_)
                 | StoreError::Tls(_)
@@ -274,7 +293,9 @@ impl Rejection {
         };
         let retry_after = match self {
             Rejection::InProgress { retry_after, .. } => Some(retry_after.as_secs().max(1)),
-            Rejection::Store(StoreError::ScopeFull { retry_after, .. }) => Some(whole_seconds(*retry_after)),
+            Rejection::Store(StoreError::ScopeFull { retry_after, .. } | StoreError::ClientFull { retry_after }) => {
+                Some(whole_seconds(*retry_after))
+            }
             Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
             // The next probe, in whole seconds rounded up: a retry then may find it settled.
             Rejection::OutcomeUnknown {

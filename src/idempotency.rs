@@ -9,9 +9,11 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use ring::digest;
 
 use crate::canonical_json;
-use crate::config::{FingerprintBody, OnServerError};
+use crate::config::{FingerprintBody, OnServerError, OnUnauthorized};
 use crate::error::{KeyError, Rejection};
-use crate::store::{ClaimOutcome, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse};
+use crate::store::{
+    ClaimOutcome, ClientId, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse,
+};
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -225,6 +227,23 @@ pub fn scope_id(route: &str, scope: &[Vec<&[u8]>]) -> Option<ScopeId> {
     Some(ScopeId(hasher.finish()))
 }
 
+/// The client address a record is counted against: an IPv4 address, or an IPv6
+/// address's /64 (what one host is usually given), as a number only this process
+/// knows, keyed as `scope_id` is.
+pub fn client_id(addr: std::net::IpAddr) -> ClientId {
+    use std::hash::{BuildHasher, Hasher};
+    static KEYS: std::sync::LazyLock<std::hash::RandomState> = std::sync::LazyLock::new(std::hash::RandomState::new);
+    let mut hasher = KEYS.build_hasher();
+    match addr {
+        std::net::IpAddr::V4(v4) => hasher.write(&v4.octets()),
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => hasher.write(&v4.octets()),
+            None => hasher.write(&v6.octets()[..8]),
+        },
+    }
+    ClientId(hasher.finish())
+}
+
 /// What the proxy does with a guarded request once its claim has answered. `C` is what
 /// an acquired claim gives the claimant (see `ClaimOutcome`).
 #[derive(Debug)]
@@ -271,10 +290,16 @@ pub enum Recording {
 }
 
 /// docs/design.md §3: 2xx, 3xx and 4xx are recorded, except 408, 409, 425 and 429, which
-/// release the claim; a 5xx follows `on_server_error`.
-pub fn recording_for(status: StatusCode, on_server_error: OnServerError) -> Recording {
+/// release the claim; a 401 or 403 follows `on_unauthorized` (released by default: the
+/// request was refused, not executed, and a scope made of a credential the upstream
+/// refused is nobody's); a 5xx follows `on_server_error`.
+pub fn recording_for(status: StatusCode, on_server_error: OnServerError, on_unauthorized: OnUnauthorized) -> Recording {
     match status.as_u16() {
         408 | 409 | 425 | 429 => Recording::Release,
+        401 | 403 => match on_unauthorized {
+            OnUnauthorized::Release => Recording::Release,
+            OnUnauthorized::Store => Recording::Record,
+        },
         500..=599 => match on_server_error {
             OnServerError::Release => Recording::Release,
             OnServerError::Store => Recording::Record,

@@ -26,6 +26,7 @@ label_values! {
         BodyTimeout => "request-body-timeout",
         BodyIncomplete => "request-body-incomplete",
         ScopeFull => "scope-full",
+        ClientFull => "client-full",
         Overloaded => "overloaded",
         StoreUnavailable => "store-unavailable",
         StoreFull => "store-full",
@@ -57,6 +58,10 @@ pub(crate) struct Row {
     pub(crate) stripe: Stripe,
     /// On which guarded routes the published contract lists it.
     pub(crate) listed: Listed,
+    /// Whether a shadow-mode route can answer it: one that forwards every request as
+    /// an unguarded route would answers only the upstream's failures and a body the
+    /// client broke.
+    pub(crate) in_shadow: bool,
 }
 
 /// What a client reads about a problem.
@@ -112,6 +117,7 @@ const fn client(status: StatusCode, title: &'static str, code: &'static str, mea
             status: None,
         },
         listed: Listed::Always,
+        in_shadow: false,
     }
 }
 
@@ -132,6 +138,7 @@ const fn failure(status: StatusCode, title: &'static str, code: &'static str, fa
             status: None,
         },
         listed: Listed::Always,
+        in_shadow: false,
     }
 }
 
@@ -163,7 +170,7 @@ impl ProblemKind {
                             S::BAD_REQUEST,
                             "Invalid idempotency key",
                             "invalid_idempotency_key",
-                            "the key is empty, too long, repeated, a list, or not visible ASCII; nothing was forwarded",
+                            "the key is empty, too long, repeated, a list, not visible ASCII, or (on a route whose probe names the key in its path) only dots; nothing was forwarded",
                         )
                     }
                 }
@@ -260,12 +267,15 @@ impl ProblemKind {
             }
             ProblemKind::BodyIncomplete => {
                 const {
-                    &client(
-                        S::BAD_REQUEST,
-                        "Request body incomplete",
-                        "request_body_incomplete",
-                        "the body broke off; nothing was forwarded",
-                    )
+                    &Row {
+                        in_shadow: true,
+                        ..client(
+                            S::BAD_REQUEST,
+                            "Request body incomplete",
+                            "request_body_incomplete",
+                            "the body broke off; nothing was forwarded",
+                        )
+                    }
                 }
             }
             ProblemKind::ScopeFull => {
@@ -280,6 +290,22 @@ impl ProblemKind {
                             "Too many live keys for this client",
                             "scope_full",
                             "this client's live keys hold its share of the store; retry after Retry-After, nothing was forwarded",
+                        )
+                    }
+                }
+            }
+            ProblemKind::ClientFull => {
+                const {
+                    &Row {
+                        detail: Detail::Fixed(
+                            "the records made from this client address hold its share of the store; nothing was forwarded, retry after the oldest expires",
+                        ),
+                        would: Would::StoreError,
+                        ..client(
+                            S::TOO_MANY_REQUESTS,
+                            "Too many live keys from this client address",
+                            "client_full",
+                            "the records made from this client's address, across the scopes it sends, hold its share of the store; retry after Retry-After, nothing was forwarded",
                         )
                     }
                 }
@@ -339,6 +365,7 @@ impl ProblemKind {
             ProblemKind::UpstreamUnavailable => {
                 const {
                     &Row {
+                        in_shadow: true,
                         meaning: "the upstream refused the connection; nothing was sent, and a retry runs again",
                         detail: Detail::Fixed(
                             "the upstream refused the connection; nothing was sent, a retry runs again",
@@ -356,6 +383,7 @@ impl ProblemKind {
             ProblemKind::UpstreamTimeout => {
                 const {
                     &Row {
+                        in_shadow: true,
                         meaning: "the upstream did not answer in time; the outcome is unknown, and retries get 409 outcome-unknown until it is learned",
                         detail: Detail::Fixed(
                             "the upstream did not answer in time; its outcome is unknown, and retries with this key get 409",
@@ -373,6 +401,7 @@ impl ProblemKind {
             ProblemKind::UpstreamFailed => {
                 const {
                     &Row {
+                        in_shadow: true,
                         meaning: "the exchange broke after the request was sent; the outcome is unknown, and retries get 409 outcome-unknown until it is learned",
                         detail: Detail::Fixed(
                             "the upstream exchange broke after the request was sent; its outcome is unknown, and retries with this key get 409",
@@ -688,7 +717,7 @@ mod tests {
             let client_class = (400..500).contains(&row.status.as_u16());
             assert_eq!(client_class, row.fault == Fault::Client, "{kind:?}");
         }
-        assert_eq!(ProblemKind::ALL.len(), 21);
+        assert_eq!(ProblemKind::ALL.len(), 22);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use tracing::{Instrument, Span};
 use self::admit::{Admission, Admitted};
 use self::claim::{Ledger, OwnedClaim};
 use self::send::send;
+use crate::body::BodyLimits;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
 use crate::bounds::GuardedRequests;
 use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
@@ -28,7 +29,7 @@ use crate::error::{DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
 use crate::record::ExecutionTrace;
-use crate::router::{BodyLimits, RouteState, Router};
+use crate::router::{RouteState, Router};
 use crate::store::{AnyStore, StoreKey, StoredResponse};
 use crate::trace::{self, Spans};
 use crate::upstream::{self, HttpClient};
@@ -148,6 +149,7 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient, probes: &Prob
     let body = BodyLimits {
         max_bytes: config.server.max_request_body_bytes,
         timeout: config.server.request_body_timeout,
+        idle: config.server.request_body_idle_timeout,
     };
     let mut routes = Vec::with_capacity(config.routes.len());
     for route in &config.routes {
@@ -158,7 +160,7 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient, probes: &Prob
         let mut state = RouteState::new(route, metrics, client, body);
         state.probes = route
             .reconcile()
-            .map(|reconcile| probes.permits(&route.name, reconcile.max_concurrent));
+            .map(|reconcile| probes.limit(&route.name, reconcile.max_concurrent));
         routes.push(state);
     }
     Ok(Router::new(
@@ -264,6 +266,11 @@ impl Proxy {
     /// Forwards a request that needs no idempotency work, streaming both bodies.
     async fn pass(&self, route: &RouteState, mut request: Request<ProxyBody>, client: &ClientInfo) -> Handled {
         upstream::prepare_request(&mut request, &route.config.upstream, client).map_err(ProxyError::Rewrite)?;
+        self.pass_prepared(route, request).await
+    }
+
+    /// `pass` for a request already rewritten for the upstream.
+    async fn pass_prepared(&self, route: &RouteState, request: Request<ProxyBody>) -> Handled {
         let (sent, clock, elapsed) = send(route, request, self.shared.spans).await;
         let response = sent.map_err(|error| Refusal {
             // A body the client broke while it streamed is the client's fault.
@@ -339,8 +346,10 @@ impl Proxy {
                 // With the key the upstream always gets on this route, so that an
                 // upstream that deduplicates still can.
                 let mut request = prepared.into_request();
-                exchange::upstream_key(request.headers_mut(), policy, &guarded.record)?;
-                return self.pass(route, request, &client).await;
+                upstream::prepare_request(&mut request, &route.config.upstream, &client)
+                    .map_err(ProxyError::Rewrite)?;
+                exchange::upstream_key(request.headers_mut(), policy, &guarded.record, &guarded.key)?;
+                return self.pass_prepared(route, request).await;
             }
             Err(error) => return Err(error.into()),
         };

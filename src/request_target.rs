@@ -78,6 +78,11 @@ impl std::fmt::Display for PathPolicy {
 pub enum RequestTargetError {
     #[error("the path holds a '%' that is not followed by two hex digits")]
     MalformedEscape,
+    /// Escapes that decode to bytes that are not UTF-8 (an overlong `%C0%AE` for `.`,
+    /// `%C0%AF` for `/`): what an upstream that decodes leniently makes of them is its
+    /// own guess.
+    #[error("the path's escapes do not decode to UTF-8")]
+    InvalidUtf8,
     #[error("the path holds an encoded slash or a backslash (%2F, %5C, \\)")]
     EscapedSlash,
     #[error("the path holds a ';' parameter")]
@@ -142,6 +147,8 @@ fn is_unreserved(byte: u8) -> bool {
 fn decode(path: &str, policy: &PathPolicy) -> Result<String, RequestTargetError> {
     let bytes = path.as_bytes();
     let mut out = String::with_capacity(path.len());
+    // The path with every escape decoded: it must be UTF-8.
+    let mut decoded = Vec::with_capacity(path.len());
     let mut at = 0;
     while at < bytes.len() {
         let byte = bytes[at];
@@ -153,6 +160,7 @@ fn decode(path: &str, policy: &PathPolicy) -> Result<String, RequestTargetError>
                     .and_then(|hex| u8::from_str_radix(hex, 16).ok())
                     .filter(|_| hex.iter().all(u8::is_ascii_hexdigit))
                     .ok_or(RequestTargetError::MalformedEscape)?;
+                decoded.push(value);
                 if is_unreserved(value) {
                     out.push(char::from(value));
                 } else {
@@ -169,7 +177,11 @@ fn decode(path: &str, policy: &PathPolicy) -> Result<String, RequestTargetError>
             b';' if policy.path_parameters == Spelling::Reject => return Err(RequestTargetError::Parameter),
             _ => out.push(char::from(byte)),
         }
+        decoded.push(byte);
         at += 1;
+    }
+    if std::str::from_utf8(&decoded).is_err() {
+        return Err(RequestTargetError::InvalidUtf8);
     }
     Ok(out)
 }
@@ -246,7 +258,8 @@ pub fn authority(version: Version, uri: &Uri, headers: &HeaderMap) -> Result<Opt
 /// `-`, `.`, `_`, `~`), or an IPv6 literal in brackets; a port of 1 to 5 digits. No
 /// user information, path, list or space.
 fn valid_authority(value: &[u8]) -> bool {
-    let (host, port) = match value.strip_prefix(b"[") {
+    // The host is checked in each arm (never empty); what follows it is the port.
+    let port = match value.strip_prefix(b"[") {
         Some(rest) => {
             let Some(end) = rest.iter().position(|byte| *byte == b']') else {
                 return false;
@@ -259,7 +272,7 @@ fn valid_authority(value: &[u8]) -> bool {
             {
                 return false;
             }
-            (&value[..end + 2], &rest[end + 1..])
+            &rest[end + 1..]
         }
         None => {
             let colon = value.iter().position(|byte| *byte == b':').unwrap_or(value.len());
@@ -267,14 +280,13 @@ fn valid_authority(value: &[u8]) -> bool {
             if host.is_empty() || !host.iter().all(|byte| is_unreserved(*byte)) {
                 return false;
             }
-            (host, &value[colon..])
+            &value[colon..]
         }
     };
-    !host.is_empty()
-        && match port.strip_prefix(b":") {
-            None => port.is_empty(),
-            Some(digits) => (1..=5).contains(&digits.len()) && digits.iter().all(u8::is_ascii_digit),
-        }
+    match port.strip_prefix(b":") {
+        None => port.is_empty(),
+        Some(digits) => (1..=5).contains(&digits.len()) && digits.iter().all(u8::is_ascii_digit),
+    }
 }
 
 /// The host part of a validated authority, as routes match it: without its port and

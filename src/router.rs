@@ -5,11 +5,9 @@
 
 use std::sync::Arc;
 
-use std::time::Duration;
-
 use http::Method;
-use tokio::sync::Semaphore;
 
+use crate::body::BodyLimits;
 use crate::config::{PathPolicy, Route};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::upstream::HttpClient;
@@ -28,14 +26,7 @@ pub(crate) struct RouteState {
     pub(crate) body: BodyLimits,
     /// The permits of the route's probes in this process (its `max_concurrent`),
     /// shared by every worker: set by the proxy for a route with a probe.
-    pub(crate) probes: Option<Arc<Semaphore>>,
-}
-
-/// `server.max_request_body_bytes` and `server.request_body_timeout`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct BodyLimits {
-    pub(crate) max_bytes: u64,
-    pub(crate) timeout: Duration,
+    pub(crate) probes: Option<Arc<crate::bounds::ProbeLimit>>,
 }
 
 impl RouteState {
@@ -171,6 +162,7 @@ mod tests {
                     let body = BodyLimits {
                         max_bytes: 1024,
                         timeout: Duration::from_secs(1),
+                        idle: Duration::from_secs(1),
                     };
                     RouteState::new(route, &metrics, client.clone(), body)
                 })

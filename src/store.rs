@@ -37,12 +37,14 @@ pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), Stor
             max_bytes,
             max_records_per_scope,
             max_bytes_per_scope,
+            max_records_per_client,
         } => {
             let limits = MemoryLimits {
                 max_records: *max_records,
                 max_bytes: *max_bytes,
                 max_records_per_scope: *max_records_per_scope,
                 max_bytes_per_scope: *max_bytes_per_scope,
+                max_records_per_client: *max_records_per_client,
             };
             let store = MemoryStore::with_limits(limits);
             let watcher = store.watcher();
@@ -189,12 +191,20 @@ impl UnknownReason {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ScopeId(pub u64);
 
+/// Which client address a record was made from, as a number only this process knows
+/// (see `idempotency::client_id`): what the memory store bounds per client, across the
+/// scopes it sends (a scope made of a header is a value the client picks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientId(pub u64);
+
 /// What a claim asks for.
 #[derive(Debug, Clone)]
 pub struct ClaimRequest {
     pub key: StoreKey,
     /// The client the record is counted against; `None` on a route without scope.
     pub scope: Option<ScopeId>,
+    /// The address it came from; `None` where no client is counted (an operator, a test).
+    pub client: Option<ClientId>,
     pub owner: OwnerToken,
     pub fingerprint: Fingerprint,
     /// The whole record lives exactly this long from the claim.

@@ -118,16 +118,83 @@ impl Spans {
 
 // === trace context ===
 
-struct Headers<'a>(&'a HeaderMap);
+/// The most of a client's `tracestate` a span keeps: W3C Trace Context §3.3.1.5 lets a
+/// vendor drop entries past 512 characters, and every span otherwise keeps its own copy.
+const TRACESTATE_KEPT: usize = 512;
 
-impl Extractor for Headers<'_> {
+/// A client's trace context as the proxy takes it: `traceparent` only when it is
+/// exactly what W3C Trace Context §3.2 writes (2, 32, 16 and 2 lowercase hex digits,
+/// version `00` or a later one other than `ff`, no all-zero id), and its `tracestate`
+/// only with such a parent, cut to whole entries within `TRACESTATE_KEPT`.
+struct ClientContext {
+    traceparent: Option<String>,
+    tracestate: Option<String>,
+}
+
+impl ClientContext {
+    fn read(headers: &HeaderMap) -> ClientContext {
+        let mut parents = headers.get_all(TRACEPARENT).iter();
+        let traceparent = match (parents.next(), parents.next()) {
+            (Some(value), None) => value.to_str().ok().filter(|value| valid_traceparent(value)),
+            _ => None,
+        };
+        let tracestate = traceparent
+            .and(headers.get(TRACESTATE))
+            .and_then(|value| value.to_str().ok());
+        ClientContext {
+            traceparent: traceparent.map(str::to_string),
+            tracestate: tracestate.map(|state| kept_tracestate(state).to_string()),
+        }
+    }
+}
+
+impl Extractor for ClientContext {
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|value| value.to_str().ok())
+        match key {
+            "traceparent" => self.traceparent.as_deref(),
+            "tracestate" => self.tracestate.as_deref(),
+            _ => None,
+        }
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(HeaderName::as_str).collect()
+        vec!["traceparent", "tracestate"]
     }
+}
+
+/// Whether `value` is a `traceparent` as W3C Trace Context writes it.
+fn valid_traceparent(value: &str) -> bool {
+    let hex = |part: &str, len: usize| {
+        part.len() == len && part.bytes().all(|byte| matches!(byte, b'0'..=b'9' | b'a'..=b'f'))
+    };
+    let parts: Vec<&str> = value.split('-').collect();
+    let [version, trace_id, span_id, flags, rest @ ..] = parts.as_slice() else {
+        return false;
+    };
+    hex(version, 2)
+        && *version != "ff"
+        // Version 00 has exactly four parts; a later version may add some.
+        && (rest.is_empty() || *version != "00")
+        && hex(trace_id, 32)
+        && trace_id.bytes().any(|byte| byte != b'0')
+        && hex(span_id, 16)
+        && span_id.bytes().any(|byte| byte != b'0')
+        && hex(flags, 2)
+}
+
+/// The whole entries of `state` that fit in `TRACESTATE_KEPT` characters.
+fn kept_tracestate(state: &str) -> &str {
+    if state.len() <= TRACESTATE_KEPT {
+        return state;
+    }
+    let mut end = 0;
+    for (at, _) in state.match_indices(',').chain([(state.len(), "")]) {
+        if at > TRACESTATE_KEPT {
+            break;
+        }
+        end = at;
+    }
+    &state[..end]
 }
 
 struct HeadersMut<'a>(&'a mut HeaderMap);
@@ -158,7 +225,7 @@ fn request(method: &Method, headers: &HeaderMap) -> Span {
         http.response.status_code = tracing::field::Empty,
         otel.status_code = tracing::field::Empty,
     );
-    let parent = TraceContextPropagator::new().extract(&Headers(headers));
+    let parent = TraceContextPropagator::new().extract(&ClientContext::read(headers));
     if parent.span().span_context().is_valid() {
         // Only fails for a span already started, or one no layer traces.
         let _ = span.set_parent(parent);
@@ -244,6 +311,10 @@ fn inject(span: &Span, headers: &mut HeaderMap) {
     headers.remove(TRACEPARENT);
     headers.remove(TRACESTATE);
     TraceContextPropagator::new().inject_context(&context, &mut HeadersMut(headers));
+    // A trace of the proxy's own has no state to pass on: no empty field.
+    if headers.get(TRACESTATE).is_some_and(|state| state.is_empty()) {
+        headers.remove(TRACESTATE);
+    }
 }
 
 /// The span of one probe of a record whose outcome is unknown: a root, linked to the
@@ -277,4 +348,55 @@ fn store(op: &'static str) -> Span {
         db.operation.name = op,
         error.type = tracing::field::Empty,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_traceparent_as_w3c_writes_it_is_continued() {
+        let good = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        assert!(valid_traceparent(good));
+        assert!(valid_traceparent(
+            "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-later"
+        ));
+        for bad in [
+            "00-1-1-01",
+            "00-00000000000000000000000af7651916-b7ad6b7169203331-01-x",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-001",
+            "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+            "00-+af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+            "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",
+            "00-000000000000000000000af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ] {
+            assert!(!valid_traceparent(bad), "{bad}");
+        }
+        let mut headers = HeaderMap::new();
+        headers.insert(TRACEPARENT, HeaderValue::from_static("00-1-1-01"));
+        headers.insert(TRACESTATE, HeaderValue::from_static("vendor=joined"));
+        let context = ClientContext::read(&headers);
+        assert_eq!(
+            (context.traceparent, context.tracestate),
+            (None, None),
+            "no state without a valid parent"
+        );
+    }
+
+    #[test]
+    fn a_long_tracestate_is_cut_to_whole_entries_within_512_characters() {
+        let entry = |n: usize| format!("v{n:03}={}", "x".repeat(40));
+        let state: Vec<String> = (0..400).map(entry).collect();
+        let state = state.join(",");
+        assert!(state.len() > 16_000);
+        let kept = kept_tracestate(&state);
+        assert!(kept.len() <= 512 && kept.len() > 400, "{}", kept.len());
+        assert!(state.starts_with(kept) && state[kept.len()..].starts_with(','));
+        // 45 characters an entry, a comma between: 11 entries are 505 characters.
+        assert_eq!(kept.split(',').count(), (512 + 1) / (entry(0).len() + 1));
+        assert_eq!(kept_tracestate("a=1,b=2"), "a=1,b=2");
+    }
 }

@@ -159,6 +159,7 @@ impl<S: RecordStore> Subject<S> {
                 let request = ClaimRequest {
                     key: self.key.clone(),
                     scope: None,
+                    client: None,
                     owner: token,
                     fingerprint: fingerprint(owner),
                     retention: RETENTION,

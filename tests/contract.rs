@@ -462,6 +462,70 @@ fn the_contract_command_prints_a_valid_openapi_fragment_the_document_and_a_page(
     assert!(page.contains(&format!("<{DOCS}>")), "{page}");
 }
 
+/// A third party's reading of the contract: schemathesis (PyPI) generates requests
+/// from the proxy's own OpenAPI fragment, sends them through the proxy, and checks that
+/// every status, content type, header and problem body it gets back is one the
+/// fragment documents. The same run against the fragment without its `default`
+/// response (the upstream's own answers and their replays) fails, so the check bites.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn schemathesis_finds_the_proxy_answering_as_its_own_fragment_says() {
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    let file = config.write_temp();
+    let proxy = support::ChildProxy::start(&config).await;
+    let output = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+        .args(["contract", "--config"])
+        .arg(file.path())
+        .args(["--format", "openapi"])
+        .output()
+        .expect("run idemproxy contract");
+    assert!(output.status.success());
+    let fragment: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let dir = tempfile::tempdir().expect("a directory");
+    let run = |fragment: &serde_json::Value, name: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, fragment.to_string()).expect("write the fragment");
+        let output = Command::new("schemathesis")
+            .arg("run")
+            .arg(&path)
+            .args(["--url", &format!("http://{}", proxy.addr)])
+            .args([
+                "--checks",
+                "status_code_conformance,content_type_conformance,response_headers_conformance,response_schema_conformance,negative_data_rejection",
+            ])
+            .args(["--phases", "examples,coverage,fuzzing", "--max-examples", "30", "--seed", "7"])
+            .current_dir(dir.path())
+            .output()
+            .unwrap_or_else(|error| {
+                panic!("run schemathesis ({error}): python3 -m pip install schemathesis==4.32.5 (.ci/run does)")
+            });
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    };
+    let (passed, report) = run(&fragment, "fragment.json");
+    assert!(
+        passed,
+        "schemathesis found the proxy answering otherwise than its fragment says:\n{report}"
+    );
+    let mut bare = fragment.clone();
+    for operations in bare["paths"].as_object_mut().expect("paths").values_mut() {
+        for operation in operations.as_object_mut().expect("operations").values_mut() {
+            operation["responses"]
+                .as_object_mut()
+                .expect("responses")
+                .remove("default");
+        }
+    }
+    let (passed, report) = run(&bare, "bare.json");
+    assert!(
+        !passed,
+        "without its default response the fragment should not pass:\n{report}"
+    );
+    assert!(report.contains("Undocumented status code"), "{report}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_passes_against_the_proxy_and_fails_against_a_bare_upstream() {
     let upstream = Upstream::start().await;

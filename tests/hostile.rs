@@ -258,3 +258,61 @@ async fn hostile_keys_get_400_with_no_store_write_and_no_upstream_call() {
         idemproxy::store::AnyStore::Redis(_) => unreachable!(),
     }
 }
+
+/// A client that declares bodies it never sends holds no more of the byte budget than
+/// one body per connection, and not for long: two HTTP/2 connections with 96 streams
+/// each declaring 1 MiB and sending no DATA hold at most 2 MiB of a 16 MiB budget, so a
+/// small guarded request beside them is served; and the idle bodies are cut (408) once
+/// no byte has come for `request_body_idle_timeout`, and what they held comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_bodies_that_never_come_hold_one_body_per_connection_and_are_cut() {
+    use support::client::{metric, until_metric};
+    use support::h2raw::{self, END_HEADERS, HEADERS, frame};
+    const MIB: u64 = 1024 * 1024;
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = format!(
+        "max_buffered_bytes = {}\nmax_request_body_bytes = {MIB}\nrequest_body_idle_timeout = \"2s\"",
+        16 * MIB
+    );
+    let proxy = config.start().await;
+    let mut connections = Vec::new();
+    for n in 0..2 {
+        let mut connection = h2raw::Connection::open(proxy.addr()).await;
+        for stream in 0..96u32 {
+            let key = format!("held-{n}-{stream}");
+            let block = h2raw::request_for(
+                "POST",
+                "/v1/payments",
+                Some("localhost"),
+                &[("idempotency-key", &key), ("content-length", "1048576")],
+            );
+            connection
+                .writer
+                .write_all(&frame(HEADERS, END_HEADERS, 1 + 2 * stream, &block))
+                .await
+                .expect("send a request head");
+        }
+        connections.push(connection);
+    }
+    until_metric(proxy.admin(), "idemproxy_guarded_requests_in_flight", 192.0).await;
+    let held = metric(proxy.admin(), "idemproxy_buffered_bytes")
+        .await
+        .expect("the budget held");
+    assert!(held <= (2 * MIB) as f64, "{held} bytes held for bodies nobody sent");
+    let small = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "small")],
+        "{}",
+    )
+    .await;
+    assert_eq!(small.status, 201, "a small request beside them: {small:?}");
+    // Cut once idle: every stream is answered 408, and the budget is given back.
+    until_metric(proxy.admin(), "idemproxy_guarded_requests_in_flight", 0.0).await;
+    until_metric(proxy.admin(), "idemproxy_buffered_bytes", 0.0).await;
+    let timed_out = "idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"}";
+    assert_eq!(metric(proxy.admin(), timed_out).await, Some(192.0));
+    assert_eq!(upstream.log().len(), 1, "only the small request was forwarded");
+}

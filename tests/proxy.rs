@@ -1126,3 +1126,88 @@ async fn a_scope_share_is_per_route() {
     }
     assert_eq!(post("/v1/refunds", "r3").await.problem(), "scope-full");
 }
+
+/// A 401 or 403 from the upstream is not recorded by default: the request was refused,
+/// not executed. On a route scoped by `Authorization`, a client that makes up tokens
+/// gets the upstream's 401 each time and leaves no record behind, so it cannot fill the
+/// store; a retry with the key runs again. With `on_unauthorized = "store"` the 401 is
+/// recorded and replayed like any other answer.
+#[tokio::test]
+async fn an_unauthorized_answer_leaves_no_record_by_default() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "scope_headers = [\"authorization\"]".into();
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    for n in 0..50 {
+        let token = format!("Bearer made-up-{n}");
+        let headers = [
+            ("idempotency-key", "k-401"),
+            ("authorization", token.as_str()),
+            ("x-test-status", if n % 2 == 0 { "401" } else { "403" }),
+        ];
+        let answer = send(addr, "POST", "/v1/payments", &headers, "{}").await;
+        assert!(matches!(answer.status.as_u16(), 401 | 403), "{answer:?}");
+        assert!(!answer.replayed());
+    }
+    let usage = proxy
+        .running
+        .store()
+        .usage()
+        .expect("the memory store reports its usage");
+    assert_eq!(usage.records, 0, "no refused request kept a record");
+    let again = [("idempotency-key", "k-401"), ("authorization", "Bearer made-up-0")];
+    assert_eq!(
+        send(addr, "POST", "/v1/payments", &again, "{}").await.status,
+        201,
+        "the retry ran"
+    );
+
+    let mut stored = TestConfig::new(StoreKind::Memory, &upstream.url());
+    stored.idempotency = "on_unauthorized = \"store\"".into();
+    let proxy = stored.start().await;
+    let headers = [("idempotency-key", "k-401-stored"), ("x-test-status", "401")];
+    assert_eq!(
+        send(proxy.addr(), "POST", "/v1/payments", &headers, "{}").await.status,
+        401
+    );
+    let replay = send(
+        proxy.addr(),
+        "POST",
+        "/v1/payments",
+        &[("idempotency-key", "k-401-stored")],
+        "{}",
+    )
+    .await;
+    assert_eq!((replay.status.as_u16(), replay.replayed()), (401, true));
+}
+
+/// A client address cannot open scopes without end: with the scope made of a header
+/// the client picks, past `max_records_per_client` records across its scopes its new
+/// keys get 429 `client-full` with a `Retry-After`, nothing forwarded, while its
+/// recorded keys still replay.
+#[tokio::test]
+async fn a_client_address_cannot_open_scopes_without_end() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.store_extra = "max_records_per_client = 3".into();
+    config.idempotency = "scope_headers = [\"authorization\"]".into();
+    let proxy = config.start().await;
+    let addr = proxy.addr();
+    let pay = |token: &'static str, key: &'static str| async move {
+        let headers = [("idempotency-key", key), ("authorization", token)];
+        send(addr, "POST", "/v1/payments", &headers, "{}").await
+    };
+    for (token, key) in [("Bearer a", "k1"), ("Bearer b", "k2"), ("Bearer c", "k3")] {
+        assert_eq!(pay(token, key).await.status, 201, "{token}");
+    }
+    let refused = pay("Bearer d", "k4").await;
+    assert_eq!(
+        (refused.status.as_u16(), refused.problem()),
+        (429, "client-full".into()),
+        "{refused:?}"
+    );
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(upstream.executions("k4"), 0, "nothing forwarded");
+    assert!(pay("Bearer a", "k1").await.replayed(), "recorded keys still replay");
+}

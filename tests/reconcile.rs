@@ -131,7 +131,7 @@ async fn applied_after_the_effect(store: StoreKind, upstream_key: &str) {
         let encoded: String = forwarded
             .bytes()
             .map(|byte| match byte {
-                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => char::from(byte).to_string(),
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'~' => char::from(byte).to_string(),
                 byte => format!("%{byte:02X}"),
             })
             .collect();
@@ -459,6 +459,66 @@ async fn a_probe_asks_with_its_own_method_whatever_the_client_used() {
     assert_eq!(upstream.executions("k-patch"), 1);
 }
 
+/// The key the upstream is sent and the key a probe asks about are one: a key sent as
+/// an RFC 8941 string (`"order-7"`, the draft's own form; with an escape, `"k\"x"`) is
+/// forwarded in its canonical form, unquoted, and the probe's lookup names that same
+/// key, so an operation that took effect is found, recorded and replayed, never run
+/// again. A key with a dot in it is probed with the dot encoded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quoted_key_is_forwarded_and_probed_as_the_same_key() {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(StoreKind::Memory, &upstream, "give_up_after = \"30s\"");
+    let proxy = config.start().await;
+    let cases = [("\"order-7\"", "order-7"), ("\"k\\\"x\"", "k\"x"), ("pay.1", "pay.1")];
+    for (n, (sent, canonical)) in cases.iter().enumerate() {
+        first(proxy.addr(), sent, true).await;
+        until_metric(proxy.admin(), &counter("applied"), (n + 1) as f64).await;
+        let log = upstream.log();
+        assert_eq!(log[n].key, *canonical, "the upstream is sent the canonical key");
+        // The retry may spell the key either way: it is one key.
+        for spelling in [*sent, *canonical] {
+            let replay = retry(proxy.addr(), spelling).await;
+            assert_eq!(replay.status, 200, "{sent} retried as {spelling}: {replay:?}");
+            assert_eq!(replay.header("idempotency-reconciled"), Some("true"));
+        }
+        assert_eq!(upstream.executions(canonical), 1, "{sent} ran once");
+    }
+    let dotted = upstream
+        .lookups()
+        .into_iter()
+        .find(|lookup| lookup.path.contains("pay%2E") || lookup.path.contains("pay."));
+    assert_eq!(
+        dotted.map(|lookup| lookup.path),
+        Some("/v1/payments/by-key/pay%2E1".to_string()),
+        "a dot goes out encoded"
+    );
+}
+
+/// A key of dots only would be a dot segment in a probe's path (`/by-key/..` is
+/// `/by-key/` to an upstream that normalises paths): on a route whose probe names the
+/// key it is refused before anything is forwarded; elsewhere it is a key like another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_dots_is_refused_where_a_probe_would_put_it_in_a_path() {
+    let upstream = Upstream::start().await;
+    let (mut config, _dir) = config(StoreKind::Memory, &upstream, "give_up_after = \"30s\"");
+    config.extra_routes = format!(
+        "[[route]]\nname = \"unprobed\"\npath_prefix = \"/v1/unprobed\"\nupstream = \"{}\"\n\n[route.idempotency]\n",
+        upstream.url()
+    );
+    let proxy = config.start().await;
+    for key in [".", "..", "..."] {
+        let refused = retry(proxy.addr(), key).await;
+        assert_eq!(
+            (refused.status.as_u16(), refused.problem().as_str()),
+            (400, "invalid-idempotency-key"),
+            "{key}: {refused:?}"
+        );
+        let elsewhere = send(proxy.addr(), "POST", "/v1/unprobed", &[("idempotency-key", key)], "{}").await;
+        assert_eq!(elsewhere.status, 201, "{key} on a route without a probe: {elsewhere:?}");
+    }
+    assert_eq!(upstream.log().len(), 3, "only the route without a probe forwarded them");
+}
+
 /// A probe holds its place among `max_concurrent` until its answer is in: with one
 /// place and two unknown records, the second probe waits (counted in
 /// `idemproxy_probes_waiting`) while the first's lookup is held at the upstream, and
@@ -484,6 +544,56 @@ async fn a_probe_keeps_its_place_until_its_answer_is_in() {
     assert_eq!(metric(admin, waiting).await, Some(0.0));
     assert_eq!(upstream.lookups().len(), 2);
     assert_eq!(upstream.max_lookups_in_flight(), 1, "two probes at once");
+}
+
+/// `max_concurrent` lowered by a reload holds from then on, for the chains of probes
+/// that began before it too: five records become unknown under a bound of 4, the
+/// bound is reloaded to 1 before their first probes, and their lookups (held at the
+/// upstream) then go one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_max_concurrent_holds_for_chains_that_began_before_it() {
+    let upstream = Upstream::start().await;
+    upstream.set_lookups(Lookups::Hold("capped".into()));
+    let settings = |max: usize| {
+        format!("first_after = \"2s\", give_up_after = \"60s\", timeout = \"20s\", max_concurrent = {max}")
+    };
+    let (config, _dir) = config(StoreKind::Memory, &upstream, &settings(4));
+    let file = config.write_temp();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    let firsts: Vec<_> = (0..5)
+        .map(|n| tokio::spawn(async move { first(addr, &format!("k-capped-{n}"), true).await }))
+        .collect();
+    for first in firsts {
+        first.await.expect("a first request");
+    }
+    let (lowered, _dir2) = config_for_reload(&upstream, &settings(1), &config);
+    std::fs::write(file.path(), lowered).expect("rewrite the config");
+    proxy
+        .running
+        .reloader()
+        .reload(file.path())
+        .await
+        .expect("the reload is taken");
+    upstream.wait_for_lookups(1).await;
+    until_metric(admin, "idemproxy_probes_waiting{route=\"payments\"}", 4.0).await;
+    assert_eq!(
+        upstream.lookups().len(),
+        1,
+        "more probes at once than the reloaded bound"
+    );
+    upstream.release("capped");
+    until_metric(admin, &counter("applied"), 5.0).await;
+    assert_eq!(upstream.max_lookups_in_flight(), 1);
+}
+
+/// `config`'s text with its probe settings replaced by `reconcile` (its ports kept).
+fn config_for_reload(upstream: &Upstream, reconcile: &str, running: &TestConfig) -> (String, tempfile::TempDir) {
+    let (mut next, dir) = config(running.store.clone(), upstream, reconcile);
+    next.admin_extra = running.admin_extra.clone();
+    next.listen = running.listen.clone();
+    next.admin_listen = running.admin_listen.clone();
+    (next.toml(), dir)
 }
 
 /// Many records become unknown at once: their probes run at most `max_concurrent` at

@@ -586,6 +586,90 @@ async fn the_cli_fences_release_and_resolve_on_the_claim_named() {
     assert_eq!(upstream.executions("cli-fence"), 2);
 }
 
+/// A response an operator records is held to what the route records of an upstream's:
+/// `Set-Cookie` (the route's `replay_exclude_headers`) and the proxy's own field are not
+/// recorded, a 204 or 304 with a body is refused (a replay of it would be malformed),
+/// and a body over `max_response_body_bytes` is refused.
+#[tokio::test]
+async fn an_operators_resolution_is_held_to_what_the_route_records() {
+    let upstream = Upstream::start().await;
+    let (mut config, _dir) = config(StoreKind::Memory, &upstream);
+    config.idempotency = format!("{}\nmax_response_body_bytes = 1024", config.idempotency);
+    let proxy = config.start().await;
+    let (addr, at) = (proxy.addr(), proxy.admin());
+    let unknown = |key: &'static str| async move {
+        assert_eq!(post(addr, key, &[("x-test-hold", key)]).await.status, 504);
+    };
+    let path = |key: &str| format!("/records/payments/resolve?key={key}&scope=authorization:Bearer%20alice&as=applied");
+    use base64::Engine as _;
+    let encode = |bytes: &[u8]| base64::engine::general_purpose::STANDARD.encode(bytes);
+
+    for (status, why) in [(204, "has no body"), (304, "has no body")] {
+        let refused = admin_with(
+            at,
+            &path("x"),
+            &format!("{{\"status\":{status},\"body\":\"{}\"}}", encode(b"hi")),
+        )
+        .await;
+        assert_eq!(refused.status, 400, "{status}: {refused:?}");
+        assert!(
+            json(&refused)["error"].as_str().unwrap_or_default().contains(why),
+            "{refused:?}"
+        );
+    }
+    let large = encode(&[b'x'; 2048]);
+    let refused = admin_with(at, &path("x"), &format!("{{\"status\":200,\"body\":\"{large}\"}}")).await;
+    assert_eq!(refused.status, 400, "{refused:?}");
+    assert!(
+        json(&refused)["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("max_response_body_bytes")
+    );
+
+    unknown("cookies").await;
+    upstream.release("cookies");
+    let recorded = format!(
+        "{{\"status\":201,\"headers\":[[\"set-cookie\",\"session=stolen\"],[\"idemproxy-execution-trace\",\"forged\"],[\"x-charge\",\"ch_1\"]],\"body\":\"{}\"}}",
+        encode(b"{}")
+    );
+    let resolved = admin_with(at, &path("cookies"), &recorded).await;
+    assert_eq!(resolved.status, 200, "{resolved:?}");
+    let replay = post(addr, "cookies", &[]).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.header("x-charge"), Some("ch_1"));
+    assert_eq!(
+        replay.header("set-cookie"),
+        None,
+        "replay_exclude_headers holds for a resolution too"
+    );
+    assert_eq!(
+        replay.header("idemproxy-execution-trace"),
+        None,
+        "the proxy's own field is never recorded"
+    );
+    // A 204 without a body is a resolution like another.
+    unknown("empty").await;
+    upstream.release("empty");
+    assert_eq!(admin_with(at, &path("empty"), "{\"status\":204}").await.status, 200);
+    assert_eq!(post(addr, "empty", &[]).await.status, 204);
+}
+
+/// The records API asks for its token before it reads a byte of the body: an
+/// unauthenticated upload is refused at once, never held until its body times out.
+#[tokio::test]
+async fn the_records_api_refuses_a_missing_token_before_it_reads_the_body() {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(StoreKind::Memory, &upstream);
+    let proxy = config.start().await;
+    let head = "POST /records/payments/resolve?key=k&as=applied HTTP/1.1\r\nhost: admin\r\n\
+                content-type: application/json\r\ncontent-length: 1000000\r\n\r\n";
+    // The body never comes; a listener that waited for it would answer only after its
+    // body timeout (10 s), well past this read's 3 s.
+    let answer = support::send_raw(proxy.admin(), head.as_bytes(), std::time::Duration::from_secs(3)).await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer:?}");
+}
+
 #[tokio::test]
 async fn the_cli_resolves_as_applied_or_not_applied() {
     let upstream = Upstream::start().await;

@@ -127,6 +127,31 @@ async fn the_upstream_is_sent_the_canonical_path() {
     }
 }
 
+/// Escapes that do not decode to UTF-8, such as the overlong spellings of `.` and `/`
+/// (`%C0%AE`, `%E0%80%AE`, `%C0%AF`) that lenient decoders read as dot segments or
+/// slashes, are refused before routing, even on an unguarded catch-all; UTF-8 that is
+/// well formed passes, encoded as sent.
+#[tokio::test]
+async fn escapes_that_are_not_utf8_are_refused_even_unguarded() {
+    let upstream = Upstream::start().await;
+    let proxy = config(&upstream).start().await;
+    for path in [
+        "/open/%C0%AE%C0%AE/v1/payments",
+        "/open/%E0%80%AE%E0%80%AE/v1/payments",
+        "/open%C0%AFv1/payments",
+    ] {
+        assert_eq!(
+            raw(proxy.addr(), "GET", path, "host: localhost\r\n").await,
+            (400, "invalid-path".to_string()),
+            "{path}"
+        );
+    }
+    assert_eq!(upstream.total(), 0, "none reached the upstream");
+    let (status, _) = raw(proxy.addr(), "GET", "/open/caf%C3%A9", "host: localhost\r\n").await;
+    assert_eq!(status, 201);
+    assert_eq!(upstream.log()[0].path, "/open/caf%C3%A9");
+}
+
 /// The probe's spellings of the guarded path, none with an idempotency key: each is
 /// guarded (400 for the missing key) or refused as a path, over HTTP/1.1 and HTTP/2,
 /// and the upstream sees none of them.

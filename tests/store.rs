@@ -17,9 +17,9 @@ use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage, OwnerToken,
-    Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId, StoreKey,
-    StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage,
+    OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId,
+    StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use support::RedisServer;
 use support::pki::Pki;
@@ -39,6 +39,7 @@ fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> ClaimRequest {
     ClaimRequest {
         key: key.clone(),
         scope: None,
+        client: None,
         owner,
         fingerprint: Fingerprint([1; 32]),
         retention: Duration::from_secs(60),
@@ -1367,6 +1368,54 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
 /// claims are refused with the time until its oldest record expires, other scopes and
 /// unscoped claims are not, and the share comes back as the scope's records expire, are
 /// released or purged (the counts return to zero).
+/// One client address's scoped records, across every scope it sends, are bounded by
+/// `max_records_per_client`: a client that makes up a new scope for each key (a
+/// header value it picks) is refused once it holds its share, until its oldest
+/// expires; other addresses, and unscoped records, are not counted against it.
+#[tokio::test(start_paused = true)]
+async fn a_client_address_past_its_share_of_scopes_is_refused_until_its_records_go() {
+    let store = MemoryStore::with_limits(MemoryLimits {
+        max_records: 100,
+        max_bytes: usize::MAX,
+        max_records_per_scope: 100,
+        max_bytes_per_scope: usize::MAX,
+        max_records_per_client: 3,
+    });
+    let from = |name: &str, scope: u64, client: u64| ClaimRequest {
+        scope: Some(ScopeId(scope)),
+        client: Some(ClientId(client)),
+        ..claim(&key(name), new_owner(), Duration::from_secs(2))
+    };
+    store.claim(&from("c1-a", 1, 1)).await.expect("claim");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    for (n, scope) in [(2, 2), (3, 3)] {
+        store.claim(&from(&format!("c1-{n}"), scope, 1)).await.expect("claim");
+    }
+    match store.claim(&from("c1-d", 4, 1)).await {
+        Err(StoreError::ClientFull { retry_after }) => {
+            assert!(
+                retry_after > Duration::from_secs(40) && retry_after <= Duration::from_secs(50),
+                "{retry_after:?}"
+            )
+        }
+        other => panic!("a fourth scope from one address was taken: {other:?}"),
+    }
+    // Another address, and an unscoped record from the same one, are not counted.
+    store.claim(&from("c2-a", 5, 2)).await.expect("another address");
+    let unscoped = ClaimRequest {
+        client: Some(ClientId(1)),
+        ..claim(&key("c1-unscoped"), new_owner(), Duration::from_secs(2))
+    };
+    store.claim(&unscoped).await.expect("an unscoped record");
+    // Once the oldest expires, the address has room again.
+    tokio::time::sleep(Duration::from_secs(51)).await;
+    store.claim(&from("c1-d", 4, 1)).await.expect("room again");
+    assert!(matches!(
+        store.claim(&from("c1-e", 6, 1)).await,
+        Err(StoreError::ClientFull { .. })
+    ));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_scope_past_its_share_of_the_memory_store_is_refused_until_its_records_go() {
     let store = MemoryStore::with_limits(MemoryLimits {
@@ -1374,6 +1423,7 @@ async fn a_scope_past_its_share_of_the_memory_store_is_refused_until_its_records
         max_bytes: usize::MAX,
         max_records_per_scope: 2,
         max_bytes_per_scope: usize::MAX,
+        max_records_per_client: 100,
     });
     let scoped = |name: &str, scope: u64| ClaimRequest {
         scope: Some(ScopeId(scope)),

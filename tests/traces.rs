@@ -426,3 +426,90 @@ async fn a_probe_is_traced_and_the_replay_of_its_answer_links_to_it() {
         "the replay of a learned answer links to the probe that learned it"
     );
 }
+
+/// A client's trace context is continued only when it is what W3C Trace Context
+/// writes: a malformed `traceparent` (short ids, upper case, a sign, a long flags
+/// field) starts a trace of the proxy's own and its `tracestate` is dropped with it,
+/// so no client joins a trace it cannot spell; a long `tracestate` is cut to whole
+/// entries within 512 characters before any span keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_valid_trace_context_is_continued_and_a_long_tracestate_is_cut() {
+    let collector = Collector::start().await;
+    let upstream = Upstream::start().await;
+    let tracing = format!("otlp_endpoint = \"{}\"", collector.url());
+    let (config, _dir) = config(StoreKind::Memory, &upstream, &tracing);
+    let proxy = ChildProxy::start(&config).await;
+    let padded = format!("00-{}-{CLIENT_SPAN}-01", "0".repeat(30) + "ab");
+    let invalid = [
+        "00-1-1-01".to_string(),
+        format!("00-{}-{CLIENT_SPAN}-01", CLIENT_TRACE.to_uppercase()),
+        format!("00-+{}-{CLIENT_SPAN}-01", &CLIENT_TRACE[1..]),
+        format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-001"),
+    ];
+    for (n, parent) in invalid.iter().chain([&padded]).enumerate() {
+        let key = format!("tc-{n}");
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("traceparent", parent.as_str()),
+            ("tracestate", "joined=yes"),
+        ];
+        let answer = send(proxy.addr, "POST", "/v1/payments", &headers, "{}").await;
+        assert_eq!(answer.status, 201, "{answer:?}");
+        let execution = upstream
+            .log()
+            .into_iter()
+            .find(|execution| execution.key == key)
+            .expect("forwarded");
+        let seen = execution
+            .headers
+            .get("traceparent")
+            .expect("a traceparent")
+            .to_str()
+            .expect("ascii")
+            .to_string();
+        let (trace, _, _) = parse_traceparent(&seen);
+        let continued = parent.contains(&trace);
+        if parent == &padded {
+            assert!(continued, "a valid parent is continued: {seen}");
+            assert_eq!(
+                execution.headers.get("tracestate").map(|v| v.to_str().ok()),
+                Some(Some("joined=yes"))
+            );
+        } else {
+            assert!(!continued, "{parent} was continued as {seen}");
+            assert!(
+                execution.headers.get("tracestate").is_none(),
+                "{parent}: its tracestate went on: {:?}",
+                execution.headers
+            );
+        }
+    }
+    let long: Vec<String> = (0..400).map(|n| format!("v{n:03}={}", "x".repeat(40))).collect();
+    let long = long.join(",");
+    let parent = traceparent(CLIENT_TRACE, CLIENT_SPAN, "01");
+    let headers = [
+        ("idempotency-key", "tc-long"),
+        ("traceparent", parent.as_str()),
+        ("tracestate", long.as_str()),
+    ];
+    assert_eq!(
+        send(proxy.addr, "POST", "/v1/payments", &headers, "{}").await.status,
+        201
+    );
+    let execution = upstream
+        .log()
+        .into_iter()
+        .find(|execution| execution.key == "tc-long")
+        .expect("forwarded");
+    let state = execution
+        .headers
+        .get("tracestate")
+        .expect("a tracestate")
+        .to_str()
+        .expect("ascii");
+    assert!(
+        state.len() <= 512 && long.starts_with(state) && long[state.len()..].starts_with(','),
+        "{}",
+        state.len()
+    );
+}

@@ -224,3 +224,37 @@ async fn the_derived_key_goes_upstream_also_when_the_store_is_down_and_forward_i
         "forwarded unguarded with another key"
     );
 }
+
+/// The key the upstream is to see is set after the hop-by-hop fields are stripped: a
+/// client that names it in `Connection` does not take it off the request. For the
+/// derived key in its own field, and for the client's key in its own.
+#[tokio::test]
+async fn a_client_cannot_strip_the_upstream_key_by_naming_it_in_connection() {
+    let upstream = Upstream::start().await;
+    let lines = "upstream_key = \"derived\"\nupstream_key_header = \"x-op-id\"";
+    let (derived, _dir) = config(StoreKind::Memory, &upstream, lines);
+    let proxy = derived.start().await;
+    let answer = post(proxy.addr(), "alice", "k-conn", &[("connection", "x-op-id")]).await;
+    assert_eq!(answer.status, 201, "{answer:?}");
+    assert_eq!(
+        seen(&upstream, 0, "x-op-id"),
+        Some(operation(proxy.admin(), "alice", "k-conn").await),
+        "the derived key was stripped"
+    );
+
+    let (client, _dir) = config(StoreKind::Memory, &upstream, "");
+    let proxy = client.start().await;
+    let answer = post(
+        proxy.addr(),
+        "alice",
+        "\"k-conn-2\"",
+        &[("connection", "idempotency-key")],
+    )
+    .await;
+    assert_eq!(answer.status, 201, "{answer:?}");
+    assert_eq!(
+        seen(&upstream, 1, "idempotency-key").as_deref(),
+        Some("k-conn-2"),
+        "the client's key, canonical, reaches the upstream"
+    );
+}

@@ -30,16 +30,8 @@ pub(crate) async fn handle(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Option<Response<ProxyBody>> {
-    let token = config.admin.as_ref()?.token.as_ref()?;
-    // The scheme in any case (RFC 9110 §11.1), as `scope_jwt` reads it.
-    let presented = headers.get(AUTHORIZATION).and_then(jwt::bearer);
-    if !presented.is_some_and(|presented| token.verify(presented.as_bytes())) {
-        tracing::warn!(path, "records API: missing or wrong token");
-        let mut response = error(StatusCode::UNAUTHORIZED, "a valid admin token is required");
-        response
-            .headers_mut()
-            .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        return Some(response);
+    if let Err(refused) = door(config, path, headers)? {
+        return Some(refused);
     }
     let rest = path.strip_prefix("/records/")?;
     let (action, route_name) = match RecordsAction::parse(method, rest) {
@@ -59,7 +51,7 @@ pub(crate) async fn handle(
         Ok(named) => named,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
-    let resolution = match verdict.map(|verdict| resolution(verdict, body)).transpose() {
+    let resolution = match verdict.map(|verdict| resolution(verdict, policy, body)).transpose() {
         Ok(resolution) => resolution,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
@@ -72,6 +64,24 @@ pub(crate) async fn handle(
         "records API"
     );
     Some(response)
+}
+
+/// The records API's door: `None` when it is off (no `token_file`: the caller answers
+/// 404 as for any unknown path), the 401 for a missing or wrong token, or open. Asked
+/// before anything of the request's body is read.
+pub(crate) fn door(config: &Config, path: &str, headers: &HeaderMap) -> Option<Result<(), Response<ProxyBody>>> {
+    let token = config.admin.as_ref()?.token.as_ref()?;
+    // The scheme in any case (RFC 9110 §11.1), as `scope_jwt` reads it.
+    let presented = headers.get(AUTHORIZATION).and_then(jwt::bearer);
+    if presented.is_some_and(|presented| token.verify(presented.as_bytes())) {
+        return Some(Ok(()));
+    }
+    tracing::warn!(path, "records API: missing or wrong token");
+    let mut response = error(StatusCode::UNAUTHORIZED, "a valid admin token is required");
+    response
+        .headers_mut()
+        .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    Some(Err(response))
 }
 
 /// What a records call's query names: the record, and for `release` and `resolve` the
@@ -146,9 +156,11 @@ fn record_key(
 }
 
 /// The resolution `verdict` and the request's `body` make: for `applied`, the
-/// response to record, as JSON (`RecordedResponse`), marked `Idempotency-Reconciled:
+/// response to record, as JSON (`RecordedResponse`), held to what the route records of
+/// an upstream's response (within `max_response_body_bytes`, without the fields in
+/// `replay_exclude_headers` or the proxy's own), and marked `Idempotency-Reconciled:
 /// true` so that every replay of it says how it was learned.
-fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
+fn resolution(verdict: Verdict, policy: &IdempotencyPolicy, body: &[u8]) -> Result<Resolution, String> {
     if verdict == Verdict::NotApplied {
         return match body {
             [] => Ok(Resolution::NotApplied),
@@ -162,7 +174,8 @@ fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
         .ok()
         .filter(|status| (200..600).contains(&status.as_u16()))
         .ok_or_else(|| format!("status {}: a final status, 200 to 599", given.status))?;
-    let mut headers = Vec::with_capacity(given.headers.len() + 1);
+    let mut parts = http::Response::new(()).into_parts().0;
+    parts.status = status;
     for (name, value) in &given.headers {
         let header =
             HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("header {name:?}: not a field name"))?;
@@ -170,21 +183,28 @@ fn resolution(verdict: Verdict, body: &[u8]) -> Result<Resolution, String> {
             return Err(format!("header {name}: set by the proxy when it replays, not recorded"));
         }
         let value = HeaderValue::from_str(value).map_err(|_| format!("header {name}: not a field value"))?;
-        headers.push((header, value));
+        parts.headers.append(header, value);
     }
     use base64::Engine as _;
     let body = base64::engine::general_purpose::STANDARD
         .decode(given.body.as_bytes())
         .map_err(|_| "body: not base64".to_string())?;
-    Ok(Resolution::Applied(
-        StoredResponse {
-            status,
-            headers,
-            body: body.into(),
-            trace: None,
-        }
-        .reconciled(),
-    ))
+    // RFC 9110 §15.3.5, §15.4.5: these never carry content; a replay of one would be
+    // malformed (on HTTP/2, DATA on a 204).
+    if !body.is_empty() && matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED) {
+        return Err(format!("status {}: a {} has no body", status.as_u16(), status.as_u16()));
+    }
+    let limit = policy.max_response_body_bytes;
+    if body.len() as u64 > limit {
+        return Err(format!(
+            "body: {} bytes, more than the route records (max_response_body_bytes = {limit})",
+            body.len()
+        ));
+    }
+    // As an upstream's response is recorded: without `Content-Length` (derived again),
+    // the proxy's own fields, and what `replay_exclude_headers` names.
+    let stored = StoredResponse::from_parts(&parts, body.into(), &policy.replay_exclude_headers);
+    Ok(Resolution::Applied(stored.reconciled()))
 }
 
 /// The claim `value` gives when it names the route's claim `jwt` (`jwt.CLAIM`):

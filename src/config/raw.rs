@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{Mode, OnServerError, OnStoreError, UpstreamKey};
+use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, UpstreamKey};
 use crate::problem::Profile;
 use crate::request_target::Spelling;
 
@@ -32,6 +32,7 @@ pub(super) struct RawServer {
     pub(super) max_request_body_bytes: Spanned<ByteSize>,
     pub(super) header_read_timeout: Spanned<HumanDuration>,
     pub(super) request_body_timeout: Spanned<HumanDuration>,
+    pub(super) request_body_idle_timeout: Spanned<HumanDuration>,
     pub(super) shutdown_grace: HumanDuration,
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) max_connections: Spanned<usize>,
@@ -61,6 +62,7 @@ impl Default for RawServer {
             max_request_body_bytes: Spanned::new(0..0, ByteSize(1024 * 1024)),
             header_read_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(10))),
             request_body_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(30))),
+            request_body_idle_timeout: Spanned::new(0..0, HumanDuration(Duration::from_secs(10))),
             shutdown_grace: HumanDuration(Duration::from_secs(30)),
             workers: None,
             max_connections: Spanned::new(0..0, 10_000),
@@ -129,6 +131,7 @@ pub(super) struct RawStore {
     pub(super) max_bytes: Option<Spanned<ByteSize>>,
     pub(super) max_records_per_scope: Option<Spanned<usize>>,
     pub(super) max_bytes_per_scope: Option<Spanned<ByteSize>>,
+    pub(super) max_records_per_client: Option<Spanned<usize>>,
     pub(super) min_replica_acks: Option<Spanned<u32>>,
     pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
     pub(super) connections: Option<Spanned<usize>>,
@@ -150,6 +153,7 @@ impl Default for RawStore {
             max_bytes: None,
             max_records_per_scope: None,
             max_bytes_per_scope: None,
+            max_records_per_client: None,
             min_replica_acks: None,
             replica_ack_timeout: None,
             connections: None,
@@ -195,6 +199,7 @@ pub(super) struct RawIdempotency {
     pub(super) scope_jwt: Option<RawScopeJwt>,
     pub(super) max_response_body_bytes: Spanned<ByteSize>,
     pub(super) on_server_error: OnServerError,
+    pub(super) on_unauthorized: OnUnauthorized,
     pub(super) on_store_error: OnStoreError,
     pub(super) upstream_key: UpstreamKey,
     pub(super) upstream_key_header: Spanned<String>,
@@ -275,6 +280,7 @@ impl Default for RawIdempotency {
             scope_jwt: None,
             max_response_body_bytes: Spanned::new(0..0, ByteSize(1024 * 1024)),
             on_server_error: OnServerError::Release,
+            on_unauthorized: OnUnauthorized::Release,
             on_store_error: OnStoreError::Reject,
             upstream_key: UpstreamKey::Client,
             upstream_key_header: Spanned::new(0..0, "Idempotency-Key".into()),

@@ -59,6 +59,11 @@ pub const SETTINGS: &[Setting] = &[
         meaning: "a guarded request's whole body must arrive within this, else 408",
     },
     Setting {
+        key: "server.request_body_idle_timeout",
+        default: DefaultValue::Toml("\"10s\""),
+        meaning: "a guarded request's body that sends no byte for this long is cut, 408, and what it held of the byte budget given back: a client that declares a body and never sends it holds nothing for long",
+    },
+    Setting {
         key: "server.shutdown_grace",
         default: DefaultValue::Toml("\"30s\""),
         meaning: "how long shutdown waits for open requests",
@@ -234,6 +239,11 @@ pub const SETTINGS: &[Setting] = &[
         meaning: "memory only: the bytes one scope's live records may hold, likewise",
     },
     Setting {
+        key: "store.max_records_per_client",
+        default: DefaultValue::Text("a quarter of `max_records`"),
+        meaning: "memory only: the scoped records one client address (an IPv4 address, or an IPv6 /64) may hold across every scope it sends, so that a client cannot open scopes without end with made-up `scope_headers` values; past it its new keys get 429 `client-full`. A gateway that sends many tenants from one address should raise it",
+    },
+    Setting {
         key: "route.name",
         default: DefaultValue::Required,
         meaning: "unique, `A-Z a-z 0-9 _ - .`; part of every record's scope",
@@ -332,6 +342,11 @@ pub const SETTINGS: &[Setting] = &[
         key: "route.idempotency.on_server_error",
         default: DefaultValue::Toml("\"release\""),
         meaning: "a 5xx: `\"release\"` (a retry runs again) or `\"store\"` (replayed)",
+    },
+    Setting {
+        key: "route.idempotency.on_unauthorized",
+        default: DefaultValue::Toml("\"release\""),
+        meaning: "a 401 or 403 from the upstream: `\"release\"` (the request was refused, not executed: nothing is kept, and a retry runs again; so a made-up credential in a `scope_headers` scope never takes a record) or `\"store\"` (replayed like any other answer)",
     },
     Setting {
         key: "route.idempotency.on_store_error",

@@ -26,6 +26,7 @@ fn defaults_match_the_design() {
             max_bytes: DEFAULT_MAX_BYTES,
             max_records_per_scope: 25_000,
             max_bytes_per_scope: 67_108_864,
+            max_records_per_client: 25_000,
         }
     ));
     assert_eq!(config.store.key_prefix, "idemproxy");
@@ -951,4 +952,98 @@ fn the_reference_defaults_are_the_ones_applied() {
         checked += 1;
     }
     assert!(checked > 50, "only {checked} defaults checked");
+}
+
+/// A probe that asks by `{key}` with the client's key, on a route that scopes keys per
+/// tenant, could learn another tenant's operation (it carries no credentials): refused,
+/// naming what to use instead. `{record}` or `upstream_key = "derived"` is unique per
+/// tenant, and a route without scope has one key space anyway.
+#[test]
+fn a_probe_by_the_clients_key_is_refused_on_a_scoped_route() {
+    let probe = "[route.idempotency.reconcile]\npath = \"/by-key/{key}\"\n";
+    for scope in [
+        "scope_headers = [\"authorization\"]\n",
+        "scope_headers = [\"x-tenant\"]\nupstream_key = \"client\"\n",
+    ] {
+        let error = parse(&format!("{ROUTE}[route.idempotency]\n{scope}{probe}"))
+            .map(|_| ())
+            .expect_err("refused")
+            .to_string();
+        assert!(error.contains("route[0].idempotency.reconcile.path"), "{error}");
+        assert!(error.contains("upstream_key = \"derived\""), "{error}");
+    }
+    for accepted in [
+        format!("{ROUTE}[route.idempotency]\nscope_headers = [\"authorization\"]\nupstream_key = \"derived\"\n{probe}"),
+        format!(
+            "{ROUTE}[route.idempotency]\nscope_headers = [\"authorization\"]\n[route.idempotency.reconcile]\npath = \"/ops/{{record}}\"\n"
+        ),
+        format!("{ROUTE}[route.idempotency]\n{probe}"),
+    ] {
+        parse(&accepted).unwrap_or_else(|error| panic!("{accepted}: {error}"));
+    }
+}
+
+/// A probe path must identify the record: a fragment is never sent (every probe would
+/// ask one URL), and a template with neither placeholder asks about no record.
+#[test]
+fn a_probe_path_must_name_the_record() {
+    for (path, why) in [
+        ("/v1/lookup#{key}", "fragment"),
+        ("/v1/lookup", "neither {key} nor {record}"),
+        ("/v1/lookup?x=1", "neither {key} nor {record}"),
+    ] {
+        let error = parse(&format!(
+            "{ROUTE}[route.idempotency]\n[route.idempotency.reconcile]\npath = {path:?}\n"
+        ))
+        .map(|_| ())
+        .expect_err("refused")
+        .to_string();
+        assert!(
+            error.contains("reconcile.path") && error.contains(why),
+            "{path}: {error}"
+        );
+    }
+}
+
+/// `contract_path` is matched against canonical paths before any route: a spelling
+/// that is not canonical could never match, and a guarded route's own prefix would
+/// have its requests answered 405.
+#[test]
+fn the_contract_path_is_canonical_and_no_guarded_routes_prefix() {
+    for (path, why) in [
+        ("/.well-known/../x", "write \"/x\""),
+        ("//x", "write \"/x\""),
+        ("/x#y", "fragment"),
+        ("/x?y", "query"),
+        ("/v1/%70ay", "write \"/v1/pay\""),
+    ] {
+        let error = parse(&format!("[server]\ncontract_path = {path:?}\n{ROUTE}"))
+            .map(|_| ())
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            error.contains("server.contract_path") && error.contains(why),
+            "{path}: {error}"
+        );
+    }
+    let prefix = ROUTE
+        .lines()
+        .find_map(|line| line.strip_prefix("path_prefix = "))
+        .expect("the test route's prefix");
+    let error = parse(&format!(
+        "[server]\ncontract_path = {prefix}\n{ROUTE}[route.idempotency]\n"
+    ))
+    .map(|_| ())
+    .expect_err("refused")
+    .to_string();
+    assert!(
+        error.contains("server.contract_path") && error.contains("405"),
+        "{error}"
+    );
+    // An unguarded route's prefix, or a path under a guarded one, is the operator's call.
+    parse(&format!("[server]\ncontract_path = {prefix}\n{ROUTE}")).expect("an unguarded route's prefix");
+    parse(&format!(
+        "[server]\ncontract_path = \"/idempotency\"\n{ROUTE}[route.idempotency]\n"
+    ))
+    .expect("valid");
 }

@@ -100,6 +100,7 @@ impl Validator<'_> {
     }
 
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
+        let contract_span = raw.server.contract_path.span();
         let server = self.server(raw.server)?;
         let store = self.store(raw.store)?;
         let (routes_span, raw_routes) = match raw.routes {
@@ -134,6 +135,22 @@ impl Validator<'_> {
                 ));
             }
             routes.push(route);
+        }
+        // The contract is answered at its path before any route: a guarded route whose
+        // prefix it is would have its own requests answered 405.
+        if let Some(path) = &server.contract_path
+            && let Some(route) = routes
+                .iter()
+                .find(|route| route.idempotency.is_some() && route.path_prefix == *path)
+        {
+            return Err(self.error(
+                contract_span,
+                "server.contract_path",
+                format!(
+                    "{path:?} is route {}'s path_prefix: its guarded requests would be answered with the contract's 405; choose another path, or \"\"",
+                    route.name
+                ),
+            ));
         }
         let admin = match raw.admin {
             None => None,

@@ -158,13 +158,19 @@ fn the_recording_rules_follow_the_status() {
         (503, Release, Recording::Release),
         (500, Store, Recording::Record),
         (504, Store, Recording::Record),
+        (401, Store, Recording::Release),
+        (403, Release, Recording::Release),
     ] {
         let status = StatusCode::from_u16(status).expect("status");
         assert_eq!(
-            recording_for(status, on_server_error),
+            recording_for(status, on_server_error, OnUnauthorized::Release),
             expected,
             "{status} {on_server_error:?}"
         );
+    }
+    for status in [401, 403] {
+        let status = StatusCode::from_u16(status).expect("status");
+        assert_eq!(recording_for(status, Release, OnUnauthorized::Store), Recording::Record);
     }
 }
 

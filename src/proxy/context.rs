@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::bounds::Share;
-use crate::config::IdempotencyPolicy;
+use crate::config::{IdempotencyPolicy, UpstreamKey};
 use crate::error::{KeyError, ProxyError, Rejection};
 use crate::idempotency::{self, IdempotencyKey};
 use crate::record::ExecutionTrace;
@@ -68,6 +68,7 @@ impl Prepared {
         let claim = ClaimRequest {
             key: guarded.record.clone(),
             scope: guarded.scope,
+            client: Some(idempotency::client_id(guarded.client.addr)),
             owner: OwnerToken::generate().map_err(|_| ProxyError::Random)?,
             fingerprint,
             retention: policy.retention,
@@ -97,6 +98,15 @@ impl Proxy {
         headers: &http::HeaderMap,
     ) -> Result<Named, Rejection> {
         let key = idempotency::parse_key(headers.get_all(&policy.header))?.ok_or(KeyError::Missing)?;
+        if route
+            .config
+            .reconcile()
+            .is_some_and(|reconcile| reconcile.path.names_key())
+            && policy.upstream_key == UpstreamKey::Client
+            && key.as_str().bytes().all(|byte| byte == b'.')
+        {
+            return Err(KeyError::OnlyDots.into());
+        }
         let scope_claim = match &policy.scope_jwt {
             None => None,
             Some(verifier) => Some(verifier.verify(headers, SystemTime::now())?),
@@ -139,9 +149,9 @@ impl Proxy {
         request: Request<Incoming>,
     ) -> Result<Prepared, Rejection> {
         let (parts, body) = request.into_parts();
-        let limits = guarded.route.body;
+        let (limits, allowance) = (guarded.route.body, guarded.client.allowance.clone());
         let share = &mut guarded.share;
-        let body = body::read_request_body(body, &parts.headers, limits.max_bytes, limits.timeout, |bytes| {
+        let body = body::read_request_body(body, &parts.headers, limits, Some(&allowance), |bytes| {
             share.take_for_request(bytes)
         })
         .await?;

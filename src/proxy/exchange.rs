@@ -15,7 +15,7 @@ use super::{Answer, Guarded, Handled, Prepared, Proxy, Refusal};
 use crate::body::{self, Buffered, ProxyBody, StreamedBody, full};
 use crate::config::{IdempotencyPolicy, Mode, UpstreamKey};
 use crate::error::{ProxyError, Rejection, UpstreamError};
-use crate::idempotency::{self, Recording};
+use crate::idempotency::{self, IdempotencyKey, Recording};
 use crate::store::{StoreKey, StoredResponse, UnknownReason};
 use crate::upstream;
 
@@ -24,10 +24,9 @@ impl Proxy {
     /// the record is updated, so that a retry that follows it sees the record.
     pub(super) async fn forward(&self, guarded: Guarded, claim: OwnedClaim, prepared: Prepared) -> Handled {
         let mut request = prepared.into_request();
-        let rewritten = upstream_key(request.headers_mut(), &guarded.policy, &guarded.record).and_then(|()| {
-            upstream::prepare_request(&mut request, &guarded.route.config.upstream, &guarded.client)
-                .map_err(|error| ProxyError::Rewrite(error).into())
-        });
+        let rewritten = upstream::prepare_request(&mut request, &guarded.route.config.upstream, &guarded.client)
+            .map_err(|error| Rejection::from(ProxyError::Rewrite(error)))
+            .and_then(|()| upstream_key(request.headers_mut(), &guarded.policy, &guarded.record, &guarded.key));
         if let Err(rejection) = rewritten {
             claim.release_in_background();
             return Err(rejection.into());
@@ -96,7 +95,7 @@ impl Proxy {
     /// The upstream's whole response: recorded, or the key released, as its status says.
     async fn record(&self, guarded: &Guarded, claim: OwnedClaim, parts: &response::Parts, body: &Bytes) {
         let policy = &guarded.policy;
-        match idempotency::recording_for(parts.status, policy.on_server_error) {
+        match idempotency::recording_for(parts.status, policy.on_server_error, policy.on_unauthorized) {
             Recording::Record => {
                 let stored = StoredResponse::from_parts(parts, body.clone(), &policy.replay_exclude_headers)
                     .traced(guarded.execution);
@@ -110,7 +109,8 @@ impl Proxy {
     /// `max_response_body_bytes`, or over the byte budget while it was read): its
     /// outcome is unknown, unless its status releases the key anyway.
     async fn unrecordable(&self, guarded: &Guarded, claim: OwnedClaim, status: StatusCode, over_budget: bool) {
-        if idempotency::recording_for(status, guarded.policy.on_server_error) == Recording::Release {
+        let policy = &guarded.policy;
+        if idempotency::recording_for(status, policy.on_server_error, policy.on_unauthorized) == Recording::Release {
             return claim.release().await;
         }
         let reason = if over_budget {
@@ -137,17 +137,20 @@ impl Proxy {
 }
 
 /// Puts the key the upstream is to see in a claimed request's `headers`, as the
-/// route's `upstream_key` says: the client's own (moved to `upstream_key_header` when
-/// that is another field), the record's operation id, or none. Whatever the client
-/// sent in `upstream_key_header` itself is replaced, so a client cannot choose the
-/// derived key. Every request enforce mode forwards (claimed, or unguarded with
-/// `on_store_error = "forward"`) carries it, so that an upstream that deduplicates on
-/// it sees one key per operation; shadow mode sends every request as an unguarded
-/// route would, the client's key included.
+/// route's `upstream_key` says: the client's own, in its canonical form (a quoted key
+/// unquoted, as the guard read it, and as a probe's `{key}` names it), in
+/// `upstream_key_header`; the record's operation id; or none. Whatever the client sent
+/// in `upstream_key_header` itself is replaced, so a client cannot choose the derived
+/// key. Set after the hop-by-hop fields are stripped, so that a client cannot strip it
+/// by naming it in `Connection`. Every request enforce mode forwards (claimed, or
+/// unguarded with `on_store_error = "forward"`) carries it, so that an upstream that
+/// deduplicates on it sees one key per operation; shadow mode sends every request as
+/// an unguarded route would, the client's key included.
 pub(super) fn upstream_key(
     headers: &mut http::HeaderMap,
     policy: &IdempotencyPolicy,
     record: &StoreKey,
+    key: &IdempotencyKey,
 ) -> Result<(), Rejection> {
     // Shadow mode forwards its retries unguarded, with the client's key: its first
     // request, claimed to be recorded, carries the same one.
@@ -156,15 +159,12 @@ pub(super) fn upstream_key(
     }
     let target = &policy.upstream_key_header;
     match policy.upstream_key {
-        UpstreamKey::Client if *target == policy.header => {}
-        UpstreamKey::Client => match headers.remove(&policy.header) {
-            Some(key) => {
-                headers.insert(target.clone(), key);
-            }
-            None => {
-                headers.remove(target);
-            }
-        },
+        UpstreamKey::Client => {
+            // Visible ASCII, as the guard accepted it: always a valid field value.
+            let key = http::HeaderValue::try_from(key.as_str()).map_err(|error| ProxyError::Rewrite(error.into()))?;
+            headers.remove(&policy.header);
+            headers.insert(target.clone(), key);
+        }
         UpstreamKey::Derived => {
             let id = http::HeaderValue::try_from(record.operation_id())
                 .map_err(|error| ProxyError::Rewrite(error.into()))?;

@@ -15,7 +15,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{HOST, USER_AGENT};
 use http::{HeaderValue, Request, StatusCode, Uri};
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::{Instrument, Span};
 
@@ -24,6 +23,7 @@ use super::context::Guarded;
 use super::send::send_within;
 use super::{Proxy, access};
 use crate::body::{self, Buffered, full};
+use crate::bounds::ProbeLimit;
 use crate::config::{IdempotencyPolicy, Reconcile, UpstreamKey};
 use crate::error::UpstreamError;
 use crate::metrics::{Reconciliation, StoreOp};
@@ -48,36 +48,18 @@ const MAX_CHAINS: usize = 65_536;
 #[derive(Clone, Default)]
 pub(crate) struct Probes {
     chains: Arc<Chains>,
-    permits: Arc<Mutex<HashMap<String, RoutePermits>>>,
-}
-
-/// One route's probe permits, and the `max_concurrent` they were made for.
-struct RoutePermits {
-    max: usize,
-    permits: Arc<Semaphore>,
-}
-
-impl RoutePermits {
-    fn new(max: usize) -> RoutePermits {
-        RoutePermits {
-            max,
-            permits: Arc::new(Semaphore::new(max)),
-        }
-    }
+    limits: Arc<Mutex<HashMap<String, Arc<ProbeLimit>>>>,
 }
 
 impl Probes {
-    /// The bound on `route`'s probes at once: the same across workers and reloads,
-    /// made anew only when `max` changes.
-    pub(crate) fn permits(&self, route: &str, max: usize) -> Arc<Semaphore> {
-        let mut permits = self.permits.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let entry = permits
-            .entry(route.to_string())
-            .or_insert_with(|| RoutePermits::new(max));
-        if entry.max != max {
-            *entry = RoutePermits::new(max);
-        }
-        entry.permits.clone()
+    /// The bound on `route`'s probes at once: one per route name, the same across
+    /// workers and reloads, set to `max` (a reload that lowers it holds every probe
+    /// that begins from then on to the new bound, whichever chain it is in).
+    pub(crate) fn limit(&self, route: &str, max: usize) -> Arc<ProbeLimit> {
+        let mut limits = self.limits.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let limit = limits.entry(route.to_string()).or_default().clone();
+        limit.set(max);
+        limit
     }
 }
 
@@ -215,13 +197,11 @@ impl Proxy {
             if Instant::now() > until {
                 return;
             }
-            let Some(permits) = &job.route.probes else {
+            let Some(limit) = &job.route.probes else {
                 return;
             };
             let waiting = metrics.probe_waiting();
-            let Ok(permit) = permits.acquire().await else {
-                return;
-            };
+            let permit = limit.acquire().await;
             drop(waiting);
             // Each probe is a trace of its own, linked to the request that began the
             // chain: a chain may last minutes.

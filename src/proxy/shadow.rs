@@ -45,9 +45,9 @@ impl Proxy {
             }
         };
         let (parts, body) = request.into_parts();
-        let limits = route.body;
+        let allowance = client.allowance.clone();
         let share = &mut guarded.share;
-        let peeked = body::peek_request_body(body, &parts.headers, limits.max_bytes, limits.timeout, |bytes| {
+        let peeked = body::peek_request_body(body, &parts.headers, route.body, Some(&allowance), |bytes| {
             share.take_for_request(bytes)
         });
         let body = match peeked.await? {

@@ -151,3 +151,60 @@ fn routes_match_the_host_without_its_port_brackets_or_trailing_dot() {
     assert_eq!(host_of("[::1]:80"), "::1");
     assert_eq!(host_of("[::1]"), "::1");
 }
+
+#[test]
+fn escapes_must_decode_to_utf8() {
+    for overlong in [
+        "/open/%C0%AE%C0%AE/v1/pay",
+        "/open/%E0%80%AE/v1",
+        "/v1%C0%AFpay",
+        "/a/%FF",
+        "/a/%C3",
+    ] {
+        assert_eq!(canonical(overlong), Err(RequestTargetError::InvalidUtf8), "{overlong}");
+    }
+    let keep = PathPolicy {
+        merge_slashes: true,
+        escaped_slashes: Spelling::Keep,
+        path_parameters: Spelling::Reject,
+    };
+    assert_eq!(
+        canonical_path("/v1%C0%AFpay", &keep),
+        Err(RequestTargetError::InvalidUtf8)
+    );
+    assert_eq!(canonical("/caf%C3%A9").as_deref(), Ok("/caf%C3%A9"));
+    assert_eq!(canonical("/%E2%82%AC").as_deref(), Ok("/%E2%82%AC"));
+}
+
+/// Dot segments removed where the path needs work anyway (an escape, a dot segment), and
+/// what the policy keeps kept there too: a trailing slash, a run of slashes with
+/// `merge_slashes = false`, a raw backslash with `escaped_slashes = "keep"`.
+#[test]
+fn a_rebuilt_path_keeps_its_trailing_slash_and_what_the_policy_keeps() {
+    assert_eq!(canonical("/a/./b/").as_deref(), Ok("/a/b/"));
+    assert_eq!(canonical("/a/%62/").as_deref(), Ok("/a/b/"));
+    assert_eq!(canonical("/a//x/../b").as_deref(), Ok("/a/b"));
+    let keep = PathPolicy {
+        merge_slashes: false,
+        escaped_slashes: Spelling::Keep,
+        path_parameters: Spelling::Keep,
+    };
+    let kept = |path| canonical_path(path, &keep).map(Cow::into_owned);
+    assert_eq!(kept("/v1//x/../pay").as_deref(), Ok("/v1//pay"));
+    assert_eq!(kept("/v1//x/./").as_deref(), Ok("/v1//x/"));
+    assert_eq!(kept("/v1\\pay/./x").as_deref(), Ok("/v1\\pay/x"));
+    assert_eq!(canonical("/v1\\pay"), Err(RequestTargetError::EscapedSlash));
+}
+
+#[test]
+fn a_bracketed_host_without_a_port_is_one() {
+    assert_eq!(request(Version::HTTP_11, "/x", &["[::1]"]), Ok(Some("[::1]".into())));
+    assert_eq!(request(Version::HTTP_11, "/x", &["[1]"]), Ok(Some("[1]".into())));
+    for bad in ["[]", "[::1", "[::1]x", "[::1]:", "[::1]:123456", "[g]"] {
+        assert_eq!(
+            request(Version::HTTP_11, "/x", &[bad]),
+            Err(RequestTargetError::InvalidHost),
+            "{bad}"
+        );
+    }
+}

@@ -3,8 +3,10 @@
 //! `max_records` live records exist, or they hold `max_bytes`, new claims are refused
 //! and nothing live is ever evicted; and so that one client cannot take it from the
 //! others, a client's records (its scope) are bounded too, by `max_records_per_scope`
-//! and `max_bytes_per_scope`. Expired records are swept in the background and on
-//! demand.
+//! and `max_bytes_per_scope`; and so that one client address cannot open scopes
+//! without end (a scope made of a header is a value the client picks), its scoped
+//! records are bounded too, by `max_records_per_client`. Expired records are swept in
+//! the background and on demand.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -14,9 +16,9 @@ use tokio::time::Instant;
 
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule, ProbeStart,
-    RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoredResponse, SummaryState,
-    UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoredResponse,
+    SummaryState, UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -50,6 +52,8 @@ pub struct MemoryLimits {
     pub max_bytes: usize,
     pub max_records_per_scope: usize,
     pub max_bytes_per_scope: usize,
+    /// The scoped records one client address may hold, across its scopes.
+    pub max_records_per_client: usize,
 }
 
 /// What a scoped record costs besides the rest: its entry among its scope's expiries.
@@ -62,6 +66,7 @@ struct Shared {
     max_bytes: usize,
     max_records_per_scope: usize,
     max_bytes_per_scope: usize,
+    max_records_per_client: usize,
     /// The waiters of records, woken by every change to theirs.
     hub: Arc<Hub>,
     #[cfg(feature = "test-util")]
@@ -75,6 +80,9 @@ struct Records {
     map: HashMap<StoreKey, Record>,
     bytes: usize,
     scopes: HashMap<ScopeId, ScopeUsage>,
+    /// When each client address's scoped records expire (their bytes are not counted
+    /// per client: only their number is bounded).
+    clients: HashMap<ClientId, ScopeUsage>,
 }
 
 /// What one scope's records hold, and when each expires (for a `Retry-After`).
@@ -96,15 +104,15 @@ impl Records {
     }
 
     fn insert(&mut self, key: StoreKey, record: Record) {
-        count(&mut self.bytes, &mut self.scopes, &key, &record);
+        count(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &record);
         if let Some(old) = self.map.insert(key.clone(), record) {
-            uncount(&mut self.bytes, &mut self.scopes, &key, &old);
+            uncount(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &old);
         }
     }
 
     fn remove(&mut self, key: &StoreKey) -> Option<Record> {
         let record = self.map.remove(key)?;
-        uncount(&mut self.bytes, &mut self.scopes, key, &record);
+        uncount(&mut self.bytes, &mut self.scopes, &mut self.clients, key, &record);
         Some(record)
     }
 
@@ -122,14 +130,50 @@ impl Records {
     }
 
     fn sweep(&mut self, now: Instant) {
-        let Records { map, bytes, scopes } = self;
+        let Records {
+            map,
+            bytes,
+            scopes,
+            clients,
+        } = self;
         map.retain(|key, record| {
             let live = record.expires_at > now;
             if !live {
-                uncount(bytes, scopes, key, record);
+                uncount(bytes, scopes, clients, key, record);
             }
             live
         });
+    }
+
+    /// Removes `client`'s expired scoped records, and says whether what is left holds
+    /// its share (`max`).
+    fn client_full(&mut self, client: ClientId, now: Instant, max: usize) -> bool {
+        let expired: Vec<StoreKey> = self
+            .clients
+            .get(&client)
+            .map(|usage| {
+                usage
+                    .expiries
+                    .iter()
+                    .take_while(|(expires_at, _)| *expires_at <= now)
+                    .map(|(_, key)| key.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        for key in &expired {
+            self.remove(key);
+        }
+        self.clients
+            .get(&client)
+            .is_some_and(|usage| usage.expiries.len() >= max)
+    }
+
+    /// How long until the first of `client`'s scoped records expires.
+    fn client_first_expiry(&self, client: ClientId, now: Instant) -> Duration {
+        self.clients
+            .get(&client)
+            .and_then(|usage| usage.expiries.first())
+            .map_or(Duration::ZERO, |(expires_at, _)| *expires_at - now)
     }
 
     /// Removes `scope`'s expired records, and says whether what is left holds the
@@ -165,28 +209,57 @@ impl Records {
     }
 }
 
-/// Adds `record`'s bytes to the store's and its scope's, and its expiry to the scope's.
-fn count(bytes: &mut usize, scopes: &mut HashMap<ScopeId, ScopeUsage>, key: &StoreKey, record: &Record) {
+/// Adds `record`'s bytes to the store's and its scope's, and its expiry to the scope's
+/// and (for a scoped record) its client's.
+fn count(
+    bytes: &mut usize,
+    scopes: &mut HashMap<ScopeId, ScopeUsage>,
+    clients: &mut HashMap<ClientId, ScopeUsage>,
+    key: &StoreKey,
+    record: &Record,
+) {
     let size = record.size(key);
     *bytes += size;
     if let Some(scope) = record.scope {
         let usage = scopes.entry(scope).or_default();
         usage.bytes += size;
         usage.expiries.insert((record.expires_at, key.clone()));
+        if let Some(client) = record.client {
+            clients
+                .entry(client)
+                .or_default()
+                .expiries
+                .insert((record.expires_at, key.clone()));
+        }
     }
 }
 
-/// The inverse of `count`; a scope with no record left is forgotten.
-fn uncount(bytes: &mut usize, scopes: &mut HashMap<ScopeId, ScopeUsage>, key: &StoreKey, record: &Record) {
+/// The inverse of `count`; a scope or a client with no record left is forgotten.
+fn uncount(
+    bytes: &mut usize,
+    scopes: &mut HashMap<ScopeId, ScopeUsage>,
+    clients: &mut HashMap<ClientId, ScopeUsage>,
+    key: &StoreKey,
+    record: &Record,
+) {
     let size = record.size(key);
     *bytes -= size;
-    if let Some(scope) = record.scope
-        && let Some(usage) = scopes.get_mut(&scope)
-    {
+    let Some(scope) = record.scope else {
+        return;
+    };
+    if let Some(usage) = scopes.get_mut(&scope) {
         usage.bytes -= size;
         usage.expiries.remove(&(record.expires_at, key.clone()));
         if usage.expiries.is_empty() {
             scopes.remove(&scope);
+        }
+    }
+    if let Some(client) = record.client
+        && let Some(usage) = clients.get_mut(&client)
+    {
+        usage.expiries.remove(&(record.expires_at, key.clone()));
+        if usage.expiries.is_empty() {
+            clients.remove(&client);
         }
     }
 }
@@ -231,6 +304,7 @@ struct Record {
     fingerprint: Fingerprint,
     expires_at: Instant,
     scope: Option<ScopeId>,
+    client: Option<ClientId>,
     state: State,
 }
 
@@ -302,6 +376,7 @@ impl MemoryStore {
             max_bytes,
             max_records_per_scope: max_records,
             max_bytes_per_scope: max_bytes,
+            max_records_per_client: max_records,
         })
     }
 
@@ -318,6 +393,7 @@ impl MemoryStore {
             max_bytes: usize::MAX,
             max_records_per_scope: max_records,
             max_bytes_per_scope: usize::MAX,
+            max_records_per_client: max_records,
         };
         MemoryStore::open(limits, Some(plant))
     }
@@ -332,6 +408,7 @@ impl MemoryStore {
             max_bytes: limits.max_bytes,
             max_records_per_scope: limits.max_records_per_scope,
             max_bytes_per_scope: limits.max_bytes_per_scope,
+            max_records_per_client: limits.max_records_per_client,
             hub: Arc::default(),
             #[cfg(feature = "test-util")]
             plant,
@@ -453,6 +530,13 @@ impl RecordStore for MemoryStore {
                     retry_after: records.first_expiry(scope, now).max(Duration::from_secs(1)),
                 });
             }
+            if let Some(client) = claim.client
+                && records.client_full(client, now, self.shared.max_records_per_client)
+            {
+                return Err(StoreError::ClientFull {
+                    retry_after: records.client_first_expiry(client, now).max(Duration::from_secs(1)),
+                });
+            }
         }
         records.insert(
             claim.key.clone(),
@@ -460,6 +544,7 @@ impl RecordStore for MemoryStore {
                 fingerprint: claim.fingerprint,
                 expires_at: now + claim.retention,
                 scope: claim.scope,
+                client: claim.client,
                 state: State::InFlight {
                     owner: claim.owner,
                     lease_until: now + claim.lease,

@@ -181,7 +181,10 @@ impl Validator<'_> {
         }
         let reconcile = match &raw.reconcile {
             None => None,
-            Some(reconcile) => Some(self.reconcile(index, reconcile, upstream_timeout, raw.upstream_key)?),
+            Some(reconcile) => {
+                let scoped = !scope_headers.is_empty() || scope_jwt.is_some();
+                Some(self.reconcile(index, reconcile, upstream_timeout, raw.upstream_key, scoped)?)
+            }
         };
         Ok(IdempotencyPolicy {
             methods,
@@ -197,6 +200,7 @@ impl Validator<'_> {
             scope_jwt,
             max_response_body_bytes: raw.max_response_body_bytes.into_inner().0,
             on_server_error: raw.on_server_error,
+            on_unauthorized: raw.on_unauthorized,
             on_store_error: raw.on_store_error,
             upstream_key: raw.upstream_key,
             upstream_key_header,
@@ -214,6 +218,7 @@ impl Validator<'_> {
         raw: &Spanned<RawReconcile>,
         upstream_timeout: Duration,
         upstream_key: UpstreamKey,
+        scoped: bool,
     ) -> Result<Reconcile, ConfigError> {
         let field = |name: &str| format!("route[{index}].idempotency.reconcile.{name}");
         let span = raw.span();
@@ -235,6 +240,16 @@ impl Validator<'_> {
                 raw.path.span(),
                 field("path"),
                 "names {key}, but upstream_key = \"none\" sends the upstream no key to look up; use {record} with upstream_key = \"derived\", or forward a key",
+            ));
+        }
+        // Two tenants may send the same key: the upstream, asked by the client's key
+        // alone (a probe carries no credentials), could answer about the other's
+        // operation, and that answer would be recorded and replayed to this one.
+        if path.names_key() && upstream_key == UpstreamKey::Client && scoped {
+            return Err(self.error(
+                raw.path.span(),
+                field("path"),
+                "names {key} with upstream_key = \"client\" on a scoped route: two tenants may send the same key, and a probe (which carries no credentials) could learn the other tenant's operation; use upstream_key = \"derived\" (a key unique per tenant) or {record}",
             ));
         }
         let statuses = |list: &Spanned<Vec<u16>>, name: &str| {
@@ -336,6 +351,12 @@ impl Validator<'_> {
         if !text.starts_with('/') {
             return Err(bad(format!("{text:?} does not begin with /")));
         }
+        // A fragment is never sent: every probe would ask one URL.
+        if text.contains('#') {
+            return Err(bad(format!(
+                "{text:?} has a '#': a fragment is never sent to the upstream"
+            )));
+        }
         let mut pieces = Vec::new();
         let mut rest = text.as_str();
         while let Some(open) = rest.find('{') {
@@ -363,6 +384,11 @@ impl Validator<'_> {
             pieces.push(ProbePiece::Literal(rest.to_string()));
         }
         let path = ProbePath(pieces);
+        if !path.names_key() && !path.0.contains(&ProbePiece::Record) {
+            return Err(bad(format!(
+                "{text:?} names neither {{key}} nor {{record}}: every probe would ask about one URL, not about the record"
+            )));
+        }
         path.render("k", "0")
             .parse::<http::uri::PathAndQuery>()
             .map_err(|_| bad(format!("{text:?} is not a valid path and query")))?;

@@ -2,6 +2,8 @@
 
 use std::ops::Range;
 
+use toml::Spanned;
+
 use crate::config::raw::{RawServer, RawTls};
 use crate::config::{PathPolicy, ServerConfig, ServerTls};
 use crate::error::ConfigError;
@@ -10,6 +12,29 @@ use crate::tls::{self, TlsError};
 use super::Validator;
 
 impl Validator<'_> {
+    /// `server.contract_path`: `""` (off), or a canonical path with no query or
+    /// fragment, since it is matched against a request's canonical path: a spelling
+    /// that is not canonical could never match.
+    fn contract_path(&self, raw: &Spanned<String>, paths: &PathPolicy) -> Result<Option<String>, ConfigError> {
+        let path = raw.get_ref().as_str();
+        let bad = |reason: String| self.error(raw.span(), "server.contract_path", reason);
+        if path.is_empty() {
+            return Ok(None);
+        }
+        if !path.starts_with('/') || path.contains(['?', '#']) || path.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(bad(format!(
+                "{path:?} is not a path (it must begin with /, with no query or fragment); \"\" turns the document off"
+            )));
+        }
+        match crate::request_target::canonical_path(path, paths) {
+            Ok(canonical) if canonical == path => Ok(Some(path.to_string())),
+            Ok(canonical) => Err(bad(format!(
+                "{path:?} is not a canonical path, so no request could ever match it: write {canonical:?}"
+            ))),
+            Err(error) => Err(bad(format!("{path:?}: {error}"))),
+        }
+    }
+
     pub(super) fn server(&self, raw: RawServer) -> Result<ServerConfig, ConfigError> {
         if raw.max_request_body_bytes.get_ref().0 == 0 {
             return Err(self.error(
@@ -21,6 +46,7 @@ impl Validator<'_> {
         for (field, value) in [
             ("server.header_read_timeout", &raw.header_read_timeout),
             ("server.request_body_timeout", &raw.request_body_timeout),
+            ("server.request_body_idle_timeout", &raw.request_body_idle_timeout),
         ] {
             if value.get_ref().0.is_zero() {
                 return Err(self.error(value.span(), field, "must be greater than 0"));
@@ -59,21 +85,12 @@ impl Validator<'_> {
                 ),
             ));
         }
-        let contract_path = match raw.contract_path.get_ref().as_str() {
-            "" => None,
-            path if path.starts_with('/') && path.parse::<http::uri::PathAndQuery>().is_ok() && !path.contains('?') => {
-                Some(path.to_string())
-            }
-            path => {
-                return Err(self.error(
-                    raw.contract_path.span(),
-                    "server.contract_path",
-                    format!(
-                        "{path:?} is not a path (it must begin with /, with no query); \"\" turns the document off"
-                    ),
-                ));
-            }
+        let paths = PathPolicy {
+            merge_slashes: raw.merge_slashes,
+            escaped_slashes: raw.escaped_slashes,
+            path_parameters: raw.path_parameters,
         };
+        let contract_path = self.contract_path(&raw.contract_path, &paths)?;
         Ok(ServerConfig {
             contract_path,
             tls,
@@ -83,15 +100,12 @@ impl Validator<'_> {
             max_buffered_bytes,
             max_waiters: raw.max_waiters.into_inner(),
             access_log: raw.access_log,
-            paths: PathPolicy {
-                merge_slashes: raw.merge_slashes,
-                escaped_slashes: raw.escaped_slashes,
-                path_parameters: raw.path_parameters,
-            },
+            paths,
             listen: raw.listen,
             max_request_body_bytes: raw.max_request_body_bytes.into_inner().0,
             header_read_timeout: raw.header_read_timeout.into_inner().0,
             request_body_timeout: raw.request_body_timeout.into_inner().0,
+            request_body_idle_timeout: raw.request_body_idle_timeout.into_inner().0,
             shutdown_grace: raw.shutdown_grace.0,
         })
     }

@@ -81,11 +81,17 @@ impl Validator<'_> {
                     .as_ref()
                     .map(|max| (max.get_ref().as_usize(), max.span()));
                 let max_bytes_per_scope = per_scope(bytes, "store.max_bytes_per_scope", max_bytes)?;
+                let client = raw
+                    .max_records_per_client
+                    .as_ref()
+                    .map(|max| (*max.get_ref(), max.span()));
+                let max_records_per_client = per_scope(client, "store.max_records_per_client", max_records)?;
                 Backend::Memory {
                     max_records,
                     max_bytes,
                     max_records_per_scope,
                     max_bytes_per_scope,
+                    max_records_per_client,
                 }
             }
             kind => Backend::Redis(self.redis(kind, &raw)?),
@@ -109,6 +115,10 @@ impl Validator<'_> {
             (
                 "store.max_bytes_per_scope",
                 raw.max_bytes_per_scope.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.max_records_per_client",
+                raw.max_records_per_client.as_ref().map(Spanned::span),
             ),
         ] {
             if let Some(span) = span {
