@@ -1,15 +1,20 @@
 //! The process-wide bounds every worker shares: on guarded requests in flight, their
 //! number (`server.max_guarded_requests`) and the bytes their bodies hold while they
 //! are buffered (`server.max_buffered_bytes`), and on each route's reconciliation
-//! probes at once (`max_concurrent`, which a reload may move). The proxy takes a share
-//! or a place; the admin listener reports what is held. No I/O.
+//! probes at once (`max_concurrent`, which a reload may move); and the body of a replay,
+//! which holds its bytes of the budget until the client has taken them. The proxy
+//! takes a share or a place; the admin listener reports what is held. No I/O.
 
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
-use crate::error::{Bound, Rejection};
+use crate::error::{Bound, BoxError, Rejection};
 use crate::metrics::Metrics;
 
 /// What bounds the guarded requests in flight, process-wide (the workers share it):
@@ -160,5 +165,53 @@ impl Drop for ProbePlace {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .1 -= 1;
         self.0.freed.notify_waiters();
+    }
+}
+
+/// A replay's body: the recorded bytes, handed on in chunks as the connection takes
+/// them (HTTP/2 asks for the next only once the client's window allows), holding the
+/// guarded request's `share` (its bytes of the budget) until the last is taken or the
+/// client goes. So the bytes a client that does not read keeps the proxy holding count
+/// in `max_buffered_bytes`.
+pub(crate) struct HeldBody {
+    rest: Bytes,
+    share: Option<Share>,
+}
+
+/// The most one frame of a replay hands on at once.
+const HELD_CHUNK: usize = 16 * 1024;
+
+impl HeldBody {
+    pub(crate) fn new(body: Bytes, share: Share) -> HeldBody {
+        HeldBody {
+            rest: body,
+            share: Some(share),
+        }
+    }
+}
+
+impl Body for HeldBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.rest.is_empty() {
+            self.share = None;
+            return Poll::Ready(None);
+        }
+        let take = self.rest.len().min(HELD_CHUNK);
+        let chunk = self.rest.split_to(take);
+        if self.rest.is_empty() {
+            self.share = None;
+        }
+        Poll::Ready(Some(Ok(Frame::data(chunk))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.rest.len() as u64)
     }
 }

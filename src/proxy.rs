@@ -23,9 +23,9 @@ use self::claim::{Ledger, OwnedClaim};
 use self::send::send;
 use crate::body::BodyLimits;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
-use crate::bounds::GuardedRequests;
+use crate::bounds::{GuardedRequests, HeldBody, Share};
 use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
-use crate::error::{DisplayChain, Outcome, ProxyError, Rejection, StoreError};
+use crate::error::{Bound, DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
 use crate::record::ExecutionTrace;
@@ -101,13 +101,23 @@ impl Answer {
         }
     }
 
-    fn replayed(stored: StoredResponse) -> Answer {
-        Answer {
-            execution: stored.trace,
-            response: stored.into_response(),
+    /// A replay of `stored`, its body holding its bytes of the byte budget (in the
+    /// guarded request's `share`) until the client has taken the last of them: a
+    /// client that does not read holds them against `max_buffered_bytes`, never beside
+    /// it. Past the budget, 503 `overloaded`; a retry later gets the replay.
+    fn replayed(stored: StoredResponse, mut share: Share) -> Result<Answer, Rejection> {
+        if !share.take_for_response(stored.body.len() as u64) {
+            return Err(Rejection::Overloaded(Bound::Bytes));
+        }
+        let execution = stored.trace;
+        Ok(Answer {
+            execution,
+            response: stored
+                .into_response()
+                .map(|body| HeldBody::new(body, share).boxed_unsync()),
             outcome: Outcome::Replayed,
             upstream: None,
-        }
+        })
     }
 }
 
@@ -355,7 +365,7 @@ impl Proxy {
         };
         match decision {
             Decision::Forward(claim) => self.forward(guarded, claim, prepared).await,
-            Decision::Replay(stored) => Ok(Answer::replayed(stored)),
+            Decision::Replay(stored) => Ok(Answer::replayed(stored, guarded.share)?),
             Decision::Reject(first @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
                 let span = self.shared.spans.wait();
                 self.wait(guarded, prepared, first).instrument(span).await

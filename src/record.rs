@@ -7,8 +7,6 @@ use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Response, StatusCode, response};
 
-use crate::body::{ProxyBody, full};
-
 /// Set on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
@@ -110,8 +108,8 @@ impl StoredResponse {
     }
 
     /// The response a retry gets: the recorded one, marked as replayed.
-    pub(crate) fn into_response(self) -> Response<ProxyBody> {
-        let mut response = Response::new(full(self.body));
+    pub(crate) fn into_response(self) -> Response<Bytes> {
+        let mut response = Response::new(self.body);
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
         for (name, value) in self.headers {

@@ -316,3 +316,70 @@ async fn declared_bodies_that_never_come_hold_one_body_per_connection_and_are_cu
     assert_eq!(metric(proxy.admin(), timed_out).await, Some(192.0));
     assert_eq!(upstream.log().len(), 1, "only the small request was forwarded");
 }
+
+/// Replays held for clients that do not read count in the byte budget: a 512 KiB
+/// response recorded, then two HTTP/2 connections that give the proxy no window
+/// (`SETTINGS_INITIAL_WINDOW_SIZE = 0`) ask for it 50 times each and never read. The
+/// replays held take at most `max_buffered_bytes` (past it, 503 `overloaded`), not one
+/// copy per stream without end; and they are given back when the client goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_that_nobody_reads_are_held_within_the_byte_budget() {
+    use support::client::{metric, until_metric};
+    use support::h2raw::{self, END_HEADERS, END_STREAM, HEADERS, PREFACE, SETTINGS, frame};
+    const MIB: u64 = 1024 * 1024;
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.server = format!("max_buffered_bytes = {}", 16 * MIB);
+    let proxy = config.start().await;
+    let headers = [("idempotency-key", "big-replay"), ("x-test-body-bytes", "524288")];
+    let first = send(proxy.addr(), "POST", "/v1/payments", &headers, "").await;
+    assert_eq!((first.status.as_u16(), first.body.len()), (201, 512 * 1024));
+    let mut connections = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(proxy.addr()).await.expect("connect");
+        // SETTINGS_INITIAL_WINDOW_SIZE (0x4) = 0: the proxy may send no DATA.
+        let mut settings = PREFACE.to_vec();
+        settings.extend_from_slice(&frame(SETTINGS, 0, 0, &[0, 4, 0, 0, 0, 0]));
+        stream.write_all(&settings).await.expect("the preface");
+        for n in 0..50u32 {
+            let block = h2raw::request_for(
+                "POST",
+                "/v1/payments",
+                Some("localhost"),
+                &[("idempotency-key", "big-replay")],
+            );
+            stream
+                .write_all(&frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * n, &block))
+                .await
+                .expect("a replay request");
+        }
+        connections.push(stream);
+    }
+    let replayed = "idemproxy_requests_total{route=\"payments\",outcome=\"replayed\"}";
+    let refused = "idemproxy_requests_total{route=\"payments\",outcome=\"rejected\"}";
+    let started = Instant::now();
+    loop {
+        let answered =
+            metric(proxy.admin(), replayed).await.unwrap_or(0.0) + metric(proxy.admin(), refused).await.unwrap_or(0.0);
+        if answered >= 100.0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "only {answered} of 100 answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let held = metric(proxy.admin(), "idemproxy_buffered_bytes")
+        .await
+        .expect("the budget");
+    let replays = metric(proxy.admin(), replayed).await.expect("replays");
+    assert!(held <= (16 * MIB) as f64, "{held} bytes held");
+    assert!(
+        (20.0..100.0).contains(&replays),
+        "{replays} of 100 replays held for clients that do not read"
+    );
+    drop(connections);
+    until_metric(proxy.admin(), "idemproxy_buffered_bytes", 0.0).await;
+    assert_eq!(upstream.executions("big-replay"), 1);
+}

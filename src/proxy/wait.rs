@@ -118,7 +118,7 @@ impl Proxy {
                 }
                 Ok(Decision::Replay(stored)) => {
                     tally.end(WaitEnd::Replayed);
-                    return Ok(Answer::replayed(stored));
+                    return Ok(Answer::replayed(stored, guarded.share)?);
                 }
                 Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {
                     Instant::now() + lease_remaining
