@@ -22,7 +22,10 @@ missing. Options: --duration SECONDS per case and round (default 5), --rounds N
 (default 3), --connections LIST (default 32,256), --cluster (also run cases (g) and (h)
 against a second idemproxy on a Redis Cluster of three primaries and three replicas),
 --traces (also run cases (q) to (t): tracing on at sample ratios 1.0 and 0.01, beside
-(c) and (d) with tracing off), --cases LIST (only these cases, e.g. b,c,d,q,r,s,t).
+(c) and (d) with tracing off), --stores (also run cases (u) to (x): fresh keys and
+replays on the memory store and on the SQLite store, beside (d) and (e) on Redis, with
+the SQLite store's commits and fsyncs per second), --cases LIST (only these cases, e.g.
+b,c,d,q,r,s,t).
 """
 
 import argparse
@@ -79,6 +82,18 @@ TRACE_CASES = [
     ("t", "idemproxy POST, fresh key, traces 0.01", "traced-1pct", "fresh.lua", "/v1/payments"),
 ]
 UNTRACED = {"q": "c", "r": "d", "s": "c", "t": "d"}
+
+# With --stores: the guarded cases again on an idemproxy with the memory store and one
+# with the SQLite store (its file on this machine's disk, not a tmpfs: each commit is a
+# real fsync), beside (d) and (e) on Redis, from the same run.
+STORE_CASES = [
+    ("u", "idemproxy POST, fresh key, memory store", "memory", "fresh.lua", "/v1/payments"),
+    ("v", "idemproxy POST, replay, memory store", "memory", "replay.lua", "/v1/payments"),
+    ("w", "idemproxy POST, fresh key, SQLite store", "sqlite", "fresh.lua", "/v1/payments"),
+    ("x", "idemproxy POST, replay, SQLite store", "sqlite", "replay.lua", "/v1/payments"),
+]
+# Each SQLite case and what it is held to: the memory store's same case, and Redis'.
+ON_SQLITE = {"w": ("u", "d"), "x": ("v", "e")}
 
 # wrk prints one machine-readable line at the end of each run.
 DONE = """
@@ -249,7 +264,7 @@ def run_h2load(port, path, connections, duration):
         sys.exit(f"bench: h2load printed no result:\n{out.stdout}\n{out.stderr}")
     # h2load counts requests still in flight at the deadline in "total" but not in the
     # status codes: only the failed ones count.
-    return {"requests": succeeded, "rps": rps, "p50_ms": float("nan"), "p99_ms": float("nan"),
+    return {"requests": succeeded, "seconds": duration, "rps": rps, "p50_ms": float("nan"), "p99_ms": float("nan"),
             "non2xx": max(0, succeeded - status_2xx), "socket_errors": 0}
 
 
@@ -329,6 +344,7 @@ def run_wrk(port, script, path, connections, duration):
             requests, micros, p50, p99, status, connect, rw, timeout = map(int, line.split()[1:])
             return {
                 "requests": requests,
+                "seconds": micros / 1e6,
                 "rps": requests / (micros / 1e6),
                 "p50_ms": p50 / 1000,
                 "p99_ms": p99 / 1000,
@@ -345,20 +361,27 @@ def main():
     parser.add_argument("--connections", default="32,256")
     parser.add_argument("--cluster", action="store_true")
     parser.add_argument("--traces", action="store_true")
+    parser.add_argument("--stores", action="store_true")
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
-    cases = CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
+    cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
+             + (STORE_CASES if args.stores else []))
     if args.cases:
         wanted = set(args.cases.split(","))
         # The baselines the chosen cases are compared with run too.
         wanted |= {BASELINE.get(case, "b") for case in wanted} | {UNTRACED[c] for c in wanted if c in UNTRACED}
+        wanted |= {other for c in wanted if c in ON_SQLITE for other in ON_SQLITE[c]}
         cases = [case for case in cases if case[0] in wanted]
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
     ports = {name: free_port() for name in ("upstream", "nginx", "nginx-h2", "idemproxy", "admin",
                                             "redis", "cluster", "cluster-admin", "collector", "traced",
-                                            "traced-admin", "traced-1pct", "traced-1pct-admin")}
+                                            "traced-admin", "traced-1pct", "traced-1pct-admin", "memory",
+                                            "memory-admin", "sqlite", "sqlite-admin")}
+    # The SQLite file where commits are fsyncs: beside the build, on the repository's disk.
+    disk_dir = tempfile.mkdtemp(prefix="idemproxy-bench-sqlite-",
+                                dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"))
     children = []
     try:
         for name, text in SCRIPTS.items():
@@ -478,6 +501,12 @@ def main():
                 f'backend = "redis-cluster"\n                urls = [{seeds}]')
             redis_ports["cluster"] = primaries
 
+        if args.stores:
+            for name, store in (("memory", 'backend = "memory"'),
+                                ("sqlite", f'backend = "sqlite"\n                path = "{disk_dir}/records.db"')):
+                proxies[name] = idemproxy_config(name, ports[name], ports[f"{name}-admin"], store)
+                redis_ports[name] = []
+
         results = {}  # (case, connections) -> list of runs
         for round_number in range(args.rounds):
             for connections in connection_counts:
@@ -486,6 +515,8 @@ def main():
                     counted = redis_ports.get(target, redis_ports["idemproxy"])
                     before, cpu_before = commandstats(*counted), redis_cpu_seconds(*counted)
                     reads_before = redis_reads(*counted)
+                    commits_before = commits(ports, target)
+                    fsyncs = FsyncCounter(proxies["sqlite"].pid) if target == "sqlite" and args.stores else None
                     if script == "h2":
                         run = run_h2load(ports[target], path, connections, args.duration)
                     else:
@@ -496,6 +527,8 @@ def main():
                     # The INFO calls themselves are three reads.
                     run["reads"] = redis_reads(*counted) - reads_before - 3 * len(counted)
                     run["rss_mib"] = sampler.stop() / 1024
+                    run["commits"] = [after - first for after, first in zip(commits(ports, target), commits_before)]
+                    run["fsyncs"] = fsyncs.stop() if fsyncs else 0
                     results.setdefault((case, connections), []).append(run)
                     print(f"round {round_number + 1} c={connections} ({case}) {run['rps']:.0f} req/s",
                           file=sys.stderr, flush=True)
@@ -519,6 +552,50 @@ def main():
             except subprocess.TimeoutExpired:
                 child.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def commits(ports, target):
+    """The SQLite store's commits and the writes they held, from its metrics (zeros
+    for any other store)."""
+    if target != "sqlite":
+        return [0, 0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports['sqlite-admin']}/metrics") as answer:
+        text = answer.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("idemproxy_")}
+    return [values.get("idemproxy_store_commits_total", 0), values.get("idemproxy_store_committed_writes_total", 0)]
+
+
+class FsyncCounter:
+    """The fsync and fdatasync calls of a process's threads while a case runs, counted by
+    `perf stat` on their syscall tracepoints (which cost the process nothing it would
+    notice, unlike strace). Zero where perf cannot count them (then the commits, one
+    log fsync each, are the figure)."""
+
+    def __init__(self, pid):
+        self.output = tempfile.NamedTemporaryFile(prefix="perf-", suffix=".txt", delete=False)
+        self.output.close()
+        self.process = None
+        if shutil.which("perf"):
+            self.process = subprocess.Popen(
+                ["perf", "stat", "-x", ",", "-o", self.output.name, "-e",
+                 "syscalls:sys_enter_fsync,syscalls:sys_enter_fdatasync", "-p", str(pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.2)  # perf attaches before the load starts
+
+    def stop(self):
+        if self.process is None:
+            return 0
+        self.process.send_signal(signal.SIGINT)
+        self.process.wait(timeout=10)
+        total = 0
+        with open(self.output.name) as f:
+            for line in f:
+                fields = line.strip().split(",")
+                if len(fields) > 2 and fields[0].isdigit():
+                    total += int(fields[0])
+        os.unlink(self.output.name)
+        return total
 
 
 def median(runs, field):
@@ -550,6 +627,9 @@ def print_table(results, connection_counts, args, cases):
                 trips = f"{max(0, sum(run['reads'] for run in runs)) / requests:.3f}"
                 cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
                 rss = f"{max(run['rss_mib'] for run in runs):.1f}"
+            elif target in ("memory", "sqlite"):
+                trips, commands, cpu = "-", "-", "-"
+                rss = f"{max(run['rss_mib'] for run in runs):.1f}"
             else:
                 trips, commands, cpu, rss = "-", "-", "-", "-"
             # h2load gives no percentiles: those cells are "-".
@@ -569,6 +649,28 @@ def print_table(results, connection_counts, args, cases):
                       f"{median(runs, 'rps') / median(plain, 'rps'):.2f}x | "
                       f"{median(runs, 'p50_ms') / median(plain, 'p50_ms'):.2f}x | "
                       f"{median(runs, 'p99_ms') / median(plain, 'p99_ms'):.2f}x |")
+    on_sqlite = [case for case in cases if case[0] in ON_SQLITE]
+    if on_sqlite:
+        print()
+        print("| SQLite case | conns | req/s vs memory | req/s vs Redis | p50 / p99 ms added to nginx's | "
+              "commits/s | writes per commit | fsyncs/s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for connections in connection_counts:
+            base = results[("b", connections)]
+            for case, label, _, _, _ in on_sqlite:
+                runs = results[(case, connections)]
+                memory, redis = (results[(other, connections)] for other in ON_SQLITE[case])
+                seconds = sum(run["seconds"] for run in runs)
+                commit_count = sum(run["commits"][0] for run in runs)
+                writes = sum(run["commits"][1] for run in runs)
+                fsync_count = sum(run["fsyncs"] for run in runs)
+                print(f"| ({case}) {label} | {connections} | "
+                      f"{median(runs, 'rps') / median(memory, 'rps'):.2f}x | "
+                      f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x | "
+                      f"{median(runs, 'p50_ms') - median(base, 'p50_ms'):.2f} / "
+                      f"{median(runs, 'p99_ms') - median(base, 'p99_ms'):.2f} | "
+                      f"{commit_count / seconds:,.0f} | {writes / max(commit_count, 1):.1f} | "
+                      f"{fsync_count / seconds:,.0f} |")
     idemproxy_cases = [case for case, _, target, _, _ in cases if target == "idemproxy"]
     print()
     for connections in connection_counts:

@@ -136,7 +136,7 @@ impl Admin {
             "/metrics" => {
                 self.guarded.report(&self.metrics);
                 if let Some(usage) = self.store.usage() {
-                    self.metrics.memory_store(usage);
+                    self.metrics.embedded_store(usage);
                 }
                 let mut response = text(StatusCode::OK, "");
                 *response.body_mut() = full(self.metrics.encode());

@@ -152,17 +152,36 @@ pub struct StoreConfig {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
-    Memory {
-        max_records: usize,
-        max_bytes: usize,
-        /// The live records, and the bytes they hold, that one scope (a route's
-        /// client, as `scope_headers` and `scope_jwt` name it) may have at once.
-        max_records_per_scope: usize,
-        max_bytes_per_scope: usize,
-        /// The scoped records one client address may hold, across the scopes it sends.
-        max_records_per_client: usize,
-    },
+    /// In this process's memory: forgets every record when the process ends.
+    Memory(StoreLimits),
+    /// A SQLite file this process owns: every record survives a restart.
+    Sqlite(SqliteConfig),
     Redis(RedisConfig),
+}
+
+/// What an embedded store (memory or SQLite) may hold, in all and per client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreLimits {
+    pub max_records: usize,
+    pub max_bytes: usize,
+    /// The live records, and the bytes they hold, that one scope (a route's client, as
+    /// `scope_headers` and `scope_jwt` name it) may have at once.
+    pub max_records_per_scope: usize,
+    pub max_bytes_per_scope: usize,
+    /// The scoped records one client address may hold, across the scopes it sends.
+    pub max_records_per_client: usize,
+}
+
+/// The SQLite store: its file, its bounds, and the memory SQLite may cache pages in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqliteConfig {
+    /// The database file (relative paths are resolved against the config's directory).
+    pub path: PathBuf,
+    /// `max_bytes` bounds the file's pages in use (claims stop at seven eighths of
+    /// it); the rest bound the records as on the memory store.
+    pub limits: StoreLimits,
+    /// What SQLite's page caches may hold, across all of this process's connections.
+    pub cache_bytes: usize,
 }
 
 /// A Redis store: where it is, and how durable a claim must be before it counts.
@@ -211,7 +230,8 @@ impl Backend {
     /// the logs call it.
     pub fn name(&self) -> &'static str {
         match self {
-            Backend::Memory { .. } => "memory",
+            Backend::Memory(_) => "memory",
+            Backend::Sqlite(_) => "sqlite",
             Backend::Redis(redis) => redis.topology.name(),
         }
     }
@@ -484,21 +504,30 @@ impl Config {
     /// What `check` and the start warn about: settings that are valid and probably
     /// not what the operator wants.
     pub fn warnings(&self) -> Vec<String> {
-        self.routes
-            .iter()
-            .filter(|route| {
-                route
-                    .idempotency
-                    .as_ref()
-                    .is_some_and(|policy| policy.scope_headers.is_empty() && policy.scope_jwt.is_none())
-            })
-            .map(|route| {
-                format!(
-                    "route {}: no scope_headers or scope_jwt: all clients share one key space, so a client \
+        let forgets = matches!(self.store.backend, Backend::Memory(_)).then(|| {
+            "store.backend = \"memory\" forgets every record when the process stops: a retry across a restart, \
+             a deploy or a crash runs again; use \"sqlite\" (one instance, its records in a file) or a Redis backend"
+                .to_string()
+        });
+        forgets
+            .into_iter()
+            .chain(
+                self.routes
+                    .iter()
+                    .filter(|route| {
+                        route
+                            .idempotency
+                            .as_ref()
+                            .is_some_and(|policy| policy.scope_headers.is_empty() && policy.scope_jwt.is_none())
+                    })
+                    .map(|route| {
+                        format!(
+                            "route {}: no scope_headers or scope_jwt: all clients share one key space, so a client \
                      that knows another's key gets that client's recorded response",
-                    route.name
-                )
-            })
+                            route.name
+                        )
+                    }),
+            )
             .collect()
     }
 
@@ -560,6 +589,16 @@ impl Config {
 
 /// The memory store's bound when `store.max_records` is not set.
 pub const DEFAULT_MAX_RECORDS: usize = 100_000;
+
+/// The SQLite store's bound on records when `store.max_records` is not set: its bound
+/// on bytes (`max_bytes`) is the one that matters on disk.
+pub const DEFAULT_SQLITE_MAX_RECORDS: usize = 10_000_000;
+
+/// The SQLite store's bound on its file when `store.max_bytes` is not set: 1 GiB.
+pub const DEFAULT_SQLITE_MAX_BYTES: usize = 1024 * 1024 * 1024;
+
+/// SQLite's page caches when `store.cache_bytes` is not set: 32 MiB.
+pub const DEFAULT_SQLITE_CACHE_BYTES: usize = 32 * 1024 * 1024;
 
 /// Guarded requests in flight at once when `server.max_guarded_requests` is not set:
 /// four times the 4,000 a 2 s API at 2,000 requests a second keeps in flight. What
@@ -629,19 +668,15 @@ impl std::fmt::Display for Config {
             )?,
         }
         match &self.store.backend {
-            Backend::Memory {
-                max_records,
-                max_bytes,
-                max_records_per_scope,
-                max_bytes_per_scope,
-                max_records_per_client,
-            } => writeln!(
+            Backend::Memory(limits) => {
+                writeln!(f, "store  memory ({}) forgets every record on restart", limits.show())?
+            }
+            Backend::Sqlite(sqlite) => writeln!(
                 f,
-                "store  {} (max_records {max_records}, max_bytes {}; per scope {max_records_per_scope} records, {}; \
-                 per client address {max_records_per_client} scoped records)",
-                self.store.backend.name(),
-                size(*max_bytes as u64),
-                unit(*max_bytes_per_scope as u64),
+                "store  sqlite {} ({}; page cache {})",
+                sqlite.path.display(),
+                sqlite.limits.show(),
+                unit(sqlite.cache_bytes as u64),
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
         }
@@ -737,6 +772,31 @@ impl std::fmt::Display for RedisConfig {
                 humantime::format_duration(self.replica_ack_timeout)
             ),
         }
+    }
+}
+
+impl StoreLimits {
+    /// At most `max_records` records, and no other bound: for tests and benchmarks.
+    pub fn unbounded(max_records: usize) -> StoreLimits {
+        StoreLimits {
+            max_records,
+            max_bytes: usize::MAX,
+            max_records_per_scope: max_records,
+            max_bytes_per_scope: usize::MAX,
+            max_records_per_client: max_records,
+        }
+    }
+
+    /// The bounds as `check` prints them.
+    fn show(&self) -> String {
+        format!(
+            "max_records {}, max_bytes {}; per scope {} records, {}; per client address {} scoped records",
+            self.max_records,
+            size(self.max_bytes as u64),
+            self.max_records_per_scope,
+            unit(self.max_bytes_per_scope as u64),
+            self.max_records_per_client,
+        )
     }
 }
 

@@ -68,19 +68,23 @@ pub enum StoreError {
         "the store's TLS handshake failed (see store.url or urls, store.tls_ca_file, store.tls_cert_file and store.tls_key_file)"
     )]
     Tls(#[source] redis::RedisError),
-    #[error("the memory store holds its maximum of {limit} {what}")]
+    #[error("the store holds its maximum of {limit} {what}")]
     Full { what: &'static str, limit: usize },
-    /// One client's records hold its share of the memory store (`max_records_per_scope`
+    /// One client's records hold its share of an embedded store (`max_records_per_scope`
     /// or `max_bytes_per_scope`); its oldest expires in `retry_after`.
-    #[error("the client's records hold their share of the memory store ({what})")]
+    #[error("the client's records hold their share of the store ({what})")]
     ScopeFull { what: &'static str, retry_after: Duration },
     /// One client address's scoped records, across the scopes it sends, hold its share
-    /// of the memory store (`max_records_per_client`); its oldest expires in
+    /// of an embedded store (`max_records_per_client`); its oldest expires in
     /// `retry_after`.
-    #[error(
-        "the records made from this client address hold its share of the memory store (store.max_records_per_client)"
-    )]
+    #[error("the records made from this client address hold its share of the store (store.max_records_per_client)")]
     ClientFull { retry_after: Duration },
+    /// The SQLite store's file failed a read or a write (a full disk, an I/O error).
+    #[error(transparent)]
+    Disk(DiskError),
+    /// The SQLite store's file cannot be used: at start, before anything is served.
+    #[error(transparent)]
+    File(#[from] StoreFileError),
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
     /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
@@ -106,6 +110,8 @@ impl StoreError {
             StoreError::Protocol(_) => "protocol",
             StoreError::NotReplicated { .. } => "not_replicated",
             StoreError::Unready(_) => "unready",
+            StoreError::Disk(_) => "disk",
+            StoreError::File(_) => "file",
         }
     }
 
@@ -119,13 +125,63 @@ impl StoreError {
             | StoreError::Unavailable(_)
             | StoreError::Protocol(_)
             | StoreError::NotReplicated { .. } => true,
+            StoreError::Disk(failure) => failure.may_have_written,
             StoreError::Full { .. }
             | StoreError::ScopeFull { .. }
             | StoreError::ClientFull { .. }
             | StoreError::Unready(_)
-            | StoreError::Tls(_) => false,
+            | StoreError::Tls(_)
+            | StoreError::File(_) => false,
         }
     }
+}
+
+/// The SQLite store's file failed: what SQLite said (never a record's contents), and
+/// whether the write may have landed all the same (an I/O error while the log was
+/// synced; a full disk undoes it).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("the store's file failed: {message}")]
+pub struct DiskError {
+    pub message: String,
+    pub may_have_written: bool,
+}
+
+/// Why the SQLite store's file cannot be used. Every one names the file; none
+/// changes it.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreFileError {
+    #[error("{path}: is in use by another idemproxy ({holder}); one process per file (lock file {lock})")]
+    InUse {
+        path: PathBuf,
+        lock: PathBuf,
+        holder: String,
+    },
+    #[error("{path}: cannot {what}")]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: cannot be opened: {reason}")]
+    CannotOpen { path: PathBuf, reason: String },
+    #[error("{path}: is not a SQLite database; left as it is")]
+    NotADatabase { path: PathBuf },
+    #[error("{path}: is corrupt ({detail}); left as it is: restore it from a backup, or move it aside to start empty")]
+    Corrupt { path: PathBuf, detail: String },
+    #[error("{path}: is another application's SQLite database ({detail}); left as it is")]
+    Foreign { path: PathBuf, detail: String },
+    #[error(
+        "{path}: was written by a newer idemproxy (schema version {found}; this one knows up to {known}); left as it is"
+    )]
+    Newer { path: PathBuf, found: i32, known: i32 },
+    #[error("{path}: the migration from schema version {from} to {to} failed, and nothing was changed: {reason}")]
+    Migration {
+        path: PathBuf,
+        from: i32,
+        to: i32,
+        reason: String,
+    },
 }
 
 /// The upstream failed the exchange.
@@ -265,7 +321,9 @@ impl Rejection {
                 | StoreError::Protocol(_)
                 | StoreError::Timeout(_)
                 | StoreError::NotReplicated { .. }
-                | StoreError::Unready(_),
+                | StoreError::Unready(_)
+                | StoreError::Disk(_)
+                | StoreError::File(_),
             ) => ProblemKind::StoreUnavailable,
             Rejection::Upstream(UpstreamError::Unavailable(_)) => ProblemKind::UpstreamUnavailable,
             Rejection::Upstream(UpstreamError::Timeout(_)) => ProblemKind::UpstreamTimeout,

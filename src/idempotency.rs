@@ -205,15 +205,16 @@ pub fn store_key(key_prefix: &str, route: &str, scope: &[Vec<&[u8]>], key: &Idem
 }
 
 /// The client a record is counted against: its route and its scope, as a number only
-/// this process knows (SipHash with this process's random keys, so no client can aim
-/// at another's), or `None` on a route without scope, where every client is one.
+/// this process and its store file know (SipHash keyed by `store::identity`, so no
+/// client can aim at another's), or `None` on a route without scope, where every
+/// client is one.
 pub fn scope_id(route: &str, scope: &[Vec<&[u8]>]) -> Option<ScopeId> {
-    use std::hash::{BuildHasher, Hasher};
-    static KEYS: std::sync::LazyLock<std::hash::RandomState> = std::sync::LazyLock::new(std::hash::RandomState::new);
+    use std::hash::Hasher;
     if scope.is_empty() {
         return None;
     }
-    let mut hasher = KEYS.build_hasher();
+    let mut hasher = siphasher::sip::SipHasher13::new_with_key(crate::store::identity::key());
+    hasher.write_u8(b's');
     hasher.write_usize(route.len());
     hasher.write(route.as_bytes());
     hasher.write_usize(scope.len());
@@ -231,9 +232,9 @@ pub fn scope_id(route: &str, scope: &[Vec<&[u8]>]) -> Option<ScopeId> {
 /// address's /64 (what one host is usually given), as a number only this process
 /// knows, keyed as `scope_id` is.
 pub fn client_id(addr: std::net::IpAddr) -> ClientId {
-    use std::hash::{BuildHasher, Hasher};
-    static KEYS: std::sync::LazyLock<std::hash::RandomState> = std::sync::LazyLock::new(std::hash::RandomState::new);
-    let mut hasher = KEYS.build_hasher();
+    use std::hash::Hasher;
+    let mut hasher = siphasher::sip::SipHasher13::new_with_key(crate::store::identity::key());
+    hasher.write_u8(b'c');
     match addr {
         std::net::IpAddr::V4(v4) => hasher.write(&v4.octets()),
         std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {

@@ -11,7 +11,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Metric, Registry};
 
 use crate::problem::{Outcome, Would};
-use crate::store::MemoryUsage;
+use crate::store::StoreUsage;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
@@ -508,8 +508,8 @@ impl Metrics {
     }
 
     /// Sets the embedded store's gauges; called at each scrape.
-    pub(crate) fn memory_store(&self, usage: MemoryUsage) {
-        let labels = BackendLabels { backend: "memory" };
+    pub(crate) fn embedded_store(&self, usage: StoreUsage) {
+        let labels = BackendLabels { backend: usage.backend };
         let values = [usage.records, usage.bytes, usage.max_records, usage.max_bytes];
         for (family, value) in self.store_held.iter().zip(values) {
             family
@@ -548,6 +548,36 @@ impl Metrics {
 
     pub(crate) fn pending_releases(&self) -> &Gauge {
         &self.pending_releases
+    }
+
+    /// Registers what the SQLite store's commits cost: its own counters, counted by its
+    /// writer thread.
+    pub(crate) fn register_commits(&mut self, stats: &crate::store::sqlite::CommitStats) {
+        let r = &mut self.registry;
+        register(
+            r,
+            "store_commits",
+            "Transactions the SQLite store's writer committed: one fsync of its write-ahead log each",
+            stats.commits.clone(),
+        );
+        register(
+            r,
+            "store_committed_writes",
+            "Store writes those commits held (a commit takes every write waiting for it)",
+            stats.writes.clone(),
+        );
+        register(
+            r,
+            "store_commit_seconds",
+            "How long each SQLite commit took: the fsync of its write-ahead log, mostly",
+            stats.commit_seconds.clone(),
+        );
+        register(
+            r,
+            "store_swept_records",
+            "Expired records the SQLite store deleted",
+            stats.swept.clone(),
+        );
     }
 
     /// The Prometheus text exposition of every metric. Every route's outcomes are

@@ -81,6 +81,11 @@ impl Router {
         }
     }
 
+    /// The route called `name`.
+    pub(crate) fn named(&self, name: &str) -> Option<&Arc<RouteState>> {
+        self.routes.iter().find(|state| &*state.name == name)
+    }
+
     /// Every route's config, best match first.
     pub(crate) fn configs(&self) -> impl Iterator<Item = &Route> {
         self.routes.iter().map(|state| &state.config)

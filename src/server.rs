@@ -48,7 +48,6 @@ use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::{Probes, Proxy, Waiting};
-#[cfg(feature = "test-util")]
 use crate::store::AnyStore;
 use crate::store::notify::Watcher;
 use crate::store::{self, StoreFactory};
@@ -163,7 +162,7 @@ struct Process {
 impl Process {
     /// The shared state for `config`; the connection bound is what the open-files
     /// limit (raised here to its hard limit) can hold of `max_connections`.
-    fn new(config: &Config, watcher: Watcher) -> Process {
+    fn new(config: &Config, watcher: Watcher, store: &AnyStore) -> Process {
         let open_files = limits::raise_open_files_limit();
         let capacity = limits::capacity(config.server.max_connections, open_files);
         if capacity < config.server.max_connections {
@@ -174,8 +173,12 @@ impl Process {
                 "the open-files limit holds fewer connections than server.max_connections"
             );
         }
+        let mut metrics = Metrics::new();
+        if let Some(stats) = store.commit_stats() {
+            metrics.register_commits(stats);
+        }
         Process {
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(metrics),
             shutdown: CancellationToken::new(),
             limits: Limits {
                 header_read_timeout: config.server.header_read_timeout,
@@ -208,8 +211,8 @@ impl Process {
 /// Binds, starts the workers, then the admin listener; a failure on the way stops
 /// what has started.
 async fn launch(config: Config, factory: StoreFactory, watcher: Watcher) -> Result<Running, StartError> {
-    let process = Process::new(&config, watcher);
     let store = factory().map_err(StartError::Store)?;
+    let process = Process::new(&config, watcher, &store);
     // A memory store is one process's: a second instance must not share its port.
     let (addr, listeners) = bind_workers(config.server.listen, config.server.workers, store.shared_by_instances())?;
     let config = Arc::new(config);
@@ -333,7 +336,7 @@ impl Worker {
         std::thread::Builder::new()
             .name(format!("idemproxy-worker-{index}"))
             .spawn(move || {
-                self.run(listener, started);
+                self.run(listener, started, index == 0);
                 let _ = finished.send(());
             })
             .map_err(StartError::Spawn)?;
@@ -345,8 +348,9 @@ impl Worker {
     }
 
     /// Runs on the worker's own thread: sets up, says whether that worked, serves
-    /// until shutdown, then drains.
-    fn run(self, listener: std::net::TcpListener, started: oneshot::Sender<Result<(), StartError>>) {
+    /// until shutdown, then drains. The `first` worker also schedules the probes the last run left (see
+    /// `Proxy::resume_unsettled`).
+    fn run(self, listener: std::net::TcpListener, started: oneshot::Sender<Result<(), StartError>>, first: bool) {
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(runtime) => runtime,
             Err(source) => {
@@ -364,6 +368,10 @@ impl Worker {
                 }
             };
             let _ = started.send(Ok(()));
+            if first {
+                let resuming = proxy.clone();
+                tokio::spawn(async move { resuming.resume_unsettled().await });
+            }
             tokio::spawn(reload_on(self.reloads, proxy.clone()));
             let service = move |request: Request<Incoming>, client: ClientInfo| {
                 let proxy = proxy.clone();

@@ -17,13 +17,17 @@ pub use crate::record::StoredResponse;
 pub mod memory;
 pub(crate) mod notify;
 pub mod redis;
+pub mod sqlite;
 
-pub use self::memory::{MemoryLimits, MemoryStore, MemoryUsage};
+pub use self::memory::MemoryStore;
 use self::notify::Watcher;
 pub use self::redis::RedisStore;
+pub use self::sqlite::SqliteStore;
+pub use crate::config::StoreLimits;
 
 /// Makes a store handle. Each worker thread calls it once, inside its own runtime, so
-/// every worker has its own Redis connection; the memory store is one shared map.
+/// every worker has its own Redis connection; the memory store is one shared map, and
+/// the SQLite store one shared file (its writer, and read connections taken in turn).
 pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
 
 /// Opens the store `config` names: the factory the workers make their handles with,
@@ -32,23 +36,16 @@ pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sy
 /// sweeper or the Redis subscriber.
 pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
     match &config.backend {
-        Backend::Memory {
-            max_records,
-            max_bytes,
-            max_records_per_scope,
-            max_bytes_per_scope,
-            max_records_per_client,
-        } => {
-            let limits = MemoryLimits {
-                max_records: *max_records,
-                max_bytes: *max_bytes,
-                max_records_per_scope: *max_records_per_scope,
-                max_bytes_per_scope: *max_bytes_per_scope,
-                max_records_per_client: *max_records_per_client,
-            };
-            let store = MemoryStore::with_limits(limits);
+        Backend::Memory(limits) => {
+            let store = MemoryStore::with_limits(*limits);
             let watcher = store.watcher();
             let shared = AnyStore::Memory(store);
+            Ok((Arc::new(move || Ok(shared.clone())), watcher))
+        }
+        Backend::Sqlite(sqlite) => {
+            let store = SqliteStore::open(sqlite, config.timeout)?;
+            let watcher = store.watcher();
+            let shared = AnyStore::Sqlite(store);
             Ok((Arc::new(move || Ok(shared.clone())), watcher))
         }
         Backend::Redis(redis) => {
@@ -56,6 +53,56 @@ pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), Stor
             let watcher = self::redis::start_subscriber(&redis, timeout)?;
             let factory: StoreFactory = Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?)));
             Ok((factory, watcher))
+        }
+    }
+}
+
+/// What an embedded store holds and its bounds, as `/metrics` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreUsage {
+    pub backend: &'static str,
+    /// Records held, expired ones until the sweep.
+    pub records: usize,
+    /// Memory: what the records hold (bodies, header names and values, keys, and a
+    /// fixed estimate of each record's bookkeeping). SQLite: the file's pages in use.
+    pub bytes: usize,
+    pub max_records: usize,
+    pub max_bytes: usize,
+}
+
+/// The key that client and scope numbers (`idempotency::scope_id`, `client_id`) are
+/// made with: random for the process, or the SQLite store's own, kept in its file so
+/// that a scope's records count against the same share after a restart. Only this
+/// process and the file know it, so no client can aim at another's number.
+pub(crate) mod identity {
+    use std::path::Path;
+    use std::sync::OnceLock;
+
+    static KEY: OnceLock<[u8; 16]> = OnceLock::new();
+
+    /// The process's key: the store file's, once one is open; else a random one.
+    pub(crate) fn key() -> &'static [u8; 16] {
+        // Without a random source no claim can be made (see `OwnerToken::generate`):
+        // the zero key then only spreads shares less evenly.
+        KEY.get_or_init(|| random_key().unwrap_or_default())
+    }
+
+    pub(crate) fn random_key() -> Option<[u8; 16]> {
+        use ring::rand::SecureRandom;
+        let mut key = [0u8; 16];
+        ring::rand::SystemRandom::new().fill(&mut key).ok()?;
+        Some(key)
+    }
+
+    /// Makes the key of the store file at `path` the process's. A process opens one
+    /// store file; a second (tests do) keeps the first's key, and that file's
+    /// earlier records are then counted against shares of their own.
+    pub(crate) fn adopt(file_key: [u8; 16], path: &Path) {
+        if KEY.set(file_key).is_err() && KEY.get() != Some(&file_key) {
+            tracing::warn!(
+                file = %path.display(),
+                "client numbers keep another store file's key: this file's earlier records count against shares of their own"
+            );
         }
     }
 }
@@ -72,6 +119,14 @@ impl StoreKey {
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The route the record belongs to: the middle of `prefix:route:{hash}` (neither
+    /// a prefix nor a route name may hold a `:`).
+    pub fn route(&self) -> Option<&str> {
+        let mut parts = self.0.split(':');
+        let (_prefix, route, hash) = (parts.next()?, parts.next()?, parts.next()?);
+        (parts.next().is_none() && hash.starts_with('{')).then_some(route)
     }
 
     /// The first 12 hex digits of the record hash: how a record is named in logs. It
@@ -122,6 +177,14 @@ impl OwnerToken {
     pub fn from_hex(text: &[u8]) -> Option<OwnerToken> {
         const_hex::decode_to_array(text).ok().map(OwnerToken)
     }
+
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Option<OwnerToken> {
+        <[u8; 16]>::try_from(bytes).ok().map(OwnerToken)
+    }
 }
 
 impl fmt::Debug for OwnerToken {
@@ -141,6 +204,10 @@ impl Fingerprint {
 
     pub fn from_hex(text: &[u8]) -> Option<Fingerprint> {
         const_hex::decode_to_array(text).ok().map(Fingerprint)
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Option<Fingerprint> {
+        <[u8; 32]>::try_from(bytes).ok().map(Fingerprint)
     }
 }
 
@@ -211,6 +278,11 @@ pub struct ClaimRequest {
     pub retention: Duration,
     /// The owner's lease: after it the record reads as unknown.
     pub lease: Duration,
+    /// The key as the upstream is sent it, where the route's probe path names it
+    /// (`{key}` with `upstream_key = "client"`): kept by the SQLite store until the
+    /// record completes, so that a probe can run after a restart with no retry. The
+    /// other stores keep nothing of it.
+    pub probe_key: Option<String>,
 }
 
 /// What a claim found. `C` is what the claimant holds once the key is its own: nothing
@@ -437,10 +509,11 @@ pub trait RecordStore: Send + Sync + 'static {
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
-/// The configured store: one of the two backends.
+/// The configured store: one of the three backends.
 #[derive(Clone)]
 pub enum AnyStore {
     Memory(MemoryStore),
+    Sqlite(SqliteStore),
     Redis(RedisStore),
 }
 
@@ -449,22 +522,43 @@ impl AnyStore {
     /// that the first write does not pay `NOSCRIPT`, a load and a second try.
     pub(crate) async fn warm_up(&self) {
         match self {
-            AnyStore::Memory(_) => {}
+            AnyStore::Memory(_) | AnyStore::Sqlite(_) => {}
             AnyStore::Redis(store) => store.preload().await,
         }
     }
 
     /// Whether several proxy instances may share this store (Redis), or it is one
-    /// process's own (memory).
+    /// process's own (memory, SQLite).
     pub(crate) fn shared_by_instances(&self) -> bool {
         matches!(self, AnyStore::Redis(_))
     }
 
     /// What the embedded store holds and its bounds; Redis reports its own memory.
-    pub fn usage(&self) -> Option<MemoryUsage> {
+    pub fn usage(&self) -> Option<StoreUsage> {
         match self {
             AnyStore::Memory(store) => Some(store.usage()),
+            AnyStore::Sqlite(store) => store
+                .usage()
+                .inspect_err(|error| tracing::warn!(%error, "cannot read what the store's file holds"))
+                .ok(),
             AnyStore::Redis(_) => None,
+        }
+    }
+
+    /// What the SQLite store's commits cost; the others commit nothing of their own.
+    pub(crate) fn commit_stats(&self) -> Option<&sqlite::CommitStats> {
+        match self {
+            AnyStore::Sqlite(store) => Some(store.commit_stats()),
+            AnyStore::Memory(_) | AnyStore::Redis(_) => None,
+        }
+    }
+
+    /// The records whose probe a fresh start must schedule: only the SQLite store owns
+    /// all of its records, and knows that nobody else will find them.
+    pub(crate) fn unsettled(&self) -> Result<Vec<sqlite::Unsettled>, StoreError> {
+        match self {
+            AnyStore::Sqlite(store) => store.unsettled(),
+            AnyStore::Memory(_) | AnyStore::Redis(_) => Ok(Vec::new()),
         }
     }
 }
@@ -473,6 +567,7 @@ macro_rules! delegate {
     ($self:ident, $store:ident => $call:expr) => {
         match $self {
             AnyStore::Memory($store) => $call.await,
+            AnyStore::Sqlite($store) => $call.await,
             AnyStore::Redis($store) => $call.await,
         }
     };

@@ -248,10 +248,28 @@ fn guarded_in_flight() -> f64 {
 /// The walk-throughs share their ports: one at a time.
 static PORTS: Mutex<()> = Mutex::new(());
 
-/// Runs `page`'s commands as written, from the repository's root: the built binary for
-/// `cargo run --release --`, setup commands in the background (waited for until their
-/// port answers), a request sent with `&` in the background (waited for until the
-/// proxy holds it), and every other command's output held to what the page shows.
+/// A fresh copy of what a walk-through reads from a clone (`proxy.toml` and
+/// `examples/`), so that the SQLite file `proxy.toml` names starts empty and is left
+/// behind in no checkout.
+fn fresh_clone() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::copy(root().join("proxy.toml"), dir.path().join("proxy.toml")).expect("proxy.toml copied");
+    std::fs::create_dir(dir.path().join("examples")).expect("examples/ made");
+    for entry in std::fs::read_dir(root().join("examples")).expect("examples/ listed") {
+        let entry = entry.expect("an entry of examples/");
+        if entry.file_type().expect("its type").is_file() {
+            std::fs::copy(entry.path(), dir.path().join("examples").join(entry.file_name()))
+                .expect("an example copied");
+        }
+    }
+    dir
+}
+
+/// Runs `page`'s commands as written, in a fresh copy of the clone's files: the built
+/// binary for `cargo run --release --`, setup commands in the background (waited for
+/// until their port answers), a request sent with `&` in the background (waited for
+/// until the proxy holds it), `pkill` waited for until the proxy's port is closed, and
+/// every other command's output held to what the page shows.
 fn run_as_written(page: &Path) {
     let _ports = PORTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     for port in [8080, 9090, 9000] {
@@ -269,11 +287,12 @@ fn run_as_written(page: &Path) {
         steps.len()
     );
     let binary = env!("CARGO_BIN_EXE_idemproxy");
+    let clone = fresh_clone();
     let mut started = Started(Vec::new());
     for step in &steps {
         let command = step.command.replace("cargo run --release --", binary);
         let mut shell = Command::new("bash");
-        shell.arg("-c").arg(&command).current_dir(root());
+        shell.arg("-c").arg(&command).current_dir(clone.path());
         if step.background {
             let child = shell
                 .stdout(Stdio::null())
@@ -293,6 +312,9 @@ fn run_as_written(page: &Path) {
             continue;
         }
         let output = shell.output().unwrap_or_else(|error| panic!("{command}: {error}"));
+        if command.starts_with("pkill ") {
+            until("the proxy's port stayed open after pkill", || !connects(8080));
+        }
         let printed = String::from_utf8_lossy(&output.stdout).replace('\r', "");
         let lines: Vec<&str> = printed.lines().collect();
         let mut at = 0;

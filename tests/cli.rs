@@ -51,7 +51,25 @@ fn the_shipped_proxy_toml_checks_and_lists_its_routes() {
         stdout.contains("route  payments /v1/payments -> http://127.0.0.1:9000/"),
         "{stdout}"
     );
-    assert!(stdout.contains("store  memory"), "{stdout}");
+    let records = path.with_file_name("records.db");
+    assert!(
+        stdout.contains(&format!("store  sqlite {} (", records.display())),
+        "the shipped config keeps its records beside it: {stdout}"
+    );
+    assert!(!stderr.contains("forgets every record"), "{stderr}");
+}
+
+/// What `check` warns about when a config leaves `[store]` out: the memory store.
+const FORGETS: &str = "idemproxy: warning: store.backend = \"memory\" forgets every record when the process stops";
+
+/// `stderr` without the memory store's warning, which every config here without a
+/// `[store]` draws.
+fn other_warnings(stderr: &str) -> String {
+    stderr
+        .lines()
+        .filter(|line| !line.starts_with(FORGETS))
+        .map(|line| format!("{line}\n"))
+        .collect()
 }
 
 #[test]
@@ -217,10 +235,26 @@ fn check_warns_about_guarded_routes_every_client_shares() {
         &format!("{ROUTE}[route.idempotency]\nscope_headers = [\"authorization\"]\n"),
     );
     let (ok, _, stderr) = check(&scoped);
-    assert!(ok && stderr.is_empty(), "{stderr}");
+    assert!(ok && other_warnings(&stderr).is_empty(), "{stderr}");
     let plain = write(&dir, "plain.toml", ROUTE);
     let (ok, _, stderr) = check(&plain);
-    assert!(ok && stderr.is_empty(), "an unguarded route shares nothing: {stderr}");
+    assert!(
+        ok && other_warnings(&stderr).is_empty(),
+        "an unguarded route shares nothing: {stderr}"
+    );
+    // Without [store], the memory store: check says that it forgets on restart.
+    assert_eq!(
+        stderr.lines().filter(|line| line.starts_with(FORGETS)).count(),
+        1,
+        "{stderr}"
+    );
+    let durable = write(
+        &dir,
+        "durable.toml",
+        &format!("[store]\nbackend = \"sqlite\"\npath = \"records.db\"\n{ROUTE}"),
+    );
+    let (ok, _, stderr) = check(&durable);
+    assert!(ok && stderr.is_empty(), "the SQLite store draws no warning: {stderr}");
 }
 
 #[test]
@@ -249,7 +283,8 @@ fn scope_jwt_keys_are_checked_and_named() {
     );
     assert!(!stdout.contains(secret));
     // Scoped routes draw no warning.
-    assert!(output.stderr.is_empty(), "{}", String::from_utf8_lossy(&output.stderr));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(other_warnings(&stderr).is_empty(), "{stderr}");
     // A 1024-bit RSA key: ring would refuse every token signed with it.
     let modulus = base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, [0xc5u8; 128]);
     write(

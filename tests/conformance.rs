@@ -164,6 +164,7 @@ impl<S: RecordStore> Subject<S> {
                     fingerprint: fingerprint(owner),
                     retention: RETENTION,
                     lease,
+                    probe_key: None,
                 };
                 observed_claim(self.store.claim(&request).await.map_err(failed)?)
             }

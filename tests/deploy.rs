@@ -321,9 +321,22 @@ fn the_kubernetes_manifests_agree_with_their_config_and_the_image() {
 /// The series names and `label="value"` pairs the proxy exports: scraped from a
 /// running proxy, with each family's sample names (`_total`, `_bucket`, ...).
 async fn exported() -> (BTreeSet<String>, BTreeSet<String>) {
+    let mut names = BTreeSet::new();
+    let mut pairs = BTreeSet::new();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    for store in [StoreKind::Memory, StoreKind::Sqlite(dir.path().join("records.db"))] {
+        let (more_names, more_pairs) = exported_with(store).await;
+        names.extend(more_names);
+        pairs.extend(more_pairs);
+    }
+    (names, pairs)
+}
+
+/// What one proxy on `store` exports: the names (with their suffixes) and the label pairs.
+async fn exported_with(store: StoreKind) -> (BTreeSet<String>, BTreeSet<String>) {
     let upstream = support::Upstream::start().await;
     // With a shadow-mode route and a route with a probe, so that their counters exist.
-    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    let mut config = TestConfig::new(store, &upstream.url());
     config.idempotency = "mode = \"shadow\"".into();
     config.extra_routes = format!(
         "[[route]]\nname = \"probed\"\npath_prefix = \"/v1/probed\"\nupstream = \"{}\"\n\n[route.idempotency]\n\n[route.idempotency.reconcile]\npath = \"/v1/probed/{{key}}\"\n",

@@ -255,7 +255,7 @@ async fn hostile_keys_get_400_with_no_store_write_and_no_upstream_call() {
     assert_eq!(upstream.total(), 0);
     match proxy.running.store() {
         idemproxy::store::AnyStore::Memory(store) => assert!(store.is_empty(), "a hostile key reached the store"),
-        idemproxy::store::AnyStore::Redis(_) => unreachable!(),
+        idemproxy::store::AnyStore::Sqlite(_) | idemproxy::store::AnyStore::Redis(_) => unreachable!(),
     }
 }
 

@@ -236,6 +236,18 @@ async fn show_purge_and_release_on_each_state_with_the_memory_store() {
     each_state(StoreKind::Memory).await;
 }
 
+/// The SQLite store on a file in a directory of its own, kept while the test runs.
+fn sqlite() -> (StoreKind, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    (StoreKind::Sqlite(dir.path().join("records.db")), dir)
+}
+
+#[tokio::test]
+async fn show_purge_and_release_on_each_state_with_the_sqlite_store() {
+    let (store, _dir) = sqlite();
+    each_state(store).await;
+}
+
 #[tokio::test]
 async fn show_purge_and_release_on_each_state_with_redis() {
     let redis = RedisServer::start();
@@ -454,6 +466,12 @@ async fn resolve_settles_an_unknown_record_once_with_the_memory_store() {
 }
 
 #[tokio::test]
+async fn resolve_settles_an_unknown_record_once_with_the_sqlite_store() {
+    let (store, _dir) = sqlite();
+    resolutions(store).await;
+}
+
+#[tokio::test]
 async fn resolve_settles_an_unknown_record_once_with_redis() {
     let redis = RedisServer::start();
     resolutions(StoreKind::Redis(redis.url())).await;
@@ -522,6 +540,12 @@ async fn claim_fences(store: StoreKind) {
 #[tokio::test]
 async fn a_release_or_resolution_fenced_on_another_claim_is_refused_with_the_memory_store() {
     claim_fences(StoreKind::Memory).await;
+}
+
+#[tokio::test]
+async fn a_release_or_resolution_fenced_on_another_claim_is_refused_with_the_sqlite_store() {
+    let (store, _dir) = sqlite();
+    claim_fences(store).await;
 }
 
 #[tokio::test]

@@ -1,6 +1,7 @@
-//! The store-level behaviour suite: every test here runs against both the embedded
-//! memory store and a real `redis-server`, so the two backends keep one semantics.
-//! Redis-only checks (TTLs read with PTTL, script cache loss) follow at the end.
+//! The store-level behaviour suite: every test here runs against the embedded memory
+//! store, the SQLite store on a file of its own, and a real `redis-server` (plain and
+//! over TLS), so the backends keep one semantics. Checks of one backend (the memory
+//! store's bounds, TTLs read with PTTL, script cache loss, the SQLite file) follow.
 
 // A test that cannot set itself up should fail loudly, with the reason.
 #![allow(clippy::expect_used)]
@@ -11,15 +12,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
-use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, StoreTls};
+use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, SqliteConfig, StoreTls};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryLimits, MemoryStore, MemoryUsage,
-    OwnerToken, Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId,
-    StoreKey, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryStore, OwnerToken, Probe,
+    ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId, SqliteStore,
+    StoreKey, StoreLimits, StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use support::RedisServer;
 use support::pki::Pki;
@@ -44,6 +45,7 @@ fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> ClaimRequest {
         fingerprint: Fingerprint([1; 32]),
         retention: Duration::from_secs(60),
         lease,
+        probe_key: None,
     }
 }
 
@@ -986,13 +988,26 @@ async fn a_lapsed_lease_or_an_unscheduled_record_is_probed_when_found<S: RecordS
     assert!(matches!(probe_of(store, &unscheduled).await, Probe::Next(_)));
 }
 
-macro_rules! against_both_stores {
+macro_rules! against_every_store {
     ($($name:ident),* $(,)?) => {
         mod memory_store {
             $(
                 #[tokio::test]
                 async fn $name() {
                     super::$name(&super::MemoryStore::new(1000, usize::MAX)).await;
+                }
+            )*
+        }
+        /// A fresh file in a directory of its own, closed (its writer joined) before
+        /// the directory goes.
+        mod sqlite_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let dir = tempfile::tempdir().expect("temporary directory");
+                    let store = super::sqlite_store(&dir.path().join("records.db"), super::StoreLimits::unbounded(1000));
+                    super::$name(&store).await;
+                    drop(store);
                 }
             )*
         }
@@ -1019,6 +1034,16 @@ macro_rules! against_both_stores {
             )*
         }
     };
+}
+
+/// A SQLite store on `path`, with `limits` and a 2 s timeout.
+fn sqlite_store(path: &std::path::Path, limits: StoreLimits) -> SqliteStore {
+    let config = SqliteConfig {
+        path: path.to_path_buf(),
+        limits,
+        cache_bytes: 4 << 20,
+    };
+    SqliteStore::open(&config, Duration::from_secs(2)).expect("open the sqlite store")
 }
 
 /// A `redis-server` with `tls-auth-clients yes` and a store that trusts its private CA
@@ -1050,7 +1075,7 @@ fn tls_store() -> (Pki, RedisServer, RedisStore) {
     (pki, server, store)
 }
 
-against_both_stores!(
+against_every_store!(
     first_claim_acquires_and_others_see_it_in_flight,
     a_claim_retried_by_its_owner_counts_as_acquired,
     a_completed_record_replays_exactly,
@@ -1155,7 +1180,7 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
                 .expect("complete"),
             Write::Applied
         );
-        let MemoryUsage { records, bytes, .. } = store.usage();
+        let StoreUsage { records, bytes, .. } = store.usage();
         assert_eq!(records, usize::from(seed) + 1);
         assert_eq!(bytes - claimed, response.size(), "completing adds exactly the response");
         assert_eq!(response.size(), BODY + "x-seed".len() + seed.to_string().len());
@@ -1188,7 +1213,7 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
         store.claim(&short("after")).await.expect("claim"),
         ClaimOutcome::Acquired(())
     );
-    let MemoryUsage { records, bytes, .. } = store.usage();
+    let StoreUsage { records, bytes, .. } = store.usage();
     assert_eq!(records, 1, "the expired records were swept");
     assert!(bytes < 1024, "{bytes}");
     // Releasing a claim gives its bytes back at once.
@@ -1374,7 +1399,7 @@ async fn scripts_survive_a_script_flush_and_a_restart() {
 /// expires; other addresses, and unscoped records, are not counted against it.
 #[tokio::test(start_paused = true)]
 async fn a_client_address_past_its_share_of_scopes_is_refused_until_its_records_go() {
-    let store = MemoryStore::with_limits(MemoryLimits {
+    let store = MemoryStore::with_limits(StoreLimits {
         max_records: 100,
         max_bytes: usize::MAX,
         max_records_per_scope: 100,
@@ -1418,7 +1443,7 @@ async fn a_client_address_past_its_share_of_scopes_is_refused_until_its_records_
 
 #[tokio::test(start_paused = true)]
 async fn a_scope_past_its_share_of_the_memory_store_is_refused_until_its_records_go() {
-    let store = MemoryStore::with_limits(MemoryLimits {
+    let store = MemoryStore::with_limits(StoreLimits {
         max_records: 100,
         max_bytes: usize::MAX,
         max_records_per_scope: 2,
@@ -1657,4 +1682,488 @@ async fn a_claim_counts_the_replicas_that_wait_reports() {
         Err(StoreError::NotReplicated { acks: 1, wanted: 2 }) => {}
         other => panic!("one replica, yet {other:?}"),
     }
+}
+
+// === sqlite only ===
+
+fn sha256_of(path: &std::path::Path) -> Vec<u8> {
+    let bytes = std::fs::read(path).expect("read the file");
+    ring::digest::digest(&ring::digest::SHA256, &bytes).as_ref().to_vec()
+}
+
+fn sqlite_config(path: &std::path::Path, limits: StoreLimits) -> SqliteConfig {
+    SqliteConfig {
+        path: path.to_path_buf(),
+        limits,
+        cache_bytes: 4 << 20,
+    }
+}
+
+/// Closed and opened again (what a restart does to the file), the store holds what it
+/// held: a completed record replays byte for byte with its fingerprint, an unknown one
+/// stays unknown with its schedule, one in flight reads as in flight until its lease
+/// (counted on the wall clock) is over and is never free, and the retention runs on.
+#[tokio::test]
+async fn a_sqlite_store_keeps_its_records_when_it_is_reopened() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    let (done, held, unknown) = (key("reopen-done"), key("reopen-held"), key("reopen-unknown"));
+    let owner = new_owner();
+    store.claim(&claim(&done, owner, LONG)).await.expect("claim");
+    assert_eq!(
+        store.complete(&done, owner, &response("kept")).await.expect("complete"),
+        Write::Applied
+    );
+    let held_owner = new_owner();
+    store
+        .claim(&claim(&held, held_owner, Duration::from_millis(400)))
+        .await
+        .expect("claim");
+    let unknown_owner = new_owner();
+    store.claim(&claim(&unknown, unknown_owner, LONG)).await.expect("claim");
+    let marked = store
+        .mark_unknown(
+            &unknown,
+            unknown_owner,
+            UnknownReason::UpstreamTimeout,
+            Some(schedule(Duration::from_secs(60))),
+        )
+        .await
+        .expect("mark");
+    assert_eq!(marked, Write::Applied);
+    let ttl_before = store.inspect(&done).await.expect("inspect").expect("held").ttl;
+    drop(store);
+
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    assert_eq!(state_of(&store, &done).await, RecordState::Completed(response("kept")));
+    match store.claim(&claim(&done, new_owner(), LONG)).await.expect("claim") {
+        ClaimOutcome::Existing(existing) => assert_eq!(existing.fingerprint, Fingerprint([1; 32])),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        state_of(&store, &unknown).await,
+        RecordState::Unknown {
+            reason: UnknownReason::UpstreamTimeout,
+            probe: Probe::Next(_)
+        }
+    ));
+    let listed = store.unsettled().expect("unsettled");
+    let mut names: Vec<&StoreKey> = listed.iter().map(|record| &record.key).collect();
+    names.sort();
+    let mut expected = vec![&held, &unknown];
+    expected.sort();
+    assert_eq!(names, expected, "the records left unsettled, and only those");
+    until_lease_expires(&store, &held).await;
+    assert_eq!(
+        store
+            .complete(&held, held_owner, &response("late"))
+            .await
+            .expect("complete"),
+        Write::Fenced,
+        "the dead owner's late answer is fenced"
+    );
+    let ttl_after = store.inspect(&done).await.expect("inspect").expect("held").ttl;
+    assert!(
+        ttl_after < ttl_before,
+        "{ttl_after:?} after {ttl_before:?}: the retention ran on"
+    );
+}
+
+/// One process per file: a second store on it is refused while the first is open,
+/// naming the file and the holder's pid; once the first is closed, it opens.
+#[tokio::test]
+async fn a_second_store_on_one_file_is_refused_naming_its_holder() {
+    use idemproxy::error::StoreFileError;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let first = sqlite_store(&path, StoreLimits::unbounded(10));
+    match SqliteStore::open(&sqlite_config(&path, StoreLimits::unbounded(10)), LONG) {
+        Err(StoreError::File(error @ StoreFileError::InUse { .. })) => {
+            let message = error.to_string();
+            assert!(message.contains(&path.display().to_string()), "{message}");
+            assert!(message.contains(&format!("pid {}", std::process::id())), "{message}");
+        }
+        other => panic!("a second store opened the file: {:?}", other.map(|_| ())),
+    }
+    drop(first);
+    sqlite_store(&path, StoreLimits::unbounded(10));
+}
+
+/// A file that is not this store's is refused with what is wrong with it, and left
+/// byte for byte as it was: never replaced by an empty store.
+#[tokio::test]
+async fn a_file_that_is_not_this_stores_is_refused_and_left_as_it_is() {
+    use idemproxy::error::StoreFileError;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let not_sqlite = dir.path().join("not-sqlite.db");
+    std::fs::write(&not_sqlite, vec![0x5a; 8192]).expect("write");
+    let foreign = dir.path().join("foreign.db");
+    {
+        let conn = rusqlite::Connection::open(&foreign).expect("open");
+        conn.execute_batch(
+            "CREATE TABLE invoices (id INTEGER PRIMARY KEY, total INTEGER); INSERT INTO invoices VALUES (1, 100);",
+        )
+        .expect("write");
+    }
+    let newer = dir.path().join("newer.db");
+    {
+        let conn =
+            idemproxy::store::sqlite::create_at_version(&newer, idemproxy::store::sqlite::VERSION).expect("create");
+        conn.pragma_update(None, "user_version", idemproxy::store::sqlite::VERSION + 1)
+            .expect("version");
+    }
+    let corrupt = dir.path().join("corrupt.db");
+    {
+        let store = sqlite_store(&corrupt, StoreLimits::unbounded(1000));
+        for n in 0..200 {
+            let (record, owner) = (key(&format!("corrupt-{n}")), new_owner());
+            store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+            let mut stored = response("x");
+            stored.body = Bytes::from(vec![b'x'; 2048]);
+            store.complete(&record, owner, &stored).await.expect("complete");
+        }
+    }
+    {
+        // Pages 3 to 10 overwritten: b-tree pages and overflow pages alike.
+        let mut bytes = std::fs::read(&corrupt).expect("read");
+        assert!(
+            bytes.len() > 4096 * 12,
+            "the file holds the records: {} bytes",
+            bytes.len()
+        );
+        bytes[4096 * 2..4096 * 10].fill(0xa5);
+        std::fs::write(&corrupt, bytes).expect("write");
+    }
+    for (path, what) in [
+        (&not_sqlite, "not a SQLite database"),
+        (&foreign, "another application's SQLite database (application_id 0x0"),
+        (&newer, "written by a newer idemproxy"),
+        (&corrupt, "is corrupt"),
+    ] {
+        let before = sha256_of(path);
+        let refused = SqliteStore::open(&sqlite_config(path, StoreLimits::unbounded(10)), LONG);
+        let message = match refused {
+            Err(StoreError::File(error)) => error.to_string(),
+            other => panic!("{}: opened: {:?}", path.display(), other.map(|_| ())),
+        };
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert!(message.contains(what), "{what:?} not in {message}");
+        assert!(message.contains("left as it is"), "{message}");
+        assert_eq!(sha256_of(path), before, "{}: the file was changed", path.display());
+    }
+    let directory = dir.path().join("a-directory");
+    std::fs::create_dir(&directory).expect("mkdir");
+    assert!(matches!(
+        SqliteStore::open(&sqlite_config(&directory, StoreLimits::unbounded(10)), LONG),
+        Err(StoreError::File(StoreFileError::CannotOpen { .. }))
+    ));
+}
+
+/// A file of an older schema is migrated forward in one transaction, and what it
+/// holds is counted as if this version had written it (its scopes' shares included).
+/// A migration that fails changes nothing: the file stays at its version.
+#[tokio::test]
+async fn an_older_file_is_migrated_forward_and_a_failed_migration_changes_nothing() {
+    use idemproxy::store::sqlite::{VERSION, create_at_version};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("v1.db");
+    let old = key("from-v1");
+    let stored = response("from v1");
+    {
+        let conn = create_at_version(&path, 1).expect("create");
+        let expires_at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as i64
+            + 60_000;
+        conn.execute(
+            "INSERT INTO records (key, fingerprint, expires_at, scope, state, status, headers, body, size) \
+             VALUES (?1, ?2, ?3, 7, 'completed', 201, ?4, ?5, 500)",
+            rusqlite::params![
+                old.as_str(),
+                &[1u8; 32][..],
+                expires_at,
+                stored.encode_headers(),
+                &stored.body[..]
+            ],
+        )
+        .expect("a record as version 1 wrote it");
+    }
+    let limits = StoreLimits {
+        max_records_per_scope: 1,
+        ..StoreLimits::unbounded(100)
+    };
+    let store = sqlite_store(&path, limits);
+    assert_eq!(state_of(&store, &old).await, RecordState::Completed(stored));
+    let scoped = ClaimRequest {
+        scope: Some(ScopeId(7)),
+        ..claim(&key("same-scope"), new_owner(), LONG)
+    };
+    assert!(
+        matches!(
+            store.claim(&scoped).await,
+            Err(StoreError::ScopeFull { what: "records", .. })
+        ),
+        "the migrated record counts against its scope's share"
+    );
+    drop(store);
+    let version = |path: &std::path::Path| -> i32 {
+        let conn =
+            rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).expect("open");
+        conn.pragma_query_value(None, "user_version", |row| row.get(0))
+            .expect("version")
+    };
+    assert_eq!(version(&path), VERSION);
+
+    let failing = dir.path().join("v1-failing.db");
+    {
+        let conn = create_at_version(&failing, 1).expect("create");
+        // The next step creates this table: it fails halfway through.
+        conn.execute_batch("CREATE TABLE shares (x INTEGER)")
+            .expect("a table in the way");
+    }
+    let before = sha256_of(&failing);
+    match SqliteStore::open(&sqlite_config(&failing, StoreLimits::unbounded(10)), LONG) {
+        Err(StoreError::File(error)) => {
+            let message = error.to_string();
+            assert!(
+                message.contains(&format!(
+                    "the migration from schema version 1 to {VERSION} failed, and nothing was changed"
+                )),
+                "{message}"
+            );
+        }
+        other => panic!("opened: {:?}", other.map(|_| ())),
+    }
+    assert_eq!(version(&failing), 1);
+    assert_eq!(sha256_of(&failing), before);
+}
+
+/// The per-scope and per-client shares and `max_records` hold as on the memory store,
+/// counted in the file itself: they hold after the store is reopened, and give room
+/// back as records expire (the store's clock moved on, not the test's).
+#[tokio::test]
+async fn a_sqlite_store_holds_its_shares_across_a_reopen_and_gives_room_back_as_records_expire() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let limits = StoreLimits {
+        max_records: 6,
+        max_records_per_scope: 2,
+        max_records_per_client: 3,
+        ..StoreLimits::unbounded(100)
+    };
+    let scoped = |name: &str, scope: u64, client: u64| ClaimRequest {
+        scope: Some(ScopeId(scope)),
+        client: Some(ClientId(client)),
+        ..claim(&key(name), new_owner(), Duration::from_secs(2))
+    };
+    let store = sqlite_store(&path, limits);
+    store.claim(&scoped("s1-a", 1, 1)).await.expect("claim");
+    store.advance_clock(Duration::from_secs(10));
+    store.claim(&scoped("s1-b", 1, 1)).await.expect("claim");
+    match store.claim(&scoped("s1-c", 1, 2)).await {
+        Err(StoreError::ScopeFull {
+            what: "records",
+            retry_after,
+        }) => assert!(
+            retry_after > Duration::from_secs(49) && retry_after <= Duration::from_secs(50),
+            "until s1-a expires: {retry_after:?}"
+        ),
+        other => panic!("a third record of scope 1: {other:?}"),
+    }
+    store.claim(&scoped("s2-a", 2, 1)).await.expect("another scope");
+    match store.claim(&scoped("s3-a", 3, 1)).await {
+        Err(StoreError::ClientFull { retry_after }) => {
+            assert!(retry_after > Duration::from_secs(40), "{retry_after:?}")
+        }
+        other => panic!("a fourth scoped record from one address: {other:?}"),
+    }
+    drop(store);
+
+    let store = sqlite_store(&path, limits);
+    assert!(
+        matches!(
+            store.claim(&scoped("s1-c", 1, 2)).await,
+            Err(StoreError::ScopeFull { .. })
+        ),
+        "the scope's share is counted in the file"
+    );
+    assert!(matches!(
+        store.claim(&scoped("s3-a", 3, 1)).await,
+        Err(StoreError::ClientFull { .. })
+    ));
+    for name in ["u-1", "u-2", "u-3"] {
+        store
+            .claim(&claim(&key(name), new_owner(), Duration::from_secs(2)))
+            .await
+            .expect("unscoped");
+    }
+    assert!(matches!(
+        store.claim(&claim(&key("u-4"), new_owner(), LONG)).await,
+        Err(StoreError::Full {
+            what: "records",
+            limit: 6
+        })
+    ));
+    // Past every retention: the refused claims are taken, without waiting for a sweep.
+    store.advance_clock(Duration::from_secs(120));
+    store.claim(&scoped("s1-c", 1, 2)).await.expect("s1's room back");
+    store
+        .claim(&scoped("s3-a", 3, 1))
+        .await
+        .expect("the address's room back");
+    store
+        .claim(&claim(&key("u-4"), new_owner(), LONG))
+        .await
+        .expect("room back");
+    for name in ["s1-c", "s3-a", "u-4"] {
+        assert!(store.purge(&key(name)).await.expect("purge"));
+    }
+    // The sweeper deletes the rest; every count is back to zero.
+    let started = tokio::time::Instant::now();
+    while !store.is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{} records never swept",
+            store.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let usage = store.usage().expect("usage");
+    assert_eq!(usage.records, 0);
+}
+
+/// `max_bytes` bounds the file: claims stop once seven eighths of it are in use, every
+/// response of a claim taken before still records, and the pages of expired records
+/// are reused: the file does not grow past the bound however often it fills.
+#[tokio::test]
+async fn a_sqlite_file_stays_within_max_bytes_and_reuses_the_space_of_expired_records() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let max_bytes = 2 << 20;
+    let limits = StoreLimits {
+        max_bytes,
+        ..StoreLimits::unbounded(1_000_000)
+    };
+    let store = sqlite_store(&path, limits);
+    let mut body = response("x");
+    body.body = Bytes::from(vec![b'x'; 16 * 1024]);
+    let mut rounds = Vec::new();
+    for round in 0..3 {
+        let mut taken = 0;
+        loop {
+            let (record, owner) = (key(&format!("bytes-{round}-{taken}")), new_owner());
+            match store.claim(&claim(&record, owner, LONG)).await {
+                Ok(ClaimOutcome::Acquired(())) => {}
+                Err(StoreError::Full { what: "bytes", .. }) => break,
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(
+                store
+                    .complete(&record, owner, &body)
+                    .await
+                    .expect("a taken claim records"),
+                Write::Applied
+            );
+            taken += 1;
+            assert!(taken < 1000, "the byte bound never refused a claim");
+        }
+        let usage = store.usage().expect("usage");
+        assert!(
+            usage.bytes <= max_bytes && usage.bytes >= max_bytes / 8 * 7 - 64 * 1024,
+            "{} bytes in use against a bound of {max_bytes}",
+            usage.bytes
+        );
+        rounds.push(taken);
+        store.advance_clock(Duration::from_secs(120));
+        let started = tokio::time::Instant::now();
+        while !store.is_empty() {
+            assert!(started.elapsed() < Duration::from_secs(10), "never swept");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert!(
+        rounds.iter().all(|taken| *taken >= rounds[0] * 9 / 10),
+        "each round takes as many records: {rounds:?}"
+    );
+    let file = std::fs::metadata(&path).expect("file").len();
+    assert!(file <= max_bytes as u64, "the file grew to {file} bytes");
+}
+
+/// Group commit: a thousand claims asked for while the writer is busy go into one
+/// commit together, not a thousand.
+#[tokio::test]
+async fn a_thousand_claims_at_once_share_one_commit() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = sqlite_store(&dir.path().join("records.db"), StoreLimits::unbounded(10_000));
+    let stats = store.commit_stats().clone();
+    let hold = store.hold_writer().await;
+    let (commits, writes) = (stats.commits.get(), stats.writes.get());
+    let asked = Arc::new(AtomicUsize::new(0));
+    let claims: Vec<_> = (0..1000)
+        .map(|n| {
+            let (store, asked) = (store.clone(), asked.clone());
+            tokio::spawn(async move {
+                let request = claim(&key(&format!("group-{n}")), new_owner(), LONG);
+                // Nothing awaits between this and the claim's send to the writer.
+                asked.fetch_add(1, Ordering::SeqCst);
+                store.claim(&request).await
+            })
+        })
+        .collect();
+    while asked.load(Ordering::SeqCst) < 1000 {
+        tokio::task::yield_now().await;
+    }
+    drop(hold);
+    for claim in claims {
+        assert_eq!(claim.await.expect("task").expect("claim"), ClaimOutcome::Acquired(()));
+    }
+    assert_eq!(stats.writes.get() - writes, 1001, "the hold and the thousand claims");
+    assert!(
+        stats.commits.get() - commits <= 2,
+        "{} commits for a thousand claims",
+        stats.commits.get() - commits
+    );
+}
+
+/// A full disk: a claim that cannot be written is refused (503 upstream of here) with
+/// nothing written, recorded keys still replay, and once there is room again the store
+/// takes writes by itself.
+#[tokio::test]
+async fn a_full_disk_refuses_claims_keeps_replays_and_recovers_by_itself() {
+    let disk = support::disk::SmallDisk::mount(8 << 20);
+    let store = sqlite_store(&disk.path().join("records.db"), StoreLimits::unbounded(100_000));
+    let kept = key("disk-kept");
+    let owner = new_owner();
+    store.claim(&claim(&kept, owner, LONG)).await.expect("claim");
+    store.complete(&kept, owner, &response("kept")).await.expect("complete");
+    disk.fill();
+    let mut refused = None;
+    for n in 0..10_000 {
+        match store.claim(&claim(&key(&format!("disk-{n}")), new_owner(), LONG)).await {
+            Ok(_) => {}
+            Err(error) => {
+                refused = Some(error);
+                break;
+            }
+        }
+    }
+    match refused {
+        Some(StoreError::Disk(failure)) => {
+            assert!(!failure.may_have_written, "a full disk undoes the write: {failure}");
+            assert!(failure.to_string().contains("full"), "{failure}");
+        }
+        other => panic!("a full disk took every claim: {other:?}"),
+    }
+    assert_eq!(state_of(&store, &kept).await, RecordState::Completed(response("kept")));
+    assert!(store.ping().await.is_err(), "ready with a full disk");
+    disk.free();
+    store.ping().await.expect("ready again");
+    store
+        .claim(&claim(&key("disk-after"), new_owner(), LONG))
+        .await
+        .expect("a claim once there is room");
 }

@@ -5,6 +5,7 @@
 
 pub mod client;
 pub mod collector;
+pub mod disk;
 pub mod h2raw;
 pub mod history;
 pub mod jwt;

@@ -12,11 +12,12 @@ published, as `docker run -p` would.
    runtime one bookworm's libc6, libgcc-s1, ca-certificates, netbase and tzdata
    extracted into a rootfs with distroless's `nonroot` user (65532).
 2. `podman build` of the Dockerfile (layers cached between runs).
-3. The image's smoke test, with the embedded store and with Redis: the user is the
-   number 65532, it runs `--read-only` with every capability dropped, `/healthz`,
-   `/readyz` and `/metrics` answer, a guarded POST and its byte-identical replay, 400
-   without a key, a SIGHUP reload, and `podman stop` (SIGTERM) with a 2 s request in
-   flight: the request gets its 201, the drain is logged, the exit status is 0.
+3. The image's smoke test, with its shipped SQLite store (in the image's volume) and
+   with Redis: the user is the number 65532, it runs `--read-only` with every
+   capability dropped, `/healthz`, `/readyz` and `/metrics` answer, a guarded POST and
+   its byte-identical replay, 400 without a key, a SIGHUP reload, and `podman stop`
+   (SIGTERM) with a 2 s request in flight: the request gets its 201, the drain is
+   logged, the exit status is 0; then `podman start`, and both keys replay.
 4. The compose stack (`deploy/compose/compose.yaml`, stand-ins for its Redis and
    Python images) brought up with podman-compose, a replay served through it, and
    brought down, each service stopping on SIGTERM.
@@ -383,9 +384,10 @@ def smoke(processes, shipped, store, upstream_port, redis_port=None):
     os.chmod(config_dir, 0o755)
     config = shipped.replace("http://127.0.0.1:9000", f"http://host.containers.internal:{upstream_port}")
     expect(config != shipped, "the shipped config no longer proxies to 127.0.0.1:9000")
+    sqlite = 'backend = "sqlite"\npath = "/var/lib/idemproxy/records.db"\nmax_bytes = "1GiB"\n'
+    expect(sqlite in shipped, "the shipped config does not keep its SQLite store in /var/lib/idemproxy")
     if redis_port is not None:
-        config = config.replace('backend = "memory"', f'backend = "redis"\nurl = "redis://host.containers.internal:{redis_port}"')
-        config = config.replace("max_records = 100000\n", "")
+        config = config.replace(sqlite, f'backend = "redis"\nurl = "redis://host.containers.internal:{redis_port}"\n')
     path = os.path.join(config_dir, "proxy.toml")
     with open(path, "w") as f:
         f.write(config)
@@ -395,6 +397,8 @@ def smoke(processes, shipped, store, upstream_port, redis_port=None):
     podman("rm", "-f", name, check=False, capture=True)
     processes.containers.append(name)
     started = time.monotonic()
+    # No volume given for /var/lib/idemproxy: podman makes the image's VOLUME an
+    # anonymous one, kept with the container across `podman stop` and `start`.
     podman("run", "-d", "--name", name, "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
            "-p", f"127.0.0.1:{proxy_port}:8080", "-p", f"127.0.0.1:{admin_port}:9090",
            "-v", f"{config_dir}:/etc/idemproxy:ro", IMAGE, capture=True)
@@ -446,9 +450,23 @@ def smoke(processes, shipped, store, upstream_port, redis_port=None):
     output = subprocess.run(["podman", "logs", name], env=ENV, capture_output=True, text=True)
     logs = output.stdout + output.stderr
     expect("shutting down: draining connections" in logs and "stopped" in logs, f"[{store}] the drain is not logged:\n{logs}")
+
+    # Started again: the records are still there (the volume for SQLite, Redis itself
+    # for Redis). The first key replays byte for byte, and the request that was in
+    # flight at SIGTERM replays its 201 rather than running again.
+    podman("start", name, capture=True)
+    until_ready(admin)
+    again = proxy.request("POST", "/v1/payments", key, b'{"amount":1}')
+    expect(again[0] == 201 and again[1].get("idempotent-replayed") == "true" and again[2] == first[2],
+           f"[{store}] the replay after a restart: {again}, first {first}")
+    held_again = proxy.request("POST", "/v1/payments?sleep=2", {"idempotency-key": f"image-{store}-held"}, b"{}",
+                               timeout=30)
+    expect(held_again[0] == 201 and held_again[1].get("idempotent-replayed") == "true"
+           and held_again[2] == held["answer"][2], f"[{store}] the held request after a restart: {held_again}")
+    podman("stop", "-t", "25", name, capture=True)
     log(f"[{store}] /healthz, /readyz, /metrics, POST + byte-identical replay, 400 without a key, uid 65532, "
         f"read-only with no capabilities, SIGHUP reload: ok; SIGTERM with a 2 s request in flight: "
-        f"201, exit 0, stopped in {stopped:.1f} s")
+        f"201, exit 0, stopped in {stopped:.1f} s; both keys replay after a restart")
     shutil.rmtree(config_dir, ignore_errors=True)
     return ready
 
@@ -551,13 +569,13 @@ def main():
     processes = Processes()
     try:
         upstream = start_upstream(processes)
-        ready_memory = smoke(processes, shipped, "memory", upstream)
+        ready_sqlite = smoke(processes, shipped, "sqlite", upstream)
         ready_redis = smoke(processes, shipped, "redis", upstream, start_redis(processes))
         if not options.no_compose:
             compose_check(processes)
     finally:
         processes.close()
-    log(f"image {size / 1e6:.1f} MB; built in {took:.0f} s; run to ready /readyz: {ready_memory:.2f} s (memory), "
+    log(f"image {size / 1e6:.1f} MB; built in {took:.0f} s; run to ready /readyz: {ready_sqlite:.2f} s (sqlite), "
         f"{ready_redis:.2f} s (redis); whole check {time.monotonic() - begun:.0f} s")
 
 

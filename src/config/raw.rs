@@ -113,6 +113,7 @@ fn default_admin_listen() -> SocketAddr {
 #[serde(rename_all = "kebab-case")]
 pub(super) enum BackendKind {
     Memory,
+    Sqlite,
     Redis,
     RedisSentinel,
     RedisCluster,
@@ -132,6 +133,8 @@ pub(super) struct RawStore {
     pub(super) max_records_per_scope: Option<Spanned<usize>>,
     pub(super) max_bytes_per_scope: Option<Spanned<ByteSize>>,
     pub(super) max_records_per_client: Option<Spanned<usize>>,
+    pub(super) path: Option<Spanned<String>>,
+    pub(super) cache_bytes: Option<Spanned<ByteSize>>,
     pub(super) min_replica_acks: Option<Spanned<u32>>,
     pub(super) replica_ack_timeout: Option<Spanned<HumanDuration>>,
     pub(super) connections: Option<Spanned<usize>>,
@@ -154,6 +157,8 @@ impl Default for RawStore {
             max_records_per_scope: None,
             max_bytes_per_scope: None,
             max_records_per_client: None,
+            path: None,
+            cache_bytes: None,
             min_replica_acks: None,
             replica_ack_timeout: None,
             connections: None,

@@ -161,7 +161,17 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.backend",
         default: DefaultValue::Toml("\"memory\""),
-        meaning: "`\"memory\"` (one instance only), `\"redis\"` (one primary), `\"redis-sentinel\"` or `\"redis-cluster\"`",
+        meaning: "`\"sqlite\"` (one instance, every record in a file that survives restarts: what the shipped `proxy.toml` and the image use), `\"memory\"` (one instance, every record forgotten when the process ends: for tests), `\"redis\"` (one primary), `\"redis-sentinel\"` or `\"redis-cluster\"` (several instances)",
+    },
+    Setting {
+        key: "store.path",
+        default: DefaultValue::Required,
+        meaning: "`\"sqlite\"` only: the database file (relative to the config file's directory); created when missing, with `<path>-wal`, `<path>-shm` and `<path>.lock` beside it. A file that is not this store's is refused, never replaced (see [Stores](stores.md#the-sqlite-store))",
+    },
+    Setting {
+        key: "store.cache_bytes",
+        default: DefaultValue::Toml("\"32MiB\""),
+        meaning: "`\"sqlite\"` only, at least 1 MiB: what SQLite's page caches may hold, across the writer's connection (half) and the read connections (the other half); the process's memory does not grow with the file",
     },
     Setting {
         key: "store.url",
@@ -220,28 +230,28 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         key: "store.max_records",
-        default: DefaultValue::Toml("100000"),
-        meaning: "memory only: live records held at most; then new claims get 503 `store-full`",
+        default: DefaultValue::Text("`100000` (memory), `10000000` (sqlite)"),
+        meaning: "memory and sqlite: live records held at most; then new claims get 503 `store-full`",
     },
     Setting {
         key: "store.max_bytes",
-        default: DefaultValue::Toml("\"256MiB\""),
-        meaning: "memory only, at least 1 MiB: once live records hold this many bytes (bodies, header names and values, keys, and 160 bytes of bookkeeping each), new claims get 503 `store-full`",
+        default: DefaultValue::Text("`\"256MiB\"` (memory), `\"1GiB\"` (sqlite)"),
+        meaning: "at least 1 MiB. Memory: once live records hold this many bytes (bodies, header names and values, keys, and 160 bytes of bookkeeping each), new claims get 503 `store-full`. SQLite: the most the file may hold; new claims get 503 `store-full` once seven eighths of it is in use, so that the responses of requests already forwarded still fit in the last eighth (so it must be at least 8 times every route's `max_response_body_bytes`); expired records are deleted and their space reused",
     },
     Setting {
         key: "store.max_records_per_scope",
         default: DefaultValue::Text("a quarter of `max_records`"),
-        meaning: "memory only: live records one scope (a route's client, as its `scope_headers` and `scope_jwt` name it) may hold; its new keys then get 429 `scope-full`. Routes without scope are not bounded by it",
+        meaning: "memory and sqlite: live records one scope (a route's client, as its `scope_headers` and `scope_jwt` name it) may hold; its new keys then get 429 `scope-full`. Routes without scope are not bounded by it",
     },
     Setting {
         key: "store.max_bytes_per_scope",
         default: DefaultValue::Text("a quarter of `max_bytes`"),
-        meaning: "memory only: the bytes one scope's live records may hold, likewise",
+        meaning: "memory and sqlite: the bytes one scope's live records may hold, likewise",
     },
     Setting {
         key: "store.max_records_per_client",
         default: DefaultValue::Text("a quarter of `max_records`"),
-        meaning: "memory only: the scoped records one client address (an IPv4 address, or an IPv6 /64) may hold across every scope it sends, so that a client cannot open scopes without end with made-up `scope_headers` values; past it its new keys get 429 `client-full`. A gateway that sends many tenants from one address should raise it",
+        meaning: "memory and sqlite: the scoped records one client address (an IPv4 address, or an IPv6 /64) may hold across every scope it sends, so that a client cannot open scopes without end with made-up `scope_headers` values; past it its new keys get 429 `client-full`. A gateway that sends many tenants from one address should raise it",
     },
     Setting {
         key: "route.name",

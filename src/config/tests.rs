@@ -21,13 +21,13 @@ fn defaults_match_the_design() {
     assert!(config.admin.is_none());
     assert!(matches!(
         config.store.backend,
-        Backend::Memory {
+        Backend::Memory(StoreLimits {
             max_records: DEFAULT_MAX_RECORDS,
             max_bytes: DEFAULT_MAX_BYTES,
             max_records_per_scope: 25_000,
             max_bytes_per_scope: 67_108_864,
             max_records_per_client: 25_000,
-        }
+        })
     ));
     assert_eq!(config.store.key_prefix, "idemproxy");
     assert_eq!(config.store.timeout, Duration::from_millis(500));
@@ -168,7 +168,10 @@ fn bounds_are_inclusive_where_the_design_says_so() {
         );
     }
     let one = parse(&format!("[store]\nmax_records = 1\n{ROUTE}")).expect("valid");
-    assert!(matches!(one.store.backend, Backend::Memory { max_records: 1, .. }));
+    assert!(matches!(
+        one.store.backend,
+        Backend::Memory(StoreLimits { max_records: 1, .. })
+    ));
     assert!(
         error(&format!("[store]\nmax_records = 0\n{ROUTE}"))
             .contains("t.toml:2: store.max_records: must be greater than 0")
@@ -176,10 +179,10 @@ fn bounds_are_inclusive_where_the_design_says_so() {
     let bytes = parse(&format!("[store]\nmax_bytes = 1048576\n{ROUTE}")).expect("valid");
     assert!(matches!(
         bytes.store.backend,
-        Backend::Memory {
+        Backend::Memory(StoreLimits {
             max_bytes: 1_048_576,
             ..
-        }
+        })
     ));
     let message = error(&format!("[store]\nmax_bytes = 1048575\n{ROUTE}"));
     assert!(
@@ -190,7 +193,7 @@ fn bounds_are_inclusive_where_the_design_says_so() {
         "[store]\nbackend = \"redis\"\nurl = \"redis://x\"\nmax_bytes = 5000000\n{ROUTE}"
     ));
     assert!(
-        message.contains("store.max_bytes: only the memory backend takes this; bound Redis with maxmemory"),
+        message.contains("store.max_bytes: only the memory and sqlite backends take this; bound Redis with maxmemory"),
         "{message}"
     );
 }
@@ -791,11 +794,11 @@ fn byte_sizes_read_like_durations() {
     assert_eq!(config.server.max_buffered_bytes, 1 << 30);
     assert_eq!(config.server.max_request_body_bytes, 64 * 1024);
     match config.store.backend {
-        Backend::Memory {
+        Backend::Memory(StoreLimits {
             max_bytes,
             max_bytes_per_scope,
             ..
-        } => assert_eq!((max_bytes, max_bytes_per_scope), (512 << 20, 10_000_000)),
+        }) => assert_eq!((max_bytes, max_bytes_per_scope), (512 << 20, 10_000_000)),
         other => panic!("{other:?}"),
     }
     let policy = config.routes[0].idempotency.as_ref().expect("guarded");
@@ -915,6 +918,10 @@ fn the_reference_defaults_are_the_ones_applied() {
             "store" => vec![
                 (format!("[store]\n__SETTING__{route}"), String::new()),
                 (format!("{redis}__SETTING__{route}"), String::new()),
+                (
+                    format!("[store]\nbackend = \"sqlite\"\npath = \"records.db\"\n__SETTING__{route}"),
+                    String::new(),
+                ),
             ],
             table => vec![(format!("[{table}]\n__SETTING__{route}"), String::new())],
         }
@@ -1044,6 +1051,85 @@ fn the_contract_path_is_canonical_and_no_guarded_routes_prefix() {
     parse(&format!("[server]\ncontract_path = {prefix}\n{ROUTE}")).expect("an unguarded route's prefix");
     parse(&format!(
         "[server]\ncontract_path = \"/idempotency\"\n{ROUTE}[route.idempotency]\n"
+    ))
+    .expect("valid");
+}
+
+/// The SQLite backend: its file is required and resolved against the config's
+/// directory, it takes the embedded bounds (with its own defaults) and none of Redis's
+/// settings, and its byte bound must leave room for a route's largest response.
+#[test]
+fn the_sqlite_backend_takes_a_file_and_the_embedded_bounds() {
+    let sqlite = "[store]\nbackend = \"sqlite\"\n";
+    let config = Config::parse(
+        &format!("{sqlite}path = \"data/records.db\"\n{ROUTE}"),
+        Path::new("/etc/idemproxy/proxy.toml"),
+    )
+    .expect("valid");
+    let Backend::Sqlite(store) = &config.store.backend else {
+        panic!("{:?}", config.store.backend);
+    };
+    assert_eq!(store.path, Path::new("/etc/idemproxy/data/records.db"));
+    assert_eq!(
+        store.limits,
+        StoreLimits {
+            max_records: DEFAULT_SQLITE_MAX_RECORDS,
+            max_bytes: DEFAULT_SQLITE_MAX_BYTES,
+            max_records_per_scope: DEFAULT_SQLITE_MAX_RECORDS / 4,
+            max_bytes_per_scope: DEFAULT_SQLITE_MAX_BYTES / 4,
+            max_records_per_client: DEFAULT_SQLITE_MAX_RECORDS / 4,
+        }
+    );
+    assert_eq!(store.cache_bytes, DEFAULT_SQLITE_CACHE_BYTES);
+    let absolute = parse(&format!("{sqlite}path = \"/var/lib/idemproxy/records.db\"\n{ROUTE}")).expect("valid");
+    assert!(
+        matches!(&absolute.store.backend, Backend::Sqlite(store) if store.path == Path::new("/var/lib/idemproxy/records.db"))
+    );
+    let printed = absolute.to_string();
+    assert!(
+        printed.contains(
+            "store  sqlite /var/lib/idemproxy/records.db (max_records 10000000, max_bytes 1073741824 = 1 GiB;"
+        ),
+        "{printed}"
+    );
+    let memory = parse(ROUTE).expect("valid").to_string();
+    assert!(memory.contains("forgets every record on restart"), "{memory}");
+    for (text, expected) in [
+        (
+            format!("{sqlite}{ROUTE}"),
+            "t.toml:2: store.path: the sqlite backend needs the file",
+        ),
+        (
+            format!("{sqlite}path = \"\"\n{ROUTE}"),
+            "t.toml:3: store.path: must name a file",
+        ),
+        (
+            format!("{sqlite}path = \"r.db\"\nurl = \"redis://x\"\n{ROUTE}"),
+            "store.url: only the redis backends take this",
+        ),
+        (
+            format!("{sqlite}path = \"r.db\"\ncache_bytes = \"512KiB\"\n{ROUTE}"),
+            "store.cache_bytes: must be at least 1048576 (1 MiB)",
+        ),
+        (
+            format!("[store]\npath = \"r.db\"\n{ROUTE}"),
+            "store.path: only the sqlite backend takes this",
+        ),
+        (
+            format!("[store]\nbackend = \"redis\"\nurl = \"redis://x\"\ncache_bytes = \"8MiB\"\n{ROUTE}"),
+            "store.cache_bytes: only the sqlite backend takes this",
+        ),
+        (
+            format!("{sqlite}path = \"r.db\"\nmax_bytes = \"4MiB\"\n{ROUTE}[route.idempotency]\n"),
+            "t.toml:4: store.max_bytes: must be at least 8 times route payments's max_response_body_bytes (1048576)",
+        ),
+    ] {
+        let message = error(&text);
+        assert!(message.contains(expected), "{expected:?} not in {message}");
+    }
+    // Eight times the largest response fits.
+    parse(&format!(
+        "{sqlite}path = \"r.db\"\nmax_bytes = \"8MiB\"\n{ROUTE}[route.idempotency]\n"
     ))
     .expect("valid");
 }

@@ -102,6 +102,11 @@ impl Validator<'_> {
     fn config(&self, raw: RawConfig) -> Result<Config, ConfigError> {
         let contract_span = raw.server.contract_path.span();
         let server = self.server(raw.server)?;
+        let store_bytes_span = raw
+            .store
+            .max_bytes
+            .as_ref()
+            .map_or_else(|| raw.store.backend.span(), Spanned::span);
         let store = self.store(raw.store)?;
         let (routes_span, raw_routes) = match raw.routes {
             Some(routes) => (routes.span(), routes.into_inner()),
@@ -148,6 +153,24 @@ impl Validator<'_> {
                 "server.contract_path",
                 format!(
                     "{path:?} is route {}'s path_prefix: its guarded requests would be answered with the contract's 405; choose another path, or \"\"",
+                    route.name
+                ),
+            ));
+        }
+        // The SQLite store stops taking claims at seven eighths of its file, so that the
+        // responses of requests already forwarded still fit: each must fit in that eighth.
+        if let super::Backend::Sqlite(sqlite) = &store.backend
+            && let Some((route, largest)) = routes
+                .iter()
+                .filter_map(|route| Some((route, route.idempotency.as_ref()?.max_response_body_bytes)))
+                .max_by_key(|(_, bytes)| *bytes)
+            && largest > (sqlite.limits.max_bytes / 8) as u64
+        {
+            return Err(self.error(
+                store_bytes_span,
+                "store.max_bytes",
+                format!(
+                    "must be at least 8 times route {}'s max_response_body_bytes ({largest}): claims stop at seven eighths of the file, and the last eighth holds the responses of requests already forwarded",
                     route.name
                 ),
             ));

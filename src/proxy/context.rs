@@ -73,6 +73,13 @@ impl Prepared {
             fingerprint,
             retention: policy.retention,
             lease: guarded.route.config.lease(),
+            // Only a key the probe cannot derive from the record is kept with it.
+            probe_key: guarded
+                .route
+                .config
+                .reconcile()
+                .filter(|reconcile| reconcile.path.names_key() && policy.upstream_key == UpstreamKey::Client)
+                .map(|_| guarded.key.as_str().to_string()),
         };
         Ok(Prepared {
             parts,

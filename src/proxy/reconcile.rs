@@ -150,9 +150,6 @@ impl Proxy {
         let Some(reconcile) = guarded.route.config.reconcile() else {
             return;
         };
-        let Some(place) = self.shared.probes.chains.enter(&guarded.record) else {
-            return;
-        };
         let policy = &guarded.policy;
         let key = match policy.upstream_key {
             UpstreamKey::Client => guarded.key.as_str().to_string(),
@@ -160,13 +157,81 @@ impl Proxy {
             // The config refuses `{key}` in the path with no key sent upstream.
             UpstreamKey::None => String::new(),
         };
-        let job = Job {
-            route: guarded.route.clone(),
-            policy: policy.clone(),
-            reconcile: reconcile.clone(),
-            record: guarded.record.clone(),
-            key,
-            execution: guarded.execution,
+        self.begin(
+            Job {
+                route: guarded.route.clone(),
+                policy: policy.clone(),
+                reconcile: reconcile.clone(),
+                record: guarded.record.clone(),
+                key,
+                execution: guarded.execution,
+            },
+            first,
+        );
+    }
+
+    /// Schedules the probe of every record the last run of this process left unknown
+    /// or in flight (docs/design.md §17): with one process per store file, nobody
+    /// else will find them, and a client may never retry. A record in flight is probed
+    /// once its lease is over; one whose probe needs the client's key is probed with
+    /// the key its record kept.
+    pub(crate) async fn resume_unsettled(&self) {
+        let unsettled = match self.shared.ledger.store().unsettled() {
+            Ok(unsettled) => unsettled,
+            Err(error) => {
+                tracing::warn!(%error, "cannot list the records left unsettled; a retry finds each one");
+                return;
+            }
+        };
+        let router = self.shared.router.load();
+        let (mut scheduled, mut left) = (0usize, 0usize);
+        for record in unsettled {
+            let route = record.key.route().and_then(|name| router.named(name));
+            let Some((route, policy, reconcile)) = route.and_then(|route| {
+                let policy = route.config.idempotency.clone()?;
+                let reconcile = route.config.reconcile()?.clone();
+                Some((route, policy, reconcile))
+            }) else {
+                left += 1;
+                continue;
+            };
+            let key = match (policy.upstream_key, record.probe_key) {
+                (UpstreamKey::Derived, _) => record.key.operation_id(),
+                (_, Some(key)) => key,
+                // Kept only where the probe names the key: otherwise it is not needed.
+                (_, None) if !reconcile.path.names_key() => String::new(),
+                (_, None) => {
+                    left += 1;
+                    continue;
+                }
+            };
+            let job = Job {
+                route: route.clone(),
+                policy,
+                reconcile,
+                record: record.key,
+                key,
+                execution: None,
+            };
+            // Past the lease on the store's clock, not a moment before it.
+            self.begin(job, record.due_in + CLOCK_SLACK);
+            scheduled += 1;
+        }
+        if scheduled + left > 0 {
+            tracing::info!(
+                scheduled,
+                left,
+                "records the last run left unknown or in flight: probes scheduled for those whose route has one; \
+                 the rest answer outcome-unknown until an operator resolves them"
+            );
+        }
+    }
+
+    /// Begins `job`'s chain of probes, the first after `first`, unless this process
+    /// already runs one for its record.
+    fn begin(&self, job: Job, first: Duration) {
+        let Some(place) = self.shared.probes.chains.enter(&job.record) else {
+            return;
         };
         let span =
             tracing::info_span!(parent: None, "reconcile", route = %job.route.name, record = job.record.short_hash());

@@ -17,24 +17,13 @@ use tokio::time::Instant;
 use super::notify::{Hub, Watcher};
 use super::{
     ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
-    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoredResponse,
-    SummaryState, UnknownReason, Write,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreLimits,
+    StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::StoreError;
 
 /// How often the background sweeper drops expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-
-/// What a memory store holds and its bounds, as `/metrics` reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryUsage {
-    pub records: usize,
-    /// The sum of what the records hold: bodies, header names and values, keys, and a
-    /// fixed estimate of each record's bookkeeping.
-    pub bytes: usize,
-    pub max_records: usize,
-    pub max_bytes: usize,
-}
 
 #[derive(Clone, Debug)]
 pub struct MemoryStore {
@@ -44,17 +33,6 @@ pub struct MemoryStore {
 /// What one record costs besides its key and response: the map entry, the record
 /// and its state. An estimate, counted once per record.
 const RECORD_OVERHEAD: usize = 160;
-
-/// The memory store's bounds: on everything it holds, and on each scope's share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryLimits {
-    pub max_records: usize,
-    pub max_bytes: usize,
-    pub max_records_per_scope: usize,
-    pub max_bytes_per_scope: usize,
-    /// The scoped records one client address may hold, across its scopes.
-    pub max_records_per_client: usize,
-}
 
 /// What a scoped record costs besides the rest: its entry among its scope's expiries.
 const SCOPE_OVERHEAD: usize = 48;
@@ -371,7 +349,7 @@ impl MemoryStore {
     /// they hold `max_bytes`. Must be called inside a
     /// Tokio runtime: it starts the sweeper, which stops when the last handle drops.
     pub fn new(max_records: usize, max_bytes: usize) -> MemoryStore {
-        MemoryStore::with_limits(MemoryLimits {
+        MemoryStore::with_limits(StoreLimits {
             max_records,
             max_bytes,
             max_records_per_scope: max_records,
@@ -381,14 +359,14 @@ impl MemoryStore {
     }
 
     /// A store with every bound of `limits`. Must be called inside a Tokio runtime.
-    pub fn with_limits(limits: MemoryLimits) -> MemoryStore {
+    pub fn with_limits(limits: StoreLimits) -> MemoryStore {
         MemoryStore::open(limits, None)
     }
 
     /// A store with `plant` in it, for the negative controls of the conformance test.
     #[cfg(feature = "test-util")]
     pub fn with_plant(max_records: usize, plant: Plant) -> MemoryStore {
-        let limits = MemoryLimits {
+        let limits = StoreLimits {
             max_records,
             max_bytes: usize::MAX,
             max_records_per_scope: max_records,
@@ -398,7 +376,7 @@ impl MemoryStore {
         MemoryStore::open(limits, Some(plant))
     }
 
-    fn open(limits: MemoryLimits, plant: Option<Plant>) -> MemoryStore {
+    fn open(limits: StoreLimits, plant: Option<Plant>) -> MemoryStore {
         // Without the feature `Plant` has no value: `plant` is `None`, and unused.
         #[cfg(not(feature = "test-util"))]
         let _ = plant;
@@ -434,9 +412,10 @@ impl MemoryStore {
     }
 
     /// What the store holds, expired records not yet swept included, and its bounds.
-    pub fn usage(&self) -> MemoryUsage {
+    pub fn usage(&self) -> StoreUsage {
         let records = self.shared.lock();
-        MemoryUsage {
+        StoreUsage {
+            backend: "memory",
             records: records.map.len(),
             bytes: records.bytes,
             max_records: self.shared.max_records,

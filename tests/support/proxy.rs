@@ -18,6 +18,8 @@ pub fn free_port() -> u16 {
 #[derive(Debug, Clone)]
 pub enum StoreKind {
     Memory,
+    /// The SQLite store on this file.
+    Sqlite(std::path::PathBuf),
     Redis(String),
     /// Sentinel URLs, and the master name they monitor.
     Sentinel(Vec<String>, String),
@@ -71,6 +73,7 @@ impl TestConfig {
         let list = |urls: &[String]| urls.iter().map(|url| format!("{url:?}")).collect::<Vec<_>>().join(", ");
         let store = match &self.store {
             StoreKind::Memory => "backend = \"memory\"".to_string(),
+            StoreKind::Sqlite(path) => format!("backend = \"sqlite\"\npath = {:?}", path.display().to_string()),
             StoreKind::Redis(url) => format!("backend = \"redis\"\nurl = \"{url}\""),
             StoreKind::Sentinel(urls, master) => {
                 format!(

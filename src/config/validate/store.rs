@@ -8,7 +8,8 @@ use toml::Spanned;
 use crate::config::raw::{BackendKind, RawStore};
 use crate::config::{
     Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
-    DEFAULT_STORE_CONNECTIONS, RedisConfig, RedisTopology, StoreConfig, StoreTls,
+    DEFAULT_SQLITE_CACHE_BYTES, DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS,
+    RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::tls::{self, TlsError};
@@ -30,69 +31,40 @@ impl Validator<'_> {
         }
         let backend = match *raw.backend.get_ref() {
             BackendKind::Memory => {
-                let redis_only = [
-                    ("store.url", raw.url.as_ref().map(Spanned::span)),
-                    ("store.urls", raw.urls.as_ref().map(Spanned::span)),
-                    ("store.master_name", raw.master_name.as_ref().map(Spanned::span)),
-                    (
-                        "store.min_replica_acks",
-                        raw.min_replica_acks.as_ref().map(Spanned::span),
-                    ),
-                    (
-                        "store.replica_ack_timeout",
-                        raw.replica_ack_timeout.as_ref().map(Spanned::span),
-                    ),
-                    ("store.tls_ca_file", raw.tls_ca_file.as_ref().map(Spanned::span)),
-                    ("store.tls_cert_file", raw.tls_cert_file.as_ref().map(Spanned::span)),
-                    ("store.tls_key_file", raw.tls_key_file.as_ref().map(Spanned::span)),
-                    ("store.connections", raw.connections.as_ref().map(Spanned::span)),
+                self.refuse_redis_settings(&raw)?;
+                let sqlite_only = [
+                    ("store.path", raw.path.as_ref().map(Spanned::span)),
+                    ("store.cache_bytes", raw.cache_bytes.as_ref().map(Spanned::span)),
                 ];
-                if let Some((field, Some(span))) = redis_only.into_iter().find(|(_, span)| span.is_some()) {
-                    return Err(self.error(span, field, "only the redis backends take this"));
+                if let Some((field, Some(span))) = sqlite_only.into_iter().find(|(_, span)| span.is_some()) {
+                    return Err(self.error(span, field, "only the sqlite backend takes this"));
                 }
-                let max_records = match &raw.max_records {
-                    Some(max) if *max.get_ref() == 0 => {
-                        return Err(self.error(max.span(), "store.max_records", "must be greater than 0"));
-                    }
-                    Some(max) => *max.get_ref(),
-                    None => DEFAULT_MAX_RECORDS,
+                Backend::Memory(self.limits(&raw, DEFAULT_MAX_RECORDS, DEFAULT_MAX_BYTES)?)
+            }
+            BackendKind::Sqlite => {
+                self.refuse_redis_settings(&raw)?;
+                let Some(path) = &raw.path else {
+                    return Err(self.error(
+                        raw.backend.span(),
+                        "store.path",
+                        "the sqlite backend needs the file it keeps its records in, e.g. path = \"records.db\"",
+                    ));
                 };
-                let max_bytes = match &raw.max_bytes {
-                    Some(max) if max.get_ref().0 < 1024 * 1024 => {
-                        return Err(self.error(max.span(), "store.max_bytes", "must be at least 1048576 (1 MiB)"));
-                    }
-                    Some(max) => max.get_ref().as_usize(),
-                    None => DEFAULT_MAX_BYTES,
-                };
-                // A quarter of each bound by default: one client cannot take the store
-                // from the others.
-                let per_scope = |value: Option<(usize, Range<usize>)>, field: &str, default: usize| match value {
-                    Some((0, span)) => Err(self.error(span, field, "must be greater than 0")),
-                    Some((max, _)) => Ok(max),
-                    None => Ok((default / 4).max(1)),
-                };
-                let records = raw
-                    .max_records_per_scope
-                    .as_ref()
-                    .map(|max| (*max.get_ref(), max.span()));
-                let max_records_per_scope = per_scope(records, "store.max_records_per_scope", max_records)?;
-                let bytes = raw
-                    .max_bytes_per_scope
-                    .as_ref()
-                    .map(|max| (max.get_ref().as_usize(), max.span()));
-                let max_bytes_per_scope = per_scope(bytes, "store.max_bytes_per_scope", max_bytes)?;
-                let client = raw
-                    .max_records_per_client
-                    .as_ref()
-                    .map(|max| (*max.get_ref(), max.span()));
-                let max_records_per_client = per_scope(client, "store.max_records_per_client", max_records)?;
-                Backend::Memory {
-                    max_records,
-                    max_bytes,
-                    max_records_per_scope,
-                    max_bytes_per_scope,
-                    max_records_per_client,
+                if path.get_ref().is_empty() {
+                    return Err(self.error(path.span(), "store.path", "must name a file"));
                 }
+                let cache_bytes = match &raw.cache_bytes {
+                    Some(cache) if cache.get_ref().0 < 1024 * 1024 => {
+                        return Err(self.error(cache.span(), "store.cache_bytes", "must be at least 1048576 (1 MiB)"));
+                    }
+                    Some(cache) => cache.get_ref().as_usize(),
+                    None => DEFAULT_SQLITE_CACHE_BYTES,
+                };
+                Backend::Sqlite(SqliteConfig {
+                    path: self.file(path.get_ref()),
+                    limits: self.limits(&raw, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_SQLITE_MAX_BYTES)?,
+                    cache_bytes,
+                })
             }
             kind => Backend::Redis(self.redis(kind, &raw)?),
         };
@@ -101,6 +73,78 @@ impl Validator<'_> {
             key_prefix: raw.key_prefix.into_inner(),
             timeout: raw.timeout.into_inner().0,
         })
+    }
+
+    /// An embedded store's bounds, with the backend's defaults.
+    fn limits(&self, raw: &RawStore, default_records: usize, default_bytes: usize) -> Result<StoreLimits, ConfigError> {
+        let max_records = match &raw.max_records {
+            Some(max) if *max.get_ref() == 0 => {
+                return Err(self.error(max.span(), "store.max_records", "must be greater than 0"));
+            }
+            Some(max) => *max.get_ref(),
+            None => default_records,
+        };
+        let max_bytes = match &raw.max_bytes {
+            Some(max) if max.get_ref().0 < 1024 * 1024 => {
+                return Err(self.error(max.span(), "store.max_bytes", "must be at least 1048576 (1 MiB)"));
+            }
+            Some(max) => max.get_ref().as_usize(),
+            None => default_bytes,
+        };
+        // A quarter of each bound by default: one client cannot take the store from
+        // the others.
+        let per_scope = |value: Option<(usize, Range<usize>)>, field: &str, default: usize| match value {
+            Some((0, span)) => Err(self.error(span, field, "must be greater than 0")),
+            Some((max, _)) => Ok(max),
+            None => Ok((default / 4).max(1)),
+        };
+        let records = raw
+            .max_records_per_scope
+            .as_ref()
+            .map(|max| (*max.get_ref(), max.span()));
+        let max_records_per_scope = per_scope(records, "store.max_records_per_scope", max_records)?;
+        let bytes = raw
+            .max_bytes_per_scope
+            .as_ref()
+            .map(|max| (max.get_ref().as_usize(), max.span()));
+        let max_bytes_per_scope = per_scope(bytes, "store.max_bytes_per_scope", max_bytes)?;
+        let client = raw
+            .max_records_per_client
+            .as_ref()
+            .map(|max| (*max.get_ref(), max.span()));
+        let max_records_per_client = per_scope(client, "store.max_records_per_client", max_records)?;
+        Ok(StoreLimits {
+            max_records,
+            max_bytes,
+            max_records_per_scope,
+            max_bytes_per_scope,
+            max_records_per_client,
+        })
+    }
+
+    /// An embedded backend takes none of Redis's settings.
+    fn refuse_redis_settings(&self, raw: &RawStore) -> Result<(), ConfigError> {
+        let redis_only = [
+            ("store.url", raw.url.as_ref().map(Spanned::span)),
+            ("store.urls", raw.urls.as_ref().map(Spanned::span)),
+            ("store.master_name", raw.master_name.as_ref().map(Spanned::span)),
+            (
+                "store.min_replica_acks",
+                raw.min_replica_acks.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.replica_ack_timeout",
+                raw.replica_ack_timeout.as_ref().map(Spanned::span),
+            ),
+            ("store.tls_ca_file", raw.tls_ca_file.as_ref().map(Spanned::span)),
+            ("store.tls_cert_file", raw.tls_cert_file.as_ref().map(Spanned::span)),
+            ("store.tls_key_file", raw.tls_key_file.as_ref().map(Spanned::span)),
+            ("store.connections", raw.connections.as_ref().map(Spanned::span)),
+        ];
+        match redis_only.into_iter().find(|(_, span)| span.is_some()) {
+            Some((field, Some(span))) => Err(self.error(span, field, "only the redis backends take this")),
+            _ => Ok(()),
+        }
     }
 
     /// The Redis backends: which fields each topology takes, every URL checked.
@@ -125,8 +169,16 @@ impl Validator<'_> {
                 return Err(self.error(
                     span,
                     field,
-                    "only the memory backend takes this; bound Redis with maxmemory",
+                    "only the memory and sqlite backends take this; bound Redis with maxmemory",
                 ));
+            }
+        }
+        for (field, span) in [
+            ("store.path", raw.path.as_ref().map(Spanned::span)),
+            ("store.cache_bytes", raw.cache_bytes.as_ref().map(Spanned::span)),
+        ] {
+            if let Some(span) = span {
+                return Err(self.error(span, field, "only the sqlite backend takes this"));
             }
         }
         let refuse = |value: Option<Range<usize>>, field: &str, reason: &str| match value {
@@ -206,9 +258,9 @@ impl Validator<'_> {
                     RedisTopology::Sentinel { urls, master_name }
                 }
             }
-            // `store` validates the memory backend itself and never asks for this.
-            BackendKind::Memory => {
-                return Err(self.error(raw.backend.span(), "store.backend", "memory is not a Redis backend"));
+            // `store` validates the embedded backends itself and never asks for this.
+            BackendKind::Memory | BackendKind::Sqlite => {
+                return Err(self.error(raw.backend.span(), "store.backend", "not a Redis backend"));
             }
         };
         let replica_ack_timeout = match &raw.replica_ack_timeout {

@@ -1,0 +1,975 @@
+//! The durable embedded store: every record in one SQLite file that this process owns
+//! (docs/design.md §17). The same lifecycle as the memory store and Redis, each step a
+//! compare-and-set in one transaction, and every write on disk before its caller
+//! hears of it: a claim before its request is forwarded, a response before it is
+//! sent. Writes go through one writer thread that commits whatever is waiting as one
+//! transaction (see `writer`); reads (a retry finding its record, an operator's view)
+//! take a connection of their own and see the last commit, never waiting for the
+//! writer. Times are on the wall clock, so that retention, leases and probe
+//! schedules count across a restart.
+//!
+//! Bounded as the memory store is: `max_records`, the per-scope and per-client shares
+//! (counted by triggers in the file itself, so they hold across restarts), and
+//! `max_bytes`, which here bounds the file: SQLite refuses to grow it past that
+//! (`max_page_count`), and new claims stop at seven eighths of it, so that the
+//! responses of requests already forwarded still fit. Expired records are deleted in
+//! the background and their pages reused.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
+
+use self::file::FileLock;
+use self::writer::{Clock, Millis, Writer, disk};
+use super::notify::{Hub, Watcher};
+use super::{
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreUsage,
+    StoredResponse, SummaryState, UnknownReason, Write,
+};
+use crate::config::{SqliteConfig, StoreLimits};
+use crate::error::StoreError;
+
+mod file;
+mod writer;
+
+#[cfg(feature = "test-util")]
+pub use self::file::create_at_version;
+pub use self::file::{APPLICATION_ID, VERSION};
+pub use self::writer::CommitStats;
+
+/// What one record costs besides its key and response, as the per-scope byte share
+/// counts it (the same estimate as the memory store's).
+const RECORD_OVERHEAD: usize = 160;
+/// Read connections kept open between reads; each caches `cache_bytes / 16`.
+const KEPT_READERS: usize = 8;
+/// Most expired records a claim deletes to make room before it is refused.
+const ROOM_BATCH: i64 = 10_000;
+/// Most unsettled records listed at start for their probes.
+const MAX_UNSETTLED: i64 = 65_536;
+
+#[derive(Clone, Debug)]
+pub struct SqliteStore {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    // Dropped in this order: the writer (its thread finishes and closes the file), the
+    // readers, and last the lock, so that no other process opens the file before this
+    // one has let go of it.
+    writer: Writer,
+    readers: Mutex<Vec<Connection>>,
+    path: PathBuf,
+    limits: StoreLimits,
+    reader_cache_kib: i64,
+    /// Claims stop once the file's pages in use reach this many.
+    admit_pages: i64,
+    page_size: i64,
+    timeout: Duration,
+    hub: Arc<Hub>,
+    clock: Clock,
+    stats: CommitStats,
+    _lock: FileLock,
+}
+
+/// A record as its row holds it.
+struct Row {
+    fingerprint: Fingerprint,
+    expires_at: Millis,
+    state: RowState,
+}
+
+enum RowState {
+    InFlight {
+        owner: OwnerToken,
+        lease_until: Millis,
+    },
+    Completed {
+        status: i64,
+        headers: Vec<u8>,
+        /// The body, or only its length where the read did not ask for it.
+        body: Body,
+    },
+    Unknown {
+        reason: UnknownReason,
+        owner: OwnerToken,
+        schedule: Option<Schedule>,
+    },
+}
+
+enum Body {
+    Bytes(Vec<u8>),
+    Length(u64),
+}
+
+/// An unknown record's probe schedule: when the next probe may begin (`None` once it
+/// has given up), and when it gives up.
+#[derive(Clone, Copy)]
+struct Schedule {
+    due: Option<Millis>,
+    give_up_at: Millis,
+}
+
+impl Schedule {
+    fn new(now: Millis, first_after: Duration, schedule: ProbeSchedule) -> Schedule {
+        Schedule {
+            due: Some(now + millis(first_after)),
+            give_up_at: now + millis(schedule.give_up_after),
+        }
+    }
+
+    fn probe(&self, now: Millis) -> Probe {
+        match self.due {
+            None => Probe::GaveUp,
+            Some(_) if self.give_up_at <= now => Probe::GaveUp,
+            Some(due) => Probe::Next(until(now, due)),
+        }
+    }
+}
+
+fn probe(schedule: Option<&Schedule>, now: Millis) -> Probe {
+    schedule.map_or(Probe::Unscheduled, |schedule| schedule.probe(now))
+}
+
+fn millis(duration: Duration) -> Millis {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX / 4)
+}
+
+/// How long from `now` until `then` (zero once it has passed).
+fn until(now: Millis, then: Millis) -> Duration {
+    Duration::from_millis(u64::try_from(then - now).unwrap_or(0))
+}
+
+/// A record that is unknown for a claim that is not yet on record: an unknown record
+/// the probe can find at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsettled {
+    pub key: StoreKey,
+    /// The key as the upstream was sent it, where the route's probe path names it.
+    pub probe_key: Option<String>,
+    /// How long until its probe is due: the rest of its lease, or of its schedule.
+    pub due_in: Duration,
+}
+
+const ROW: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
+                   probe_due, probe_give_up FROM records WHERE key = ?1";
+const ROW_HEAD: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, length(body), \
+                        reason, probe_due, probe_give_up FROM records WHERE key = ?1";
+
+/// The record under `key`, expired or not; `body`: with its body, else its length.
+fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
+    let mut statement = conn
+        .prepare_cached(if body { ROW } else { ROW_HEAD })
+        .map_err(|error| disk(&error, false))?;
+    let row = statement
+        .query_row([key.as_str()], |row| {
+            let blob = |index: usize| row.get::<_, Option<Vec<u8>>>(index);
+            let state: String = row.get(2)?;
+            let owner = blob(3)?.and_then(|owner| OwnerToken::from_bytes(&owner));
+            let decoded = match (state.as_str(), owner) {
+                ("in_flight", Some(owner)) => row
+                    .get::<_, Option<i64>>(4)?
+                    .map(|lease_until| RowState::InFlight { owner, lease_until }),
+                ("completed", _) => match row.get::<_, Option<i64>>(5)? {
+                    None => None,
+                    Some(status) => Some(RowState::Completed {
+                        status,
+                        headers: blob(6)?.unwrap_or_default(),
+                        body: match body {
+                            true => Body::Bytes(blob(7)?.unwrap_or_default()),
+                            false => {
+                                Body::Length(row.get::<_, Option<i64>>(7)?.map_or(0, |length| length.unsigned_abs()))
+                            }
+                        },
+                    }),
+                },
+                ("unknown", Some(owner)) => {
+                    let reason: String = row.get(8)?;
+                    let (due, give_up) = (row.get::<_, Option<i64>>(9)?, row.get::<_, Option<i64>>(10)?);
+                    UnknownReason::parse(reason.as_bytes()).map(|reason| RowState::Unknown {
+                        reason,
+                        owner,
+                        schedule: give_up.map(|give_up_at| Schedule { due, give_up_at }),
+                    })
+                }
+                _ => None,
+            };
+            let fingerprint = Fingerprint::from_bytes(&row.get::<_, Vec<u8>>(0)?);
+            let expires_at: i64 = row.get(1)?;
+            Ok(decoded.zip(fingerprint).map(|(state, fingerprint)| Row {
+                fingerprint,
+                expires_at,
+                state,
+            }))
+        })
+        .optional()
+        .map_err(|error| disk(&error, false))?;
+    match row {
+        None => Ok(None),
+        Some(None) => Err(StoreError::Protocol("a record in the store's file does not decode")),
+        Some(Some(row)) => Ok(Some(row)),
+    }
+}
+
+/// The response a completed row holds.
+fn response(status: i64, headers: &[u8], body: Vec<u8>) -> Result<StoredResponse, StoreError> {
+    StoredResponse::decode(status.to_string().as_bytes(), headers, Bytes::from(body)).ok_or(StoreError::Protocol(
+        "a recorded response in the store's file does not decode",
+    ))
+}
+
+/// What a claim finds in a live record that is not free.
+fn existing(row: Row, claimant: OwnerToken, now: Millis) -> Result<ClaimOutcome, StoreError> {
+    let state = match row.state {
+        RowState::InFlight { lease_until, .. } if lease_until <= now => RecordState::LeaseExpired,
+        RowState::InFlight { owner, .. } if owner == claimant => return Ok(ClaimOutcome::Acquired(())),
+        RowState::InFlight { lease_until, .. } => RecordState::InFlight {
+            lease_remaining: until(now, lease_until),
+        },
+        RowState::Completed {
+            status,
+            headers,
+            body: Body::Bytes(body),
+        } => RecordState::Completed(response(status, &headers, body)?),
+        RowState::Completed { .. } => return Err(StoreError::Protocol("a replay read without its body")),
+        RowState::Unknown { reason, schedule, .. } => RecordState::Unknown {
+            reason,
+            probe: probe(schedule.as_ref(), now),
+        },
+    };
+    Ok(ClaimOutcome::Existing(Existing {
+        fingerprint: row.fingerprint,
+        state,
+    }))
+}
+
+/// The bytes a record counts against its scope's share.
+fn record_size(key: &StoreKey, response: Option<&StoredResponse>) -> i64 {
+    let size = RECORD_OVERHEAD + key.as_str().len() + response.map_or(0, StoredResponse::size);
+    i64::try_from(size).unwrap_or(i64::MAX)
+}
+
+/// What one kind of share holds: (records, bytes).
+fn share(conn: &Connection, kind: i64, id: i64) -> Result<(i64, i64), StoreError> {
+    conn.prepare_cached("SELECT records, bytes FROM shares WHERE kind = ?1 AND id = ?2")
+        .and_then(|mut statement| {
+            statement
+                .query_row((kind, id), |row| Ok((row.get(0)?, row.get(1)?)))
+                .optional()
+        })
+        .map(Option::unwrap_or_default)
+        .map_err(|error| disk(&error, false))
+}
+
+/// The file's pages in use: its pages less the free ones.
+fn used_pages(conn: &Connection) -> Result<i64, StoreError> {
+    let pages: i64 = conn
+        .pragma_query_value(None, "page_count", |row| row.get(0))
+        .map_err(|error| disk(&error, false))?;
+    let free: i64 = conn
+        .pragma_query_value(None, "freelist_count", |row| row.get(0))
+        .map_err(|error| disk(&error, false))?;
+    Ok(pages - free)
+}
+
+fn execute(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+    conn.prepare_cached(sql)
+        .and_then(|mut statement| statement.execute(params))
+        .map_err(|error| disk(&error, false))
+}
+
+/// How long until the first of the records `column` = `id` expires (at least 1 s).
+fn first_expiry(conn: &Connection, column: &str, id: i64, now: Millis) -> Result<Duration, StoreError> {
+    let sql = format!("SELECT min(expires_at) FROM records WHERE {column} = ?1 AND scope IS NOT NULL");
+    let first: Option<i64> = conn
+        .prepare_cached(&sql)
+        .and_then(|mut statement| statement.query_row([id], |row| row.get(0)))
+        .map_err(|error| disk(&error, false))?;
+    Ok(first
+        .map_or(Duration::ZERO, |first| until(now, first))
+        .max(Duration::from_secs(1)))
+}
+
+impl SqliteStore {
+    /// Opens (or creates) the store's file, under its lock, and starts its writer.
+    /// Refuses a file that is not this store's, naming it and leaving it as it is.
+    pub fn open(config: &SqliteConfig, timeout: Duration) -> Result<SqliteStore, StoreError> {
+        let lock = file::lock(&config.path)?;
+        let conn = file::open(&config.path)?;
+        let setup = |conn: &Connection| -> rusqlite::Result<(i64, i64)> {
+            conn.pragma_update(None, "synchronous", "FULL")?;
+            conn.pragma_update(None, "busy_timeout", 5000)?;
+            conn.pragma_update(None, "temp_store", "MEMORY")?;
+            conn.pragma_update(None, "mmap_size", 0)?;
+            conn.pragma_update(None, "journal_size_limit", 64 * 1024 * 1024)?;
+            conn.pragma_update(None, "cache_size", -kib(config.cache_bytes / 2))?;
+            let page_size: i64 = conn.pragma_query_value(None, "page_size", |row| row.get(0))?;
+            let max_pages = i64::try_from(config.limits.max_bytes).unwrap_or(i64::MAX) / page_size;
+            conn.pragma_update(None, "max_page_count", max_pages)?;
+            Ok((page_size, max_pages))
+        };
+        let (page_size, max_pages) = setup(&conn).map_err(|error| disk(&error, false))?;
+        let identity = identity_key(&conn)?;
+        super::identity::adopt(identity, &config.path);
+        let clock = Clock::default();
+        let stats = CommitStats::default();
+        let writer = Writer::start(conn, clock.clone(), stats.clone()).map_err(|source| {
+            StoreError::File(crate::error::StoreFileError::Io {
+                path: config.path.clone(),
+                what: "start its writer thread",
+                source,
+            })
+        })?;
+        Ok(SqliteStore {
+            shared: Arc::new(Shared {
+                writer,
+                readers: Mutex::new(Vec::new()),
+                path: config.path.clone(),
+                limits: config.limits,
+                reader_cache_kib: kib(config.cache_bytes / 16),
+                admit_pages: max_pages / 8 * 7,
+                page_size,
+                timeout,
+                hub: Arc::default(),
+                clock,
+                stats,
+                _lock: lock,
+            }),
+        })
+    }
+
+    /// Where this store's waiters are woken.
+    pub(crate) fn watcher(&self) -> Watcher {
+        Watcher::Local(self.shared.hub.clone())
+    }
+
+    /// The file the store keeps its records in.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// What the writer's commits cost.
+    pub fn commit_stats(&self) -> &CommitStats {
+        &self.shared.stats
+    }
+
+    /// What the store holds: its records (expired ones until the sweep) and the bytes
+    /// of the file's pages in use, and its bounds.
+    pub fn usage(&self) -> Result<StoreUsage, StoreError> {
+        let (records, pages) = self.read(|conn, _| Ok((share(conn, 0, 0)?.0, used_pages(conn)?)))?;
+        Ok(StoreUsage {
+            backend: "sqlite",
+            records: usize::try_from(records).unwrap_or(0),
+            bytes: usize::try_from(pages * self.shared.page_size).unwrap_or(0),
+            max_records: self.shared.limits.max_records,
+            max_bytes: self.shared.limits.max_bytes,
+        })
+    }
+
+    /// The records whose outcome is unknown or whose claim is still in flight, with
+    /// when each one's probe is due: at start, every one of them was this process's
+    /// before it stopped (one process per file), so each is a probe to schedule. Those
+    /// whose probe has given up are left to an operator.
+    pub fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
+        self.read(|conn, now| {
+            let mut statement = conn
+                .prepare_cached(
+                    "SELECT key, probe_key, state, lease_until, probe_due, probe_give_up FROM records \
+                     WHERE state != 'completed' AND expires_at > ?1 LIMIT ?2",
+                )
+                .map_err(|error| disk(&error, false))?;
+            let rows = statement
+                .query_map((now, MAX_UNSETTLED), |row| {
+                    let state: String = row.get(2)?;
+                    let due = match state.as_str() {
+                        "in_flight" => row.get::<_, Option<i64>>(3)?,
+                        // Unscheduled (written on a route without a probe then): due now.
+                        _ => match row.get::<_, Option<i64>>(5)? {
+                            None => Some(now),
+                            Some(_) => row.get::<_, Option<i64>>(4)?,
+                        },
+                    };
+                    let (key, probe_key): (String, Option<String>) = (row.get(0)?, row.get(1)?);
+                    Ok(due.map(|due| Unsettled {
+                        key: StoreKey::from_derived(key),
+                        probe_key,
+                        due_in: until(now, due),
+                    }))
+                })
+                .and_then(|rows| rows.collect::<Result<Vec<_>, _>>())
+                .map_err(|error| disk(&error, false))?;
+            Ok(rows.into_iter().flatten().collect())
+        })
+    }
+
+    /// Moves the store's clock forward, as if that much time had passed.
+    #[cfg(feature = "test-util")]
+    pub fn advance_clock(&self, by: Duration) {
+        self.shared.clock.advance(by);
+    }
+
+    /// Holds the writer until the returned sender is dropped: writes asked for meanwhile
+    /// wait (within the store's timeout), and go into the commit after it together.
+    /// For the group-commit test.
+    #[cfg(feature = "test-util")]
+    pub async fn hold_writer(&self) -> std::sync::mpsc::Sender<()> {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let (began, begun) = tokio::sync::oneshot::channel::<()>();
+        let store = self.clone();
+        tokio::spawn(async move {
+            let _ = store
+                .write(move |_, _| {
+                    let _ = began.send(());
+                    let _ = held.recv();
+                    Ok(())
+                })
+                .await;
+        });
+        // Returned once the writer is inside the hold.
+        let _ = begun.await;
+        release
+    }
+
+    /// The number of records the file holds, expired or not.
+    #[cfg(feature = "test-util")]
+    pub fn len(&self) -> usize {
+        self.read(|conn, _| Ok(share(conn, 0, 0)?.0))
+            .map_or(0, |records| usize::try_from(records).unwrap_or(0))
+    }
+
+    #[cfg(feature = "test-util")]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `read` on a read connection: it sees the last commit, and never waits for
+    /// the writer.
+    fn read<R>(&self, read: impl FnOnce(&Connection, Millis) -> Result<R, StoreError>) -> Result<R, StoreError> {
+        let conn = match self.shared.lock_readers().pop() {
+            Some(conn) => conn,
+            None => self.reader()?,
+        };
+        let result = read(&conn, self.shared.clock.now());
+        let mut readers = self.shared.lock_readers();
+        if readers.len() < KEPT_READERS {
+            readers.push(conn);
+        }
+        result
+    }
+
+    fn reader(&self) -> Result<Connection, StoreError> {
+        let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&self.shared.path, flags).map_err(|error| disk(&error, false))?;
+        let setup = |conn: &Connection| -> rusqlite::Result<()> {
+            conn.pragma_update(None, "query_only", true)?;
+            conn.pragma_update(None, "busy_timeout", 5000)?;
+            conn.pragma_update(None, "mmap_size", 0)?;
+            conn.pragma_update(None, "cache_size", -self.shared.reader_cache_kib)
+        };
+        setup(&conn).map_err(|error| disk(&error, false))?;
+        Ok(conn)
+    }
+
+    /// Runs `op` in the writer's next commit.
+    async fn write<R, F>(&self, op: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+    {
+        self.shared.writer.write(self.shared.timeout, op).await
+    }
+
+    /// Runs a compare-and-set on `key`'s record, and wakes its waiters if it changed it.
+    async fn change<R, F>(&self, key: &StoreKey, changed: impl Fn(&R) -> bool, op: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+    {
+        let result = self.write(op).await?;
+        if changed(&result) {
+            self.shared.hub.wake(key.as_str());
+        }
+        Ok(result)
+    }
+}
+
+impl Shared {
+    fn lock_readers(&self) -> MutexGuard<'_, Vec<Connection>> {
+        // Only pushes and pops: a poisoned list is whole.
+        self.readers.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn kib(bytes: usize) -> i64 {
+    i64::try_from(bytes / 1024).unwrap_or(i64::MAX)
+}
+
+/// The file's key for client and scope numbers, made when the file is: so that a
+/// scope's records count against the same share after a restart.
+fn identity_key(conn: &Connection) -> Result<[u8; 16], StoreError> {
+    let stored: Option<Vec<u8>> = conn
+        .query_row("SELECT value FROM meta WHERE name = 'identity_key'", [], |row| {
+            row.get(0)
+        })
+        .optional()
+        .map_err(|error| disk(&error, false))?;
+    if let Some(key) = stored.and_then(|key| <[u8; 16]>::try_from(key).ok()) {
+        return Ok(key);
+    }
+    let key =
+        super::identity::random_key().ok_or(StoreError::Unready("the operating system's random source failed"))?;
+    conn.execute(
+        "INSERT OR REPLACE INTO meta (name, value) VALUES ('identity_key', ?1)",
+        [&key[..]],
+    )
+    .map_err(|error| disk(&error, true))?;
+    Ok(key)
+}
+
+/// The owner's live in-flight record's lease deadline, if it still is one.
+fn owned(conn: &Connection, key: &StoreKey, owner: OwnerToken, now: Millis) -> Result<Option<Millis>, StoreError> {
+    Ok(match load(conn, key, false)? {
+        Some(Row {
+            expires_at,
+            state: RowState::InFlight {
+                owner: holder,
+                lease_until,
+            },
+            ..
+        }) if expires_at > now && holder == owner => Some(lease_until),
+        _ => None,
+    })
+}
+
+/// The writer's half of a claim: the key is free (or was a moment ago, on a read
+/// connection), so unless a record appeared meanwhile, the claim takes it if the
+/// bounds have room.
+fn claim_free(
+    conn: &Connection,
+    claim: &ClaimRequest,
+    limits: StoreLimits,
+    admit_pages: i64,
+    now: Millis,
+) -> Result<ClaimOutcome, StoreError> {
+    if let Some(row) = load(conn, &claim.key, true)? {
+        if row.expires_at > now {
+            return existing(row, claim.owner, now);
+        }
+        execute(conn, "DELETE FROM records WHERE key = ?1", [claim.key.as_str()])?;
+    }
+    let full = |conn: &Connection| -> Result<Option<StoreError>, StoreError> {
+        if share(conn, 0, 0)?.0 >= i64::try_from(limits.max_records).unwrap_or(i64::MAX) {
+            return Ok(Some(StoreError::Full {
+                what: "records",
+                limit: limits.max_records,
+            }));
+        }
+        if used_pages(conn)? >= admit_pages {
+            return Ok(Some(StoreError::Full {
+                what: "bytes",
+                limit: limits.max_bytes,
+            }));
+        }
+        Ok(None)
+    };
+    if full(conn)?.is_some() {
+        execute(
+            conn,
+            "DELETE FROM records WHERE rowid IN \
+             (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
+            (now, ROOM_BATCH),
+        )?;
+        if let Some(full) = full(conn)? {
+            return Err(full);
+        }
+    }
+    if let Some(ScopeId(scope)) = claim.scope {
+        let scope = scope as i64;
+        let scope_full = |conn: &Connection| -> Result<Option<&'static str>, StoreError> {
+            let (records, bytes) = share(conn, 1, scope)?;
+            Ok(
+                if records >= i64::try_from(limits.max_records_per_scope).unwrap_or(i64::MAX) {
+                    Some("records")
+                } else if bytes >= i64::try_from(limits.max_bytes_per_scope).unwrap_or(i64::MAX) {
+                    Some("bytes")
+                } else {
+                    None
+                },
+            )
+        };
+        if scope_full(conn)?.is_some() {
+            execute(
+                conn,
+                "DELETE FROM records WHERE scope = ?1 AND expires_at <= ?2",
+                (scope, now),
+            )?;
+            if let Some(what) = scope_full(conn)? {
+                return Err(StoreError::ScopeFull {
+                    what,
+                    retry_after: first_expiry(conn, "scope", scope, now)?,
+                });
+            }
+        }
+        if let Some(ClientId(client)) = claim.client {
+            let client = client as i64;
+            let max = i64::try_from(limits.max_records_per_client).unwrap_or(i64::MAX);
+            if share(conn, 2, client)?.0 >= max {
+                execute(
+                    conn,
+                    "DELETE FROM records WHERE client = ?1 AND scope IS NOT NULL AND expires_at <= ?2",
+                    (client, now),
+                )?;
+                if share(conn, 2, client)?.0 >= max {
+                    return Err(StoreError::ClientFull {
+                        retry_after: first_expiry(conn, "client", client, now)?,
+                    });
+                }
+            }
+        }
+    }
+    execute(
+        conn,
+        "INSERT INTO records (key, fingerprint, expires_at, scope, client, state, owner, lease_until, probe_key, size) \
+         VALUES (?1, ?2, ?3, ?4, ?5, 'in_flight', ?6, ?7, ?8, ?9)",
+        params![
+            claim.key.as_str(),
+            &claim.fingerprint.0[..],
+            now + millis(claim.retention),
+            claim.scope.map(|ScopeId(scope)| scope as i64),
+            claim
+                .client
+                .filter(|_| claim.scope.is_some())
+                .map(|ClientId(client)| client as i64),
+            &claim.owner.as_bytes()[..],
+            now + millis(claim.lease),
+            claim.probe_key,
+            record_size(&claim.key, None),
+        ],
+    )?;
+    Ok(ClaimOutcome::Acquired(()))
+}
+
+/// Makes `key`'s record the completed `response` (its expiry kept).
+fn set_completed(conn: &Connection, key: &StoreKey, response: &StoredResponse) -> Result<(), StoreError> {
+    execute(
+        conn,
+        "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
+         probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, size = ?5 \
+         WHERE key = ?1",
+        params![
+            key.as_str(),
+            response.status.as_u16(),
+            response.encode_headers(),
+            &response.body[..],
+            record_size(key, Some(response)),
+        ],
+    )
+    .map(drop)
+}
+
+fn set_schedule(conn: &Connection, key: &StoreKey, schedule: Schedule) -> Result<(), StoreError> {
+    execute(
+        conn,
+        "UPDATE records SET probe_due = ?2, probe_give_up = ?3 WHERE key = ?1",
+        params![key.as_str(), schedule.due, schedule.give_up_at],
+    )
+    .map(drop)
+}
+
+impl RecordStore for SqliteStore {
+    async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        // A retry (the common case after the first request) is answered from the last
+        // commit; only a key found free is claimed through the writer.
+        let found = self.read(|conn, now| {
+            Ok(match load(conn, &claim.key, true)? {
+                Some(row) if row.expires_at > now => Some(existing(row, claim.owner, now)?),
+                _ => None,
+            })
+        })?;
+        if let Some(found) = found {
+            return Ok(found);
+        }
+        let (claim, limits, admit) = (claim.clone(), self.shared.limits, self.shared.admit_pages);
+        self.write(move |conn, now| claim_free(conn, &claim, limits, admit, now))
+            .await
+    }
+
+    async fn complete(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        response: &StoredResponse,
+    ) -> Result<Write, StoreError> {
+        let (record, response) = (key.clone(), response.clone());
+        self.change(
+            key,
+            |write| *write == Write::Applied,
+            move |conn, now| {
+                Ok(match owned(conn, &record, owner, now)? {
+                    Some(lease_until) if lease_until > now => {
+                        set_completed(conn, &record, &response)?;
+                        Write::Applied
+                    }
+                    _ => Write::Fenced,
+                })
+            },
+        )
+        .await
+    }
+
+    async fn mark_unknown(
+        &self,
+        key: &StoreKey,
+        owner: OwnerToken,
+        reason: UnknownReason,
+        schedule: Option<ProbeSchedule>,
+    ) -> Result<Write, StoreError> {
+        let record = key.clone();
+        self.change(
+            key,
+            |write| *write == Write::Applied,
+            move |conn, now| {
+                if owned(conn, &record, owner, now)?.is_none() {
+                    return Ok(Write::Fenced);
+                }
+                let schedule = schedule.map(|schedule| Schedule::new(now, schedule.first_after, schedule));
+                execute(
+                    conn,
+                    "UPDATE records SET state = 'unknown', lease_until = NULL, reason = ?2, probe_due = ?3, \
+                 probe_give_up = ?4 WHERE key = ?1",
+                    params![
+                        record.as_str(),
+                        reason.as_str(),
+                        schedule.and_then(|schedule| schedule.due),
+                        schedule.map(|schedule| schedule.give_up_at),
+                    ],
+                )?;
+                Ok(Write::Applied)
+            },
+        )
+        .await
+    }
+
+    async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
+        let record = key.clone();
+        self.change(
+            key,
+            |write| *write == Write::Applied,
+            move |conn, now| {
+                if owned(conn, &record, owner, now)?.is_none() {
+                    return Ok(Write::Fenced);
+                }
+                execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])?;
+                Ok(Write::Applied)
+            },
+        )
+        .await
+    }
+
+    async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
+        let record = key.clone();
+        self.change(
+            key,
+            |_| true,
+            move |conn, _| Ok(execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])? > 0),
+        )
+        .await
+    }
+
+    async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
+        self.read(|conn, now| {
+            let Some(row) = load(conn, key, false)?.filter(|row| row.expires_at > now) else {
+                return Ok(None);
+            };
+            let (state, owner) = match row.state {
+                RowState::InFlight { lease_until, .. } if lease_until > now => (
+                    SummaryState::InFlight {
+                        lease_remaining: until(now, lease_until),
+                    },
+                    None,
+                ),
+                RowState::InFlight { owner, .. } => (SummaryState::LeaseExpired, Some(owner)),
+                RowState::Completed { status, headers, body } => {
+                    let trace = response(status, &headers, Vec::new())?.trace;
+                    let response_bytes = match body {
+                        Body::Length(length) => length,
+                        Body::Bytes(body) => body.len() as u64,
+                    };
+                    (
+                        SummaryState::Completed {
+                            status: u16::try_from(status).unwrap_or(0),
+                            response_bytes,
+                            trace_id: trace.map(crate::record::ExecutionTrace::trace_id_hex),
+                        },
+                        None,
+                    )
+                }
+                RowState::Unknown {
+                    reason,
+                    owner,
+                    schedule,
+                } => (
+                    SummaryState::Unknown {
+                        reason,
+                        probe: probe(schedule.as_ref(), now),
+                    },
+                    Some(owner),
+                ),
+            };
+            Ok(Some(RecordSummary {
+                fingerprint: row.fingerprint,
+                ttl: until(now, row.expires_at),
+                state,
+                owner,
+            }))
+        })
+    }
+
+    async fn resolve(
+        &self,
+        key: &StoreKey,
+        owner: Option<OwnerToken>,
+        resolution: &Resolution,
+    ) -> Result<Resolved, StoreError> {
+        let (record, resolution) = (key.clone(), resolution.clone());
+        self.change(
+            key,
+            |resolved| *resolved == Resolved::Resolved,
+            move |conn, now| {
+                let Some(row) = load(conn, &record, false)?.filter(|row| row.expires_at > now) else {
+                    return Ok(Resolved::Absent);
+                };
+                let holder = match row.state {
+                    RowState::Unknown { owner, .. } => owner,
+                    RowState::InFlight { lease_until, owner } if lease_until <= now => owner,
+                    RowState::InFlight { .. } | RowState::Completed { .. } => return Ok(Resolved::NotUnknown),
+                };
+                if owner.is_some_and(|named| named != holder) {
+                    return Ok(Resolved::OtherClaim);
+                }
+                match &resolution {
+                    Resolution::Applied(response) => set_completed(conn, &record, response)?,
+                    Resolution::NotApplied => {
+                        execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])?;
+                    }
+                }
+                Ok(Resolved::Resolved)
+            },
+        )
+        .await
+    }
+
+    async fn begin_probe(
+        &self,
+        key: &StoreKey,
+        schedule: ProbeSchedule,
+        lease: Duration,
+    ) -> Result<ProbeStart, StoreError> {
+        let record = key.clone();
+        self.write(move |conn, now| {
+            let Some(row) = load(conn, &record, false)?.filter(|row| row.expires_at > now) else {
+                return Ok(ProbeStart::Settled);
+            };
+            match row.state {
+                RowState::InFlight { owner, lease_until } if lease_until <= now => {
+                    let leased = Schedule::new(now, lease, schedule);
+                    execute(
+                        conn,
+                        "UPDATE records SET state = 'unknown', lease_until = NULL, reason = ?2, probe_due = ?3, \
+                         probe_give_up = ?4 WHERE key = ?1",
+                        params![
+                            record.as_str(),
+                            UnknownReason::LeaseExpired.as_str(),
+                            leased.due,
+                            leased.give_up_at
+                        ],
+                    )?;
+                    Ok(ProbeStart::Leased(owner))
+                }
+                RowState::InFlight { .. } | RowState::Completed { .. } => Ok(ProbeStart::Settled),
+                RowState::Unknown {
+                    owner,
+                    schedule: scheduled,
+                    ..
+                } => {
+                    let current = scheduled.unwrap_or_else(|| Schedule::new(now, Duration::ZERO, schedule));
+                    match current.due {
+                        None => return Ok(ProbeStart::GaveUp),
+                        Some(due) if due > now => return Ok(ProbeStart::NotDue(until(now, due))),
+                        Some(_) if current.give_up_at <= now => {
+                            set_schedule(conn, &record, Schedule { due: None, ..current })?;
+                            return Ok(ProbeStart::GaveUp);
+                        }
+                        Some(_) => {}
+                    }
+                    set_schedule(
+                        conn,
+                        &record,
+                        Schedule {
+                            due: Some(now + millis(lease)),
+                            ..current
+                        },
+                    )?;
+                    Ok(ProbeStart::Leased(owner))
+                }
+            }
+        })
+        .await
+    }
+
+    async fn defer_probe(&self, key: &StoreKey, named: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
+        let record = key.clone();
+        self.write(move |conn, now| {
+            let Some(Row {
+                state:
+                    RowState::Unknown {
+                        owner,
+                        schedule: Some(schedule),
+                        ..
+                    },
+                expires_at,
+                ..
+            }) = load(conn, &record, false)?
+            else {
+                return Ok(Deferred::Settled);
+            };
+            if expires_at <= now || owner != named {
+                return Ok(Deferred::Settled);
+            }
+            let next = now + millis(every);
+            if schedule.due.is_none() || next >= schedule.give_up_at {
+                set_schedule(conn, &record, Schedule { due: None, ..schedule })?;
+                return Ok(Deferred::GaveUp);
+            }
+            set_schedule(
+                conn,
+                &record,
+                Schedule {
+                    due: Some(next),
+                    ..schedule
+                },
+            )?;
+            Ok(Deferred::Scheduled)
+        })
+        .await
+    }
+
+    /// A write through the writer, committed: the store is ready only while its file
+    /// takes writes.
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.write(|conn, now| {
+            execute(
+                conn,
+                "INSERT INTO meta (name, value) VALUES ('ping', ?1) \
+                 ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                [&now.to_be_bytes()[..]],
+            )
+            .map(drop)
+        })
+        .await
+    }
+}

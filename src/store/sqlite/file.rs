@@ -1,0 +1,317 @@
+//! The SQLite store's file: who may open it, what it must be, and its schema.
+//!
+//! One process per file: the process holds an exclusive `flock` on `<file>.lock`
+//! (with its pid written in it) for as long as the store is open, so a second process
+//! refuses to start and names the holder. A file that is not this store's is refused
+//! and left as it is: not a SQLite database, corrupt (`PRAGMA quick_check`), another
+//! application's (`PRAGMA application_id`), or written by a newer version (`PRAGMA
+//! user_version`). It is read by a read-only connection first, which never writes
+//! it; only a file found to be this store's is opened for writing. A missing or empty
+//! file becomes a new store. The schema is built by its steps, each a migration: a
+//! new file runs them all, an older one the steps it lacks, all in one transaction.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+
+use crate::error::StoreFileError;
+
+/// `PRAGMA application_id` of every file this store writes: "idmp".
+pub const APPLICATION_ID: i32 = 0x6964_6d70;
+
+/// The schema's steps: `user_version` is the number of them a file has run.
+const STEPS: [&str; 2] = [RECORDS, SHARES];
+
+/// The schema version this build writes.
+pub const VERSION: i32 = STEPS.len() as i32;
+
+/// Step 1: the records and the process-wide settings.
+const RECORDS: &str = "
+CREATE TABLE meta (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+) STRICT;
+CREATE TABLE records (
+    key TEXT NOT NULL UNIQUE,
+    fingerprint BLOB NOT NULL,
+    expires_at INTEGER NOT NULL,
+    scope INTEGER,
+    client INTEGER,
+    state TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    owner BLOB,
+    lease_until INTEGER,
+    status INTEGER,
+    headers BLOB,
+    body BLOB,
+    reason TEXT,
+    probe_due INTEGER,
+    probe_give_up INTEGER,
+    probe_key TEXT,
+    size INTEGER NOT NULL
+) STRICT;
+CREATE INDEX records_expiry ON records (expires_at);
+CREATE INDEX records_scope ON records (scope, expires_at) WHERE scope IS NOT NULL;
+CREATE INDEX records_client ON records (client, expires_at) WHERE client IS NOT NULL AND scope IS NOT NULL;
+CREATE INDEX records_unsettled ON records (state) WHERE state != 'completed';
+";
+
+/// Step 2: what the records hold, in all (kind 0), per scope (1) and per client
+/// address (2), kept by triggers in the same transaction as every change.
+const SHARES: &str = "
+CREATE TABLE shares (
+    kind INTEGER NOT NULL,
+    id INTEGER NOT NULL,
+    records INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    PRIMARY KEY (kind, id)
+) STRICT, WITHOUT ROWID;
+INSERT INTO shares (kind, id, records, bytes)
+    SELECT 0, 0, count(*), coalesce(sum(size), 0) FROM records;
+INSERT INTO shares (kind, id, records, bytes)
+    SELECT 1, scope, count(*), sum(size) FROM records WHERE scope IS NOT NULL GROUP BY scope;
+INSERT INTO shares (kind, id, records, bytes)
+    SELECT 2, client, count(*), 0 FROM records WHERE scope IS NOT NULL AND client IS NOT NULL GROUP BY client;
+CREATE TRIGGER records_added AFTER INSERT ON records BEGIN
+    UPDATE shares SET records = records + 1, bytes = bytes + NEW.size WHERE kind = 0;
+    INSERT INTO shares (kind, id, records, bytes) SELECT 1, NEW.scope, 1, NEW.size WHERE NEW.scope IS NOT NULL
+        ON CONFLICT DO UPDATE SET records = records + 1, bytes = bytes + excluded.bytes;
+    INSERT INTO shares (kind, id, records, bytes) SELECT 2, NEW.client, 1, 0
+        WHERE NEW.scope IS NOT NULL AND NEW.client IS NOT NULL
+        ON CONFLICT DO UPDATE SET records = records + 1;
+END;
+CREATE TRIGGER records_removed AFTER DELETE ON records BEGIN
+    UPDATE shares SET records = records - 1, bytes = bytes - OLD.size WHERE kind = 0;
+    UPDATE shares SET records = records - 1, bytes = bytes - OLD.size WHERE kind = 1 AND id = OLD.scope;
+    UPDATE shares SET records = records - 1
+        WHERE kind = 2 AND id = OLD.client AND OLD.scope IS NOT NULL;
+    DELETE FROM shares WHERE kind > 0 AND records = 0;
+END;
+CREATE TRIGGER records_resized AFTER UPDATE OF size ON records WHEN NEW.size != OLD.size BEGIN
+    UPDATE shares SET bytes = bytes + NEW.size - OLD.size WHERE kind = 0;
+    UPDATE shares SET bytes = bytes + NEW.size - OLD.size WHERE kind = 1 AND id = NEW.scope;
+END;
+";
+
+/// The exclusive lock on a store file: held while this value lives.
+#[derive(Debug)]
+pub(crate) struct FileLock {
+    _file: File,
+}
+
+/// Takes `path`'s lock, or says which process holds it.
+pub(crate) fn lock(path: &Path) -> Result<FileLock, StoreFileError> {
+    let lock = lock_path(path);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lock)
+        .map_err(|source| StoreFileError::Io {
+            path: lock.clone(),
+            what: "open the lock file",
+            source,
+        })?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let mut pid = String::new();
+            let _ = file.read_to_string(&mut pid);
+            let holder = match pid.trim() {
+                "" => "pid unknown".to_string(),
+                pid => format!("pid {pid}"),
+            };
+            return Err(StoreFileError::InUse {
+                path: path.to_path_buf(),
+                lock,
+                holder,
+            });
+        }
+        Err(std::fs::TryLockError::Error(source)) => {
+            return Err(StoreFileError::Io {
+                path: lock,
+                what: "lock the lock file",
+                source,
+            });
+        }
+    }
+    let written = file
+        .set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()));
+    written.map_err(|source| StoreFileError::Io {
+        path: lock,
+        what: "write the lock file",
+        source,
+    })?;
+    Ok(FileLock { _file: file })
+}
+
+fn lock_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Checks the file at `path` (under its lock) and opens it for writing, creating it
+/// when it is missing or empty, migrating it when it is older.
+pub(crate) fn open(path: &Path) -> Result<Connection, StoreFileError> {
+    let existing = match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() => {
+            return Err(StoreFileError::CannotOpen {
+                path: path.to_path_buf(),
+                reason: "it is a directory".into(),
+            });
+        }
+        Ok(meta) => meta.len() > 0,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => false,
+        Err(source) => {
+            return Err(StoreFileError::Io {
+                path: path.to_path_buf(),
+                what: "read its metadata",
+                source,
+            });
+        }
+    };
+    if existing {
+        // SQLite says only "unable to open database file": the system says why.
+        File::open(path).map_err(|source| StoreFileError::Io {
+            path: path.to_path_buf(),
+            what: "read it",
+            source,
+        })?;
+    }
+    let version = if existing { inspect(path)? } else { 0 };
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let mut conn = Connection::open_with_flags(path, flags).map_err(|error| cannot_open(path, &error))?;
+    let journal: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
+        .map_err(|error| cannot_open(path, &error))?;
+    if !journal.eq_ignore_ascii_case("wal") {
+        return Err(StoreFileError::CannotOpen {
+            path: path.to_path_buf(),
+            reason: format!("SQLite would not use write-ahead logging on it (journal mode {journal})"),
+        });
+    }
+    if version < VERSION {
+        migrate(&mut conn, version).map_err(|error| StoreFileError::Migration {
+            path: path.to_path_buf(),
+            from: version,
+            to: VERSION,
+            reason: error.to_string(),
+        })?;
+    }
+    Ok(conn)
+}
+
+/// Reads an existing file without writing it: its schema version, once it is known
+/// to be a sound database of this store's.
+fn inspect(path: &Path) -> Result<i32, StoreFileError> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags).map_err(|error| cannot_open(path, &error))?;
+    // A file that is not a database fails its first read.
+    let application: i32 = conn
+        .pragma_query_value(None, "application_id", |row| row.get(0))
+        .map_err(|error| refused(path, &error))?;
+    let version: i32 = conn
+        .pragma_query_value(None, "user_version", |row| row.get(0))
+        .map_err(|error| refused(path, &error))?;
+    if application != APPLICATION_ID {
+        let tables: Vec<String> = conn
+            .prepare("SELECT name FROM sqlite_schema WHERE type = 'table' ORDER BY name LIMIT 5")
+            .and_then(|mut statement| {
+                statement
+                    .query_map([], |row| row.get::<_, String>(0))?
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .map_err(|error| refused(path, &error))?;
+        // An empty database (this store's own, cut off before its first commit, or
+        // one `sqlite3` made) holds no records: starting on it loses nothing.
+        if application == 0 && version == 0 && tables.is_empty() {
+            return Ok(0);
+        }
+        let tables = match tables.is_empty() {
+            true => "no tables".to_string(),
+            false => format!("tables {}", tables.join(", ")),
+        };
+        return Err(StoreFileError::Foreign {
+            path: path.to_path_buf(),
+            detail: format!("application_id {application:#x}, not idemproxy's {APPLICATION_ID:#x}; {tables}"),
+        });
+    }
+    if version > VERSION {
+        return Err(StoreFileError::Newer {
+            path: path.to_path_buf(),
+            found: version,
+            known: VERSION,
+        });
+    }
+    let problems: Vec<String> = conn
+        .prepare("PRAGMA quick_check(5)")
+        .and_then(|mut statement| {
+            statement
+                .query_map([], |row| row.get::<_, String>(0))?
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .map_err(|error| refused(path, &error))?;
+    if problems != ["ok"] {
+        return Err(StoreFileError::Corrupt {
+            path: path.to_path_buf(),
+            detail: problems.join("; "),
+        });
+    }
+    Ok(version)
+}
+
+/// Runs the steps after `from` in one transaction: all of them, or none.
+fn migrate(conn: &mut Connection, from: i32) -> rusqlite::Result<()> {
+    let transaction = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    if from == 0 {
+        transaction.pragma_update(None, "application_id", APPLICATION_ID)?;
+    }
+    for step in STEPS.iter().skip(usize::try_from(from).unwrap_or(0)) {
+        transaction.execute_batch(step)?;
+    }
+    transaction.pragma_update(None, "user_version", VERSION)?;
+    transaction.commit()
+}
+
+/// Creates a store file at schema version `version` only, as an older idemproxy would
+/// have: for the migration tests.
+#[cfg(feature = "test-util")]
+pub fn create_at_version(path: &Path, version: i32) -> rusqlite::Result<Connection> {
+    let mut conn = Connection::open(path)?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    let transaction = conn.transaction()?;
+    transaction.pragma_update(None, "application_id", APPLICATION_ID)?;
+    for step in STEPS.iter().take(usize::try_from(version).unwrap_or(0)) {
+        transaction.execute_batch(step)?;
+    }
+    transaction.pragma_update(None, "user_version", version)?;
+    transaction.commit()?;
+    Ok(conn)
+}
+
+fn cannot_open(path: &Path, error: &rusqlite::Error) -> StoreFileError {
+    StoreFileError::CannotOpen {
+        path: path.to_path_buf(),
+        reason: error.to_string(),
+    }
+}
+
+/// What a failed read of an existing file says about it.
+fn refused(path: &Path, error: &rusqlite::Error) -> StoreFileError {
+    use rusqlite::ErrorCode;
+    match error.sqlite_error_code() {
+        Some(ErrorCode::NotADatabase) => StoreFileError::NotADatabase {
+            path: path.to_path_buf(),
+        },
+        Some(ErrorCode::DatabaseCorrupt) => StoreFileError::Corrupt {
+            path: path.to_path_buf(),
+            detail: error.to_string(),
+        },
+        _ => cannot_open(path, error),
+    }
+}

@@ -1,0 +1,295 @@
+//! The SQLite store's one writer: a thread that owns the connection every write goes
+//! through, and commits whatever is waiting as one transaction (group commit). Each
+//! write runs in a savepoint of its own inside that transaction, so a write that fails
+//! (a full disk) is undone alone and the others still commit; each caller is answered
+//! only once the commit that holds its write is on disk (`synchronous = FULL`: the
+//! write-ahead log is fsync'd before `COMMIT` returns). A thousand claims at once cost
+//! a few commits, not a thousand. Between batches, the writer deletes expired records,
+//! a thousand at a time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use rusqlite::Connection;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::error::{DiskError, StoreError};
+
+/// A time on the wall clock: milliseconds since the Unix epoch. Records keep their
+/// times so, so that retention, leases and probe schedules count across a restart.
+pub(super) type Millis = i64;
+
+/// Most writes one commit takes.
+const MAX_BATCH: usize = 1024;
+/// How often expired records are looked for when nothing else is written.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Most expired records one sweep deletes; more left, the next sweep comes at once.
+const SWEEP_BATCH: i64 = 1000;
+
+/// The wall clock the store counts on; a test may move it forward.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Clock {
+    offset: Arc<AtomicI64>,
+}
+
+impl Clock {
+    pub(super) fn now(&self) -> Millis {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| i64::try_from(since.as_millis()).unwrap_or(i64::MAX));
+        wall.saturating_add(self.offset.load(Ordering::Relaxed))
+    }
+
+    #[cfg(feature = "test-util")]
+    pub(super) fn advance(&self, by: Duration) {
+        let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        self.offset.fetch_add(by, Ordering::Relaxed);
+    }
+}
+
+/// What the writer's commits cost, for `/metrics`.
+#[derive(Debug, Clone)]
+pub struct CommitStats {
+    pub commits: Counter,
+    /// Writes committed (several per commit under load).
+    pub writes: Counter,
+    /// How long each `COMMIT` took: the write-ahead log's fsync, mostly.
+    pub commit_seconds: Histogram,
+    /// Expired records the sweeper deleted.
+    pub swept: Counter,
+}
+
+impl Default for CommitStats {
+    fn default() -> CommitStats {
+        CommitStats {
+            commits: Counter::default(),
+            writes: Counter::default(),
+            commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+            swept: Counter::default(),
+        }
+    }
+}
+
+/// One write waiting for the writer.
+trait Job: Send {
+    /// Runs inside the batch's transaction, in a savepoint of its own: what to answer
+    /// once the commit is known, or `None` when its caller has stopped waiting (it is
+    /// then not run at all).
+    fn run(self: Box<Self>, conn: &Connection, now: Millis) -> Option<Box<dyn Answer>>;
+
+    /// Answers a write whose transaction could not begin with the failure; never run.
+    fn refuse(self: Box<Self>, failure: &DiskError);
+}
+
+/// A write's result, sent once its commit is known.
+trait Answer: Send {
+    fn send(self: Box<Self>, commit: &Result<(), DiskError>);
+}
+
+struct Pending<R, F> {
+    op: F,
+    reply: oneshot::Sender<Result<R, StoreError>>,
+}
+
+impl<R, F> Job for Pending<R, F>
+where
+    R: Send + 'static,
+    F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+{
+    fn run(self: Box<Self>, conn: &Connection, now: Millis) -> Option<Box<dyn Answer>> {
+        if self.reply.is_closed() {
+            return None;
+        }
+        let Pending { op, reply } = *self;
+        let result = in_savepoint(conn, |conn| op(conn, now));
+        Some(Box::new(Answered { result, reply }))
+    }
+
+    fn refuse(self: Box<Self>, failure: &DiskError) {
+        let _ = self.reply.send(Err(StoreError::Disk(failure.clone())));
+    }
+}
+
+struct Answered<R> {
+    result: Result<R, StoreError>,
+    reply: oneshot::Sender<Result<R, StoreError>>,
+}
+
+impl<R: Send> Answer for Answered<R> {
+    fn send(self: Box<Self>, commit: &Result<(), DiskError>) {
+        let answer = match commit {
+            Ok(()) => self.result,
+            // The write was undone with its transaction, or may have landed (an I/O
+            // error while the log was synced): the error says which.
+            Err(error) => Err(StoreError::Disk(error.clone())),
+        };
+        let _ = self.reply.send(answer);
+    }
+}
+
+/// Runs `op` in a savepoint: undone alone if it fails.
+fn in_savepoint<R>(conn: &Connection, op: impl FnOnce(&Connection) -> Result<R, StoreError>) -> Result<R, StoreError> {
+    conn.execute_batch("SAVEPOINT write")
+        .map_err(|error| disk(&error, false))?;
+    let result = op(conn);
+    let ended = match result {
+        Ok(_) => conn.execute_batch("RELEASE write"),
+        Err(_) => conn.execute_batch("ROLLBACK TO write; RELEASE write"),
+    };
+    ended.map_err(|error| disk(&error, false))?;
+    result
+}
+
+/// A SQLite failure as a store error. `during_commit`: an I/O error then may have left
+/// the write on disk; before it, the transaction is undone.
+pub(super) fn disk(error: &rusqlite::Error, during_commit: bool) -> StoreError {
+    StoreError::Disk(disk_error(error, during_commit))
+}
+
+fn disk_error(error: &rusqlite::Error, during_commit: bool) -> DiskError {
+    use rusqlite::ErrorCode;
+    let code = error.sqlite_error_code();
+    let may_have_written = during_commit && !matches!(code, Some(ErrorCode::DiskFull | ErrorCode::DatabaseBusy));
+    let message = match code {
+        Some(ErrorCode::DiskFull) => "the disk (or store.max_bytes) is full".to_string(),
+        _ => error.to_string(),
+    };
+    DiskError {
+        message,
+        may_have_written,
+    }
+}
+
+/// The writer thread's handle: dropped, it lets the thread finish what is queued and
+/// waits for it, so that the file is closed before its lock is let go.
+pub(super) struct Writer {
+    jobs: Option<mpsc::Sender<Box<dyn Job>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Writer")
+    }
+}
+
+impl Writer {
+    pub(super) fn start(conn: Connection, clock: Clock, stats: CommitStats) -> std::io::Result<Writer> {
+        let (jobs, queue) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("idemproxy-sqlite-writer".into())
+            .spawn(move || run(conn, &queue, &clock, &stats))?;
+        Ok(Writer {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    /// Runs `op` in the next commit, and answers once that commit is on disk, or with
+    /// `StoreError::Timeout` after `timeout` (a write not begun by then is never run).
+    pub(super) async fn write<R, F>(&self, timeout: Duration, op: F) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let job: Box<dyn Job> = Box::new(Pending { op, reply });
+        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
+        if !sent {
+            return Err(StoreError::Unready("the store's writer has stopped"));
+        }
+        match tokio::time::timeout(timeout, answer).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError::Unready("the store's writer has stopped")),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn run(conn: Connection, queue: &mpsc::Receiver<Box<dyn Job>>, clock: &Clock, stats: &CommitStats) {
+    let mut next_sweep = Instant::now() + SWEEP_EVERY;
+    loop {
+        let wait = next_sweep.saturating_duration_since(Instant::now());
+        let mut batch = Vec::new();
+        match queue.recv_timeout(wait) {
+            Ok(job) => batch.push(job),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        while batch.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        if !batch.is_empty() {
+            commit(&conn, batch, clock.now(), stats);
+        }
+        if Instant::now() >= next_sweep {
+            let full = sweep(&conn, clock.now(), stats);
+            next_sweep = Instant::now() + if full { Duration::ZERO } else { SWEEP_EVERY };
+        }
+    }
+    // The last connection's close checkpoints the log into the file.
+    drop(conn);
+}
+
+/// Runs `batch` as one transaction, then answers each write.
+fn commit(conn: &Connection, batch: Vec<Box<dyn Job>>, now: Millis, stats: &CommitStats) {
+    if let Err(error) = conn.execute_batch("BEGIN IMMEDIATE") {
+        let failure = disk_error(&error, false);
+        for job in batch {
+            job.refuse(&failure);
+        }
+        return;
+    }
+    let answers: Vec<Box<dyn Answer>> = batch.into_iter().filter_map(|job| job.run(conn, now)).collect();
+    let started = Instant::now();
+    let committed = conn.execute_batch("COMMIT").map_err(|error| disk_error(&error, true));
+    stats.commit_seconds.observe(started.elapsed().as_secs_f64());
+    if committed.is_ok() {
+        stats.commits.inc();
+        stats.writes.inc_by(answers.len() as u64);
+    } else if !conn.is_autocommit() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    for answer in answers {
+        answer.send(&committed);
+    }
+}
+
+/// Deletes up to `SWEEP_BATCH` expired records in a transaction of its own: whether
+/// there were as many (more may be left).
+fn sweep(conn: &Connection, now: Millis, stats: &CommitStats) -> bool {
+    let deleted = conn
+        .prepare_cached(
+            "DELETE FROM records WHERE rowid IN \
+             (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
+        )
+        .and_then(|mut statement| statement.execute((now, SWEEP_BATCH)));
+    match deleted {
+        Ok(deleted) => {
+            stats.swept.inc_by(deleted as u64);
+            i64::try_from(deleted).is_ok_and(|deleted| deleted >= SWEEP_BATCH)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot delete expired records; trying again in a second");
+            false
+        }
+    }
+}
