@@ -1703,6 +1703,65 @@ fn sqlite_config(path: &std::path::Path, limits: StoreLimits) -> SqliteConfig {
 /// held: a completed record replays byte for byte with its fingerprint, an unknown one
 /// stays unknown with its schedule, one in flight reads as in flight until its lease
 /// (counted on the wall clock) is over and is never free, and the retention runs on.
+/// Replays are answered from memory once read (replays.rs): a purge, an expiry, and the
+/// file's own state still decide. A response kept past its purge or its expiry would
+/// replay a record that is gone.
+#[tokio::test]
+async fn a_sqlite_store_replays_from_memory_only_what_the_file_still_holds() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = sqlite_store(&dir.path().join("records.db"), StoreLimits::unbounded(100));
+    let record = key("remembered");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    assert_eq!(
+        store
+            .complete(&record, owner, &response("first"))
+            .await
+            .expect("complete"),
+        Write::Applied
+    );
+    // Read twice: the second is answered from memory.
+    for _ in 0..2 {
+        assert_eq!(
+            state_of(&store, &record).await,
+            RecordState::Completed(response("first"))
+        );
+    }
+    assert!(store.purge(&record).await.expect("purge"));
+    let again = new_owner();
+    assert!(
+        matches!(
+            store.claim(&claim(&record, again, LONG)).await.expect("claim"),
+            ClaimOutcome::Acquired(())
+        ),
+        "a purged record is free, not replayed from memory"
+    );
+    assert_eq!(
+        store
+            .complete(&record, again, &response("second"))
+            .await
+            .expect("complete"),
+        Write::Applied
+    );
+    assert_eq!(
+        state_of(&store, &record).await,
+        RecordState::Completed(response("second"))
+    );
+    assert_eq!(
+        state_of(&store, &record).await,
+        RecordState::Completed(response("second"))
+    );
+    // Past its retention (the store's clock moved on), it is free again.
+    store.advance_clock(Duration::from_secs(61));
+    assert!(
+        matches!(
+            store.claim(&claim(&record, new_owner(), LONG)).await.expect("claim"),
+            ClaimOutcome::Acquired(())
+        ),
+        "an expired record is free, not replayed from memory"
+    );
+}
+
 #[tokio::test]
 async fn a_sqlite_store_keeps_its_records_when_it_is_reopened() {
     let dir = tempfile::tempdir().expect("temporary directory");

@@ -171,7 +171,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.cache_bytes",
         default: DefaultValue::Toml("\"32MiB\""),
-        meaning: "`\"sqlite\"` only, at least 1 MiB: what SQLite's page caches may hold, across the writer's connection (half) and the read connections (the other half); the process's memory does not grow with the file",
+        meaning: "`\"sqlite\"` only, at least 1 MiB: the store's memory: SQLite's page caches (half for the writer's connection, a quarter across the read connections) and the recorded responses read lately, kept for their next replays (a quarter); the process's memory does not grow with the file",
     },
     Setting {
         key: "store.url",

@@ -34,6 +34,7 @@ use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::StoreError;
 
 mod file;
+mod replays;
 mod writer;
 
 #[cfg(feature = "test-util")]
@@ -63,6 +64,8 @@ struct Shared {
     // one has let go of it.
     writer: Writer,
     readers: Mutex<Vec<Connection>>,
+    /// Recorded responses read lately, for their next replays.
+    replays: replays::Replays,
     path: PathBuf,
     limits: StoreLimits,
     reader_cache_kib: i64,
@@ -310,14 +313,28 @@ impl SqliteStore {
             let page_size: i64 = conn.pragma_query_value(None, "page_size", |row| row.get(0))?;
             let max_pages = i64::try_from(config.limits.max_bytes).unwrap_or(i64::MAX) / page_size;
             conn.pragma_update(None, "max_page_count", max_pages)?;
+            // The checkpointer copies the log into the file (writer.rs), not the commits.
+            conn.pragma_update(None, "wal_autocheckpoint", 0)?;
             Ok((page_size, max_pages))
         };
         let (page_size, max_pages) = setup(&conn).map_err(|error| disk(&error, false))?;
+        let checkpoints = Connection::open_with_flags(
+            &config.path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .and_then(|checkpoints| {
+            checkpoints.pragma_update(None, "synchronous", "FULL")?;
+            checkpoints.pragma_update(None, "busy_timeout", 5000)?;
+            checkpoints.pragma_update(None, "mmap_size", 0)?;
+            checkpoints.pragma_update(None, "cache_size", -64)?;
+            Ok(checkpoints)
+        })
+        .map_err(|error| disk(&error, false))?;
         let identity = identity_key(&conn)?;
         super::identity::adopt(identity, &config.path);
         let clock = Clock::default();
         let stats = CommitStats::default();
-        let writer = Writer::start(conn, clock.clone(), stats.clone()).map_err(|source| {
+        let writer = Writer::start(conn, checkpoints, clock.clone(), stats.clone()).map_err(|source| {
             StoreError::File(crate::error::StoreFileError::Io {
                 path: config.path.clone(),
                 what: "start its writer thread",
@@ -328,9 +345,10 @@ impl SqliteStore {
             shared: Arc::new(Shared {
                 writer,
                 readers: Mutex::new(Vec::new()),
+                replays: replays::Replays::new(config.cache_bytes / 4),
                 path: config.path.clone(),
                 limits: config.limits,
-                reader_cache_kib: kib(config.cache_bytes / 16),
+                reader_cache_kib: kib(config.cache_bytes / 32),
                 admit_pages: max_pages / 8 * 7,
                 page_size,
                 timeout,
@@ -419,12 +437,17 @@ impl SqliteStore {
     pub async fn hold_writer(&self) -> std::sync::mpsc::Sender<()> {
         let (release, held) = std::sync::mpsc::channel::<()>();
         let (began, begun) = tokio::sync::oneshot::channel::<()>();
+        // A write may be run twice (writer.rs): the hold is taken once.
+        let hold = Mutex::new(Some((began, held)));
         let store = self.clone();
         tokio::spawn(async move {
             let _ = store
                 .write(move |_, _| {
-                    let _ = began.send(());
-                    let _ = held.recv();
+                    let taken = hold.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                    if let Some((began, held)) = taken {
+                        let _ = began.send(());
+                        let _ = held.recv();
+                    }
                     Ok(())
                 })
                 .await;
@@ -478,7 +501,7 @@ impl SqliteStore {
     async fn write<R, F>(&self, op: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+        F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
     {
         self.shared.writer.write(self.shared.timeout, op).await
     }
@@ -487,7 +510,7 @@ impl SqliteStore {
     async fn change<R, F>(&self, key: &StoreKey, changed: impl Fn(&R) -> bool, op: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+        F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
     {
         let result = self.write(op).await?;
         if changed(&result) {
@@ -682,15 +705,34 @@ fn set_schedule(conn: &Connection, key: &StoreKey, schedule: Schedule) -> Result
 
 impl RecordStore for SqliteStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        // A retry (the common case after the first request) is answered from the last
-        // commit; only a key found free is claimed through the writer.
+        // A retry (the common case after the first request) is answered from a response
+        // kept in memory, or from the last commit; only a key found free is claimed
+        // through the writer.
+        let replays = &self.shared.replays;
+        if let Some((fingerprint, response)) = replays.get(&claim.key, self.shared.clock.now()) {
+            return Ok(ClaimOutcome::Existing(Existing {
+                fingerprint,
+                state: RecordState::Completed(response),
+            }));
+        }
+        let ticket = replays.ticket();
         let found = self.read(|conn, now| {
             Ok(match load(conn, &claim.key, true)? {
-                Some(row) if row.expires_at > now => Some(existing(row, claim.owner, now)?),
+                Some(row) if row.expires_at > now => {
+                    let expires_at = row.expires_at;
+                    Some((existing(row, claim.owner, now)?, expires_at))
+                }
                 _ => None,
             })
         })?;
-        if let Some(found) = found {
+        if let Some((found, expires_at)) = found {
+            if let ClaimOutcome::Existing(Existing {
+                fingerprint,
+                state: RecordState::Completed(response),
+            }) = &found
+            {
+                replays.keep(ticket, &claim.key, *fingerprint, expires_at, response);
+            }
             return Ok(found);
         }
         let (claim, limits, admit) = (claim.clone(), self.shared.limits, self.shared.admit_pages);
@@ -772,12 +814,17 @@ impl RecordStore for SqliteStore {
 
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let record = key.clone();
-        self.change(
-            key,
-            |_| true,
-            move |conn, _| Ok(execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])? > 0),
-        )
-        .await
+        let purged = self
+            .change(
+                key,
+                |_| true,
+                move |conn, _| Ok(execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])? > 0),
+            )
+            .await;
+        // Forgotten however the write ended: a purge that may have landed is not undone
+        // by a replay from memory.
+        self.shared.replays.forget(key);
+        purged
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {

@@ -1,15 +1,16 @@
 //! The SQLite store's one writer: a thread that owns the connection every write goes
-//! through, and commits whatever is waiting as one transaction (group commit). Each
-//! write runs in a savepoint of its own inside that transaction, so a write that fails
-//! (a full disk) is undone alone and the others still commit; each caller is answered
-//! only once the commit that holds its write is on disk (`synchronous = FULL`: the
-//! write-ahead log is fsync'd before `COMMIT` returns). A thousand claims at once cost
+//! through, and commits whatever is waiting as one transaction (group commit). Should
+//! a write fail (a full disk), the transaction is run again with each write in a
+//! savepoint of its own, so that it is undone alone and the others still commit. Each
+//! caller is answered only once the commit that holds its write is on disk
+//! (`synchronous = FULL`: the write-ahead log is fsync'd before `COMMIT` returns). A thousand claims at once cost
 //! a few commits, not a thousand. Between batches, the writer deletes expired records,
-//! a thousand at a time.
+//! a thousand at a time. The log is copied into the database file (checkpointed) by a
+//! second thread with a connection of its own, so that no commit waits for it.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -31,6 +32,8 @@ const MAX_BATCH: usize = 1024;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Most expired records one sweep deletes; more left, the next sweep comes at once.
 const SWEEP_BATCH: i64 = 1000;
+/// How long the checkpointer lets commits gather before it copies them into the file.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 
 /// The wall clock the store counts on; a test may move it forward.
 #[derive(Debug, Clone, Default)]
@@ -78,58 +81,58 @@ impl Default for CommitStats {
 
 /// One write waiting for the writer.
 trait Job: Send {
-    /// Runs inside the batch's transaction, in a savepoint of its own: what to answer
-    /// once the commit is known, or `None` when its caller has stopped waiting (it is
-    /// then not run at all).
-    fn run(self: Box<Self>, conn: &Connection, now: Millis) -> Option<Box<dyn Answer>>;
+    /// Whether its caller still waits for it (a write nobody waits for is not run).
+    fn wanted(&self) -> bool;
+
+    /// Runs the write inside the batch's transaction (in a savepoint of its own when
+    /// `alone`), keeping its result to answer with: whether it succeeded.
+    fn run(&mut self, conn: &Connection, now: Millis, alone: bool) -> bool;
+
+    /// Answers with the kept result once the commit is known.
+    fn answer(self: Box<Self>, commit: &Result<(), DiskError>);
 
     /// Answers a write whose transaction could not begin with the failure; never run.
     fn refuse(self: Box<Self>, failure: &DiskError);
 }
 
-/// A write's result, sent once its commit is known.
-trait Answer: Send {
-    fn send(self: Box<Self>, commit: &Result<(), DiskError>);
-}
-
 struct Pending<R, F> {
     op: F,
     reply: oneshot::Sender<Result<R, StoreError>>,
+    result: Option<Result<R, StoreError>>,
 }
 
 impl<R, F> Job for Pending<R, F>
 where
     R: Send + 'static,
-    F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+    F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
 {
-    fn run(self: Box<Self>, conn: &Connection, now: Millis) -> Option<Box<dyn Answer>> {
-        if self.reply.is_closed() {
-            return None;
-        }
-        let Pending { op, reply } = *self;
-        let result = in_savepoint(conn, |conn| op(conn, now));
-        Some(Box::new(Answered { result, reply }))
+    fn wanted(&self) -> bool {
+        !self.reply.is_closed()
+    }
+
+    fn run(&mut self, conn: &Connection, now: Millis, alone: bool) -> bool {
+        let result = match alone {
+            true => in_savepoint(conn, |conn| (self.op)(conn, now)),
+            false => (self.op)(conn, now),
+        };
+        let succeeded = result.is_ok();
+        self.result = Some(result);
+        succeeded
+    }
+
+    fn answer(self: Box<Self>, commit: &Result<(), DiskError>) {
+        let answer = match (commit, self.result) {
+            (Ok(()), Some(result)) => result,
+            (Ok(()), None) => Err(StoreError::Unready("the store's writer did not run the write")),
+            // The write was undone with its transaction, or may have landed (an I/O
+            // error while the log was synced): the error says which.
+            (Err(error), _) => Err(StoreError::Disk(error.clone())),
+        };
+        let _ = self.reply.send(answer);
     }
 
     fn refuse(self: Box<Self>, failure: &DiskError) {
         let _ = self.reply.send(Err(StoreError::Disk(failure.clone())));
-    }
-}
-
-struct Answered<R> {
-    result: Result<R, StoreError>,
-    reply: oneshot::Sender<Result<R, StoreError>>,
-}
-
-impl<R: Send> Answer for Answered<R> {
-    fn send(self: Box<Self>, commit: &Result<(), DiskError>) {
-        let answer = match commit {
-            Ok(()) => self.result,
-            // The write was undone with its transaction, or may have landed (an I/O
-            // error while the log was synced): the error says which.
-            Err(error) => Err(StoreError::Disk(error.clone())),
-        };
-        let _ = self.reply.send(answer);
     }
 }
 
@@ -167,7 +170,8 @@ fn disk_error(error: &rusqlite::Error, during_commit: bool) -> DiskError {
 }
 
 /// The writer thread's handle: dropped, it lets the thread finish what is queued and
-/// waits for it, so that the file is closed before its lock is let go.
+/// waits for it (and for the checkpointer), so that the file is closed before its lock
+/// is let go.
 pub(super) struct Writer {
     jobs: Option<mpsc::Sender<Box<dyn Job>>>,
     thread: Option<JoinHandle<()>>,
@@ -180,11 +184,30 @@ impl std::fmt::Debug for Writer {
 }
 
 impl Writer {
-    pub(super) fn start(conn: Connection, clock: Clock, stats: CommitStats) -> std::io::Result<Writer> {
+    /// Starts the writer on `conn` and the checkpointer on `checkpoints`, a second
+    /// connection to the same file: SQLite's automatic checkpoint is turned off on the
+    /// writer, and every commit wakes the checkpointer instead.
+    pub(super) fn start(
+        conn: Connection,
+        checkpoints: Connection,
+        clock: Clock,
+        stats: CommitStats,
+    ) -> std::io::Result<Writer> {
         let (jobs, queue) = mpsc::channel();
+        let (pokes, poked) = mpsc::sync_channel(1);
+        let checkpointer = std::thread::Builder::new()
+            .name("idemproxy-checkpoints".into())
+            .spawn(move || checkpoint_on(&checkpoints, &poked))?;
         let thread = std::thread::Builder::new()
             .name("idemproxy-sqlite-writer".into())
-            .spawn(move || run(conn, &queue, &clock, &stats))?;
+            .spawn(move || {
+                let conn = run(conn, &queue, &pokes, &clock, &stats);
+                // The checkpointer stops once the pokes are gone; the writer's connection,
+                // closed last, then checkpoints what is left and removes the log.
+                drop(pokes);
+                let _ = checkpointer.join();
+                drop(conn);
+            })?;
         Ok(Writer {
             jobs: Some(jobs),
             thread: Some(thread),
@@ -196,10 +219,14 @@ impl Writer {
     pub(super) async fn write<R, F>(&self, timeout: Duration, op: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+        F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
-        let job: Box<dyn Job> = Box::new(Pending { op, reply });
+        let job: Box<dyn Job> = Box::new(Pending {
+            op,
+            reply,
+            result: None,
+        });
         let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
         if !sent {
             return Err(StoreError::Unready("the store's writer has stopped"));
@@ -221,7 +248,13 @@ impl Drop for Writer {
     }
 }
 
-fn run(conn: Connection, queue: &mpsc::Receiver<Box<dyn Job>>, clock: &Clock, stats: &CommitStats) {
+fn run(
+    conn: Connection,
+    queue: &mpsc::Receiver<Box<dyn Job>>,
+    pokes: &SyncSender<()>,
+    clock: &Clock,
+    stats: &CommitStats,
+) -> Connection {
     let mut next_sweep = Instant::now() + SWEEP_EVERY;
     loop {
         let wait = next_sweep.saturating_duration_since(Instant::now());
@@ -239,37 +272,77 @@ fn run(conn: Connection, queue: &mpsc::Receiver<Box<dyn Job>>, clock: &Clock, st
         }
         if !batch.is_empty() {
             commit(&conn, batch, clock.now(), stats);
+            // Full: a checkpoint is already due, and takes this commit too.
+            let _ = pokes.try_send(());
         }
         if Instant::now() >= next_sweep {
             let full = sweep(&conn, clock.now(), stats);
             next_sweep = Instant::now() + if full { Duration::ZERO } else { SWEEP_EVERY };
         }
     }
-    // The last connection's close checkpoints the log into the file.
-    drop(conn);
+    conn
 }
 
-/// Runs `batch` as one transaction, then answers each write.
-fn commit(conn: &Connection, batch: Vec<Box<dyn Job>>, now: Millis, stats: &CommitStats) {
-    if let Err(error) = conn.execute_batch("BEGIN IMMEDIATE") {
-        let failure = disk_error(&error, false);
-        for job in batch {
-            job.refuse(&failure);
+/// The checkpointer: woken by commits, it lets them gather for `CHECKPOINT_EVERY`, then
+/// copies the log into the database file (`PASSIVE`: it never blocks the writer or a
+/// reader, and the writer starts the log over once all of it is copied).
+fn checkpoint_on(conn: &Connection, poked: &Receiver<()>) {
+    while poked.recv().is_ok() {
+        // A throttle, not a wait for anything: the commits of the next 100 ms are copied
+        // by this one checkpoint (the pokes they send meanwhile are taken below).
+        std::thread::sleep(CHECKPOINT_EVERY);
+        while poked.try_recv().is_ok() {}
+        let copied = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(0));
+        if let Err(error) = copied {
+            tracing::warn!(%error, "cannot copy the store's log into its file; trying again after the next commit");
         }
+    }
+}
+
+/// Runs `batch` as one transaction, then answers each write. The writes run one after
+/// another, without savepoints (each would journal every page it touches a second
+/// time); should one fail (a full disk), the transaction is undone and run again with
+/// each write in a savepoint of its own, so that the one that failed is undone alone and
+/// the others still commit.
+fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &CommitStats) {
+    batch.retain(|job| job.wanted());
+    if batch.is_empty() {
         return;
     }
-    let answers: Vec<Box<dyn Answer>> = batch.into_iter().filter_map(|job| job.run(conn, now)).collect();
+    let begin = |batch: Vec<Box<dyn Job>>| match conn.execute_batch("BEGIN IMMEDIATE") {
+        Ok(()) => Some(batch),
+        Err(error) => {
+            let failure = disk_error(&error, false);
+            for job in batch {
+                job.refuse(&failure);
+            }
+            None
+        }
+    };
+    let Some(mut batch) = begin(batch) else {
+        return;
+    };
+    if !batch.iter_mut().all(|job| job.run(conn, now, false)) {
+        let _ = conn.execute_batch("ROLLBACK");
+        let Some(again) = begin(batch) else {
+            return;
+        };
+        batch = again;
+        for job in &mut batch {
+            job.run(conn, now, true);
+        }
+    }
     let started = Instant::now();
     let committed = conn.execute_batch("COMMIT").map_err(|error| disk_error(&error, true));
     stats.commit_seconds.observe(started.elapsed().as_secs_f64());
     if committed.is_ok() {
         stats.commits.inc();
-        stats.writes.inc_by(answers.len() as u64);
+        stats.writes.inc_by(batch.len() as u64);
     } else if !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
-    for answer in answers {
-        answer.send(&committed);
+    for job in batch {
+        job.answer(&committed);
     }
 }
 
