@@ -1,5 +1,5 @@
-//! Model-based conformance: both real stores (the memory store on a paused Tokio clock,
-//! and a real `redis-server`) are driven through sequences of the record protocol's
+//! Model-based conformance: the real stores (the memory store on a paused Tokio clock,
+//! the SQLite store on its own clock moved forward, and a real `redis-server`) are driven through sequences of the record protocol's
 //! events (claims, completes, mark-unknowns and releases from several owners; leases
 //! and retention running out) and held, at every step, to `protocol::Record::apply`,
 //! the function the model check (`tests/model.rs`) proves safe. The sequences are the
@@ -29,7 +29,7 @@ use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::{ClaimPlant, ScriptName};
 use idemproxy::store::{
     ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
-    Resolution, Resolved, StoreKey, StoredResponse, UnknownReason, Write,
+    Resolution, Resolved, SqliteStore, StoreKey, StoreLimits, StoredResponse, UnknownReason, Write,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
@@ -218,6 +218,28 @@ impl Driver for Memory {
 
     async fn expire_retention(&mut self) {
         tokio::time::advance(RETENTION).await;
+    }
+
+    async fn check(&mut self, _: Record) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The SQLite store, on its wall clock moved forward past the lease or the retention
+/// (`advance_clock`): one file for a whole run, a record of its own per sequence.
+struct Sqlite(Subject<SqliteStore>);
+
+impl Driver for Sqlite {
+    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
+        self.0.apply(owner, op, MEMORY_LEASE).await
+    }
+
+    async fn expire_lease(&mut self) {
+        self.0.store.advance_clock(MEMORY_LEASE);
+    }
+
+    async fn expire_retention(&mut self) {
+        self.0.store.advance_clock(RETENTION);
     }
 
     async fn check(&mut self, _: Record) -> Result<(), String> {
@@ -497,6 +519,36 @@ fn the_memory_store_conforms_to_the_model() {
     );
     result.expect("the memory store strays from the model");
     assert_eq!(coverage.random, 512);
+}
+
+#[test]
+fn the_sqlite_store_conforms_to_the_model() {
+    let (states, traces) = model_traces(2);
+    // On a tmpfs where there is one: the semantics are under test here, not the fsyncs.
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = match shm.is_dir() {
+        true => tempfile::tempdir_in(shm),
+        false => tempfile::tempdir(),
+    }
+    .expect("a temporary directory");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let config = idemproxy::config::SqliteConfig {
+        path: dir.path().join("records.db"),
+        limits: StoreLimits::unbounded(1_000_000),
+        cache_bytes: 4 << 20,
+    };
+    let store = SqliteStore::open(&config, Duration::from_secs(5)).expect("the sqlite store");
+    let (coverage, result) = run(&runtime, &traces, 256, |n| Sqlite(Subject::new(store.clone(), key(n))));
+    println!(
+        "conformance (sqlite): model traces from {states} states: {} traces, {} steps; {} random sequences; \
+         {result:?}",
+        coverage.traces, coverage.trace_steps, coverage.random
+    );
+    result.expect("the SQLite store strays from the model");
+    assert_eq!(coverage.random, 256);
 }
 
 #[test]
