@@ -1108,6 +1108,39 @@ fn short(name: &str) -> ClaimRequest {
     }
 }
 
+/// A full memory store is swept by a refused claim only once a record can have
+/// expired: a sweep walks every record under the lock every request takes, and once
+/// per refusal it made a full store answer its 503s at 2,400 a second (100,000
+/// records) and slowed every replay with them.
+#[tokio::test(start_paused = true)]
+async fn a_full_memory_store_is_not_swept_for_every_claim_it_refuses() {
+    let store = MemoryStore::new(2, usize::MAX);
+    for name in ["a", "b"] {
+        assert_eq!(
+            store.claim(&short(name)).await.expect("claim"),
+            ClaimOutcome::Acquired(())
+        );
+    }
+    let before = store.sweeps();
+    for n in 0..1000 {
+        assert!(matches!(
+            store.claim(&short(&format!("refused-{n}"))).await,
+            Err(StoreError::Full { .. })
+        ));
+    }
+    assert!(
+        store.sweeps() - before <= 1,
+        "{} sweeps for 1,000 refusals",
+        store.sweeps() - before
+    );
+    // At the first expiry, the next refused claim sweeps, and takes its key.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        store.claim(&short("after")).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+}
+
 /// Tokio's paused clock makes the expiry exact: the refusal holds until the retention
 /// has passed, and not a moment longer.
 #[tokio::test(start_paused = true)]

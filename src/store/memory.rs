@@ -61,6 +61,12 @@ struct Records {
     /// When each client address's scoped records expire (their bytes are not counted
     /// per client: only their number is bounded).
     clients: HashMap<ClientId, ScopeUsage>,
+    /// No record expires before this (`None`: not known). A claim that finds the store
+    /// full sweeps it only once a record can have expired, not on every refusal: each
+    /// sweep walks every record, under the lock every request takes.
+    next_expiry: Option<Instant>,
+    /// Sweeps so far, for tests.
+    sweeps: u64,
 }
 
 /// What one scope's records hold, and when each expires (for a `Retry-After`).
@@ -82,6 +88,7 @@ impl Records {
     }
 
     fn insert(&mut self, key: StoreKey, record: Record) {
+        self.next_expiry = self.next_expiry.map(|next| next.min(record.expires_at));
         count(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &record);
         if let Some(old) = self.map.insert(key.clone(), record) {
             uncount(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &old);
@@ -108,19 +115,25 @@ impl Records {
     }
 
     fn sweep(&mut self, now: Instant) {
+        self.sweeps += 1;
         let Records {
             map,
             bytes,
             scopes,
             clients,
+            ..
         } = self;
+        let mut next: Option<Instant> = None;
         map.retain(|key, record| {
             let live = record.expires_at > now;
-            if !live {
+            if live {
+                next = Some(next.map_or(record.expires_at, |next| next.min(record.expires_at)));
+            } else {
                 uncount(bytes, scopes, clients, key, record);
             }
             live
         });
+        self.next_expiry = next;
     }
 
     /// Removes `client`'s expired scoped records, and says whether what is left holds
@@ -400,6 +413,13 @@ impl MemoryStore {
         Watcher::Local(self.shared.hub.clone())
     }
 
+    /// The sweeps of the records so far: the background one's and those of claims
+    /// that found the store full.
+    #[cfg(feature = "test-util")]
+    pub fn sweeps(&self) -> u64 {
+        self.shared.lock().sweeps
+    }
+
     /// The number of records held, expired or not.
     #[cfg(feature = "test-util")]
     pub fn len(&self) -> usize {
@@ -486,8 +506,10 @@ impl RecordStore for MemoryStore {
         }
         let full =
             |records: &Records| records.map.len() >= self.shared.max_records || records.bytes >= self.shared.max_bytes;
-        if full(&records) {
+        if full(&records) && records.next_expiry.is_none_or(|next| next <= now) {
             records.sweep(now);
+        }
+        if full(&records) {
             if records.map.len() >= self.shared.max_records {
                 return Err(StoreError::Full {
                     what: "records",
