@@ -179,16 +179,7 @@ fn run_refused_as(config: &TestConfig, dir: &Path, launcher: &[&str]) -> (i32, S
     config.admin_listen = format!("127.0.0.1:{}", support::free_port());
     let path = dir.join("second.toml");
     std::fs::write(&path, config.toml()).expect("write the config");
-    let binary = env!("CARGO_BIN_EXE_idemproxy");
-    let mut command = match launcher.split_first() {
-        Some((program, args)) => {
-            let mut command = std::process::Command::new(program);
-            command.args(args).arg(binary);
-            command
-        }
-        None => std::process::Command::new(binary),
-    };
-    let mut child = command
+    let mut child = support::proxy::binary_command(launcher)
         .args(["serve", "--config"])
         .arg(&path)
         .stdout(std::process::Stdio::null())

@@ -280,15 +280,7 @@ impl ChildProxy {
         config.listen = format!("127.0.0.1:{port}");
         config.admin_listen = format!("127.0.0.1:{admin_port}");
         let file = config.write_temp();
-        let binary = env!("CARGO_BIN_EXE_idemproxy");
-        let mut command = match launcher.split_first() {
-            Some((program, args)) => {
-                let mut command = std::process::Command::new(program);
-                command.args(args).arg(binary);
-                command
-            }
-            None => std::process::Command::new(binary),
-        };
+        let mut command = binary_command(launcher);
         let stderr = match log {
             Some(path) => std::process::Stdio::from(std::fs::File::create(path).expect("create the log file")),
             None => child_log(port),
@@ -363,5 +355,19 @@ impl ChildProxy {
 impl Drop for ChildProxy {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// The built binary as a command, run through `launcher` (a program and its arguments,
+/// e.g. `setpriv` to run it as another user) when one is given.
+pub fn binary_command(launcher: &[&str]) -> std::process::Command {
+    let binary = env!("CARGO_BIN_EXE_idemproxy");
+    match launcher.split_first() {
+        Some((program, args)) => {
+            let mut command = std::process::Command::new(program);
+            command.args(args).arg(binary);
+            command
+        }
+        None => std::process::Command::new(binary),
     }
 }
