@@ -4,6 +4,7 @@
 //! line and the field. This module does no I/O beyond reading the file it is given and
 //! the certificate, key and CA files that file names (relative to its directory).
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -148,6 +149,67 @@ pub struct StoreConfig {
     pub backend: Backend,
     pub key_prefix: String,
     pub timeout: Duration,
+    /// `[store.encryption]`: the keys recorded responses are sealed with.
+    pub encryption: Option<Encryption>,
+}
+
+/// `[store.encryption]` (docs/design.md §20): new records are sealed with `current`;
+/// records sealed with one of `previous` still open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encryption {
+    /// The variable `current` was read from, and the one `previous` was, for `check`.
+    pub key_env: String,
+    pub previous_keys_env: Option<String>,
+    pub current: RecordKey,
+    pub previous: Vec<RecordKey>,
+}
+
+/// One record key: 32 bytes, never printed; named by its id.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RecordKey {
+    bytes: [u8; 32],
+    id: String,
+}
+
+impl RecordKey {
+    /// A key given as base64 of exactly 32 bytes (with or without padding).
+    pub fn from_base64(text: &str) -> Option<RecordKey> {
+        use base64::Engine as _;
+        let text = text.trim();
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(text))
+            .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(text))
+            .or_else(|_| base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(text))
+            .ok()?;
+        Some(RecordKey::from_bytes(<[u8; 32]>::try_from(decoded).ok()?))
+    }
+
+    pub fn from_bytes(bytes: [u8; 32]) -> RecordKey {
+        // The id is an HMAC of a fixed text under the key: it names the key, and tells
+        // nothing of it.
+        let mac = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &bytes);
+        let tag = ring::hmac::sign(&mac, b"idemproxy record key id v1");
+        RecordKey {
+            bytes,
+            id: const_hex::encode(&tag.as_ref()[..4]),
+        }
+    }
+
+    /// 8 hex digits that name the key in a record, in `check` and in the records API.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8; 32] {
+        &self.bytes
+    }
+}
+
+impl fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordKey({})", self.id)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -336,6 +398,47 @@ pub struct IdempotencyPolicy {
     pub reconcile: Option<Reconcile>,
     /// The statuses and error bodies the route's clients expect.
     pub profile: Profile,
+    /// What a record keeps of a response, and how a retry is answered from it.
+    pub replay: ReplayKind,
+    /// With `replay = "status"` or `"refetch"`: the response fields a record keeps.
+    pub replay_headers: Vec<HeaderName>,
+    /// With `replay = "refetch"`: how a retry asks the upstream.
+    pub refetch: Option<Refetch>,
+}
+
+/// `route.idempotency.replay` (docs/design.md §20).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplayKind {
+    /// The whole response is recorded and replayed.
+    #[default]
+    Stored,
+    /// Only the status and `replay_headers`: replays have an empty body.
+    Status,
+    /// No body: a retry is answered by the upstream's answer to `refetch`, asked with
+    /// the retrying client's own headers.
+    Refetch,
+}
+
+impl ReplayKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplayKind::Stored => "stored",
+            ReplayKind::Status => "status",
+            ReplayKind::Refetch => "refetch",
+        }
+    }
+}
+
+/// `[route.idempotency.refetch]`: a read-only request for the operation's current
+/// state, sent with the retrying request's headers and no body.
+#[derive(Debug, Clone)]
+pub struct Refetch {
+    /// `GET` or `HEAD`: a refetch never runs the operation.
+    pub method: Method,
+    /// With `{key}` and `{record}`, as a probe's.
+    pub path: ProbePath,
+    pub timeout: Duration,
 }
 
 /// A route's reconciliation probe (docs/design.md §14): a read-only request to the route's

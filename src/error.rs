@@ -252,6 +252,9 @@ pub(crate) enum Rejection {
         /// Being reconciled by the route's probe: the next probe begins in this long.
         /// `None`: the route has no probe, or it gave up; an operator must resolve it.
         reconciling: Option<Duration>,
+        /// Why it is unknown, where the record says (`unreadable`: its recorded
+        /// response cannot be opened).
+        reason: Option<crate::store::UnknownReason>,
     },
     #[error("the proxy is at its bound on {0}")]
     Overloaded(Bound),
@@ -358,12 +361,15 @@ impl Rejection {
             // The next probe, in whole seconds rounded up: a retry then may find it settled.
             Rejection::OutcomeUnknown {
                 reconciling: Some(next),
+                ..
             } => Some(whole_seconds(*next).max(1)),
             _ => None,
         };
-        let reconciling = match self {
-            Rejection::OutcomeUnknown { reconciling } => Some(reconciling.is_some()),
-            _ => None,
+        let (reconciling, reason) = match self {
+            Rejection::OutcomeUnknown { reconciling, reason } => {
+                (Some(reconciling.is_some()), reason.map(crate::store::UnknownReason::as_str))
+            }
+            _ => (None, None),
         };
         Problem {
             kind,
@@ -372,6 +378,7 @@ impl Rejection {
             authenticate,
             operation: None,
             reconciling,
+            reason,
             docs_url: None,
             profile: Profile::Ietf,
         }
@@ -448,6 +455,7 @@ mod tests {
     #[test]
     fn an_unknown_outcome_says_whether_it_is_being_reconciled_and_when_to_retry() {
         let reconciling = Rejection::OutcomeUnknown {
+            reason: None,
             reconciling: Some(Duration::from_millis(4_200)),
         }
         .problem();
@@ -456,11 +464,16 @@ mod tests {
             (Some(5), Some(true))
         );
         let due = Rejection::OutcomeUnknown {
+            reason: None,
             reconciling: Some(Duration::ZERO),
         }
         .problem();
         assert_eq!(due.retry_after, Some(1));
-        let left = Rejection::OutcomeUnknown { reconciling: None }.problem();
+        let left = Rejection::OutcomeUnknown {
+            reconciling: None,
+            reason: Some(crate::store::UnknownReason::Unreadable),
+        }
+        .problem();
         assert_eq!((left.retry_after, left.reconciling), (None, Some(false)));
         let body: serde_json::Value = serde_json::from_slice(left.into_response().body()).expect("a JSON problem");
         assert_eq!(body["reconciling"], serde_json::Value::Bool(false));

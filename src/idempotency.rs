@@ -12,7 +12,7 @@ use crate::canonical_json;
 use crate::config::{FingerprintBody, OnServerError, OnUnauthorized};
 use crate::error::{KeyError, Rejection};
 use crate::store::{
-    ClaimOutcome, ClientId, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse,
+    ClaimOutcome, ClientId, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse, UnknownReason,
 };
 
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
@@ -256,8 +256,9 @@ pub(crate) enum Decision<C = ()> {
     /// Answer with a problem and forward nothing.
     Reject(Rejection),
     /// The first request's outcome is unknown: forward nothing, and answer 409
-    /// `outcome-unknown`, reconciling as the route's probe and the record say.
-    Unknown(Probe),
+    /// `outcome-unknown`, reconciling as the route's probe and the record say, and
+    /// saying why the outcome is unknown.
+    Unknown(Probe, UnknownReason),
 }
 
 /// Turns a claim's outcome into a decision for a request with `fingerprint`.
@@ -276,8 +277,8 @@ pub(crate) fn decide<C>(outcome: ClaimOutcome<C>, fingerprint: Fingerprint) -> D
             retry_after: lease_remaining.clamp(Duration::from_millis(1), IN_PROGRESS_RETRY_AFTER),
             lease_remaining,
         }),
-        RecordState::LeaseExpired => Decision::Unknown(Probe::Unscheduled),
-        RecordState::Unknown { probe, .. } => Decision::Unknown(probe),
+        RecordState::LeaseExpired => Decision::Unknown(Probe::Unscheduled, UnknownReason::LeaseExpired),
+        RecordState::Unknown { probe, reason } => Decision::Unknown(probe, reason),
     }
 }
 

@@ -281,6 +281,12 @@ impl Metrics {
                     .clone()
             })
         });
+        register(
+            r,
+            "records_unreadable",
+            "Recorded responses that could not be opened (sealed under a key no longer configured, or altered): each retry of one gets 409 outcome-unknown",
+            crate::store::sealed::UNREADABLE.clone(),
+        );
         let fenced_family = register(
             r,
             "fenced_writes",

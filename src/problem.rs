@@ -623,6 +623,9 @@ pub(crate) struct Problem {
     pub(crate) operation: Option<String>,
     /// On a 409 `outcome-unknown`: whether the route's probe is reconciling it.
     pub(crate) reconciling: Option<bool>,
+    /// On a 409 `outcome-unknown`: why, where the record says (`unreadable`: its
+    /// recorded response cannot be opened).
+    pub(crate) reason: Option<&'static str>,
     /// The route's `docs_url`: the problem's `type` is `docs_url#slug`, and a `Link`
     /// names it as what describes the response.
     pub(crate) docs_url: Option<std::sync::Arc<str>>,
@@ -665,6 +668,9 @@ impl Problem {
         }
         if let Some(reconciling) = self.reconciling {
             fields["reconciling"] = serde_json::Value::Bool(reconciling);
+        }
+        if let Some(reason) = self.reason {
+            fields["reason"] = serde_json::Value::String(reason.into());
         }
         let (content_type, body) = match self.profile {
             Profile::Ietf => ("application/problem+json", fields),

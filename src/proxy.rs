@@ -371,15 +371,16 @@ impl Proxy {
                 self.wait(guarded, prepared, first).instrument(span).await
             }
             Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
-            Decision::Unknown(probe) => Err(self.unknown(&guarded, probe)),
+            Decision::Unknown(probe, reason) => Err(self.unknown(&guarded, probe, reason)),
         }
     }
 
     /// The 409 `outcome-unknown` of a request whose record's outcome is unknown: it
     /// names the operation, and says whether the route's probe is reconciling it.
-    fn unknown(&self, guarded: &Guarded, probe: crate::store::Probe) -> Refusal {
+    fn unknown(&self, guarded: &Guarded, probe: crate::store::Probe, reason: crate::store::UnknownReason) -> Refusal {
         let reconciling = self.reconciling(guarded, probe);
-        Refusal::about(Rejection::OutcomeUnknown { reconciling }, &guarded.record)
+        let reason = Some(reason);
+        Refusal::about(Rejection::OutcomeUnknown { reconciling, reason }, &guarded.record)
     }
 
     /// The step enforce mode, shadow mode and a waiter share: claims the record, and

@@ -19,6 +19,10 @@ pub const IDEMPOTENCY_RECONCILED: HeaderName = HeaderName::from_static("idempote
 /// field of that name is never recorded.
 const EXECUTION_TRACE: HeaderName = HeaderName::from_static("idemproxy-execution-trace");
 
+/// The one field of a sealed record (`store::sealed`), naming the key that sealed it:
+/// never replayed, and an upstream's own field of that name is never recorded.
+pub(crate) const SEALED: HeaderName = HeaderName::from_static("idemproxy-sealed");
+
 /// `<trace id>-<span id>` in hex: 32 digits, a dash, 16 digits.
 const TRACE_TEXT: usize = 32 + 1 + 16;
 
@@ -83,7 +87,9 @@ impl StoredResponse {
         let headers = parts
             .headers
             .iter()
-            .filter(|(name, _)| *name != header::CONTENT_LENGTH && *name != EXECUTION_TRACE && !exclude.contains(name))
+            .filter(|(name, _)| {
+                *name != header::CONTENT_LENGTH && *name != EXECUTION_TRACE && *name != SEALED && !exclude.contains(name)
+            })
             // Copied: a parsed value may be a slice of the connection's read buffer,
             // which a record would otherwise keep alive for its whole retention.
             .map(|(name, value)| {

@@ -17,11 +17,13 @@ pub use crate::record::StoredResponse;
 pub mod memory;
 pub(crate) mod notify;
 pub mod redis;
+pub mod sealed;
 pub mod sqlite;
 
 pub use self::memory::MemoryStore;
 use self::notify::Watcher;
 pub use self::redis::RedisStore;
+pub use self::sealed::Sealer;
 pub use self::sqlite::SqliteStore;
 pub use crate::config::StoreLimits;
 
@@ -35,23 +37,26 @@ pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sy
 /// started here). Must be called inside a Tokio runtime, which runs the memory store's
 /// sweeper or the Redis subscriber.
 pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
+    // One sealer for the process: its counter of unreadable records is one.
+    let sealer = sealed::sealer(config.encryption.as_ref());
     match &config.backend {
         Backend::Memory(limits) => {
             let store = MemoryStore::with_limits(*limits);
             let watcher = store.watcher();
-            let shared = AnyStore::Memory(store);
+            let shared = AnyStore::from(store).sealed(sealer);
             Ok((Arc::new(move || Ok(shared.clone())), watcher))
         }
         Backend::Sqlite(sqlite) => {
             let store = SqliteStore::open(sqlite, config.timeout)?;
             let watcher = store.watcher();
-            let shared = AnyStore::Sqlite(store);
+            let shared = AnyStore::from(store).sealed(sealer);
             Ok((Arc::new(move || Ok(shared.clone())), watcher))
         }
         Backend::Redis(redis) => {
             let (redis, timeout) = (redis.clone(), config.timeout);
             let watcher = self::redis::start_subscriber(&redis, timeout)?;
-            let factory: StoreFactory = Arc::new(move || Ok(AnyStore::Redis(RedisStore::new(&redis, timeout)?)));
+            let factory: StoreFactory =
+                Arc::new(move || Ok(AnyStore::from(RedisStore::new(&redis, timeout)?).sealed(sealer.clone())));
             Ok((factory, watcher))
         }
     }
@@ -228,6 +233,9 @@ pub enum UnknownReason {
     /// The claim's lease ran out with its owner gone (a proxy crashed or lost the
     /// store mid-request): written when a probe takes the record over.
     LeaseExpired,
+    /// The recorded response cannot be opened: sealed under a key no longer
+    /// configured, or altered. Never written: what a claim reads such a record as.
+    Unreadable,
 }
 
 impl UnknownReason {
@@ -238,6 +246,7 @@ impl UnknownReason {
             UnknownReason::ResponseTooLarge => "response-too-large",
             UnknownReason::OverBudget => "over-budget",
             UnknownReason::LeaseExpired => "lease-expired",
+            UnknownReason::Unreadable => "unreadable",
         }
     }
 
@@ -248,6 +257,7 @@ impl UnknownReason {
             b"response-too-large" => Some(UnknownReason::ResponseTooLarge),
             b"over-budget" => Some(UnknownReason::OverBudget),
             b"lease-expired" => Some(UnknownReason::LeaseExpired),
+            b"unreadable" => Some(UnknownReason::Unreadable),
             _ => None,
         }
     }
@@ -467,6 +477,10 @@ pub trait RecordStore: Send + Sync + 'static {
     /// What the record holds, without its body: an operator's view.
     fn inspect(&self, key: &StoreKey) -> impl Future<Output = Result<Option<RecordSummary>, StoreError>> + Send;
 
+    /// The response a completed record holds, body and all: an operator's tool, never
+    /// on the request path. `None` when the record is absent or not completed.
+    fn response(&self, key: &StoreKey) -> impl Future<Output = Result<Option<StoredResponse>, StoreError>> + Send;
+
     /// `unknown` -> `completed` with the resolution's response, or -> gone: only if
     /// the record reads as unknown (marked so, or in flight with its lease run out),
     /// and, when `owner` names one, for that claim (`None`: whichever claim is unknown
@@ -509,73 +523,139 @@ pub trait RecordStore: Send + Sync + 'static {
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
-/// The configured store: one of the three backends.
+macro_rules! delegate {
+    ($self:ident, $store:ident => $call:expr) => {
+        match &$self.engine {
+            Engine::Memory($store) => $call.await,
+            Engine::Sqlite($store) => $call.await,
+            Engine::Redis($store) => $call.await,
+        }
+    };
+}
+/// The configured store: one of the three backends, and the keys its records are
+/// sealed with, if any (`sealed`). Every response it is given is sealed before the
+/// backend sees it, every one it returns opened, and every fingerprint kept as an HMAC.
 #[derive(Clone)]
-pub enum AnyStore {
+pub struct AnyStore {
+    engine: Engine,
+    sealer: Option<Arc<Sealer>>,
+}
+
+/// One of the three backends.
+#[derive(Clone)]
+pub enum Engine {
     Memory(MemoryStore),
     Sqlite(SqliteStore),
     Redis(RedisStore),
 }
 
+impl From<MemoryStore> for AnyStore {
+    fn from(store: MemoryStore) -> AnyStore {
+        AnyStore::new(Engine::Memory(store))
+    }
+}
+
+impl From<SqliteStore> for AnyStore {
+    fn from(store: SqliteStore) -> AnyStore {
+        AnyStore::new(Engine::Sqlite(store))
+    }
+}
+
+impl From<RedisStore> for AnyStore {
+    fn from(store: RedisStore) -> AnyStore {
+        AnyStore::new(Engine::Redis(store))
+    }
+}
+
 impl AnyStore {
+    pub fn new(engine: Engine) -> AnyStore {
+        AnyStore { engine, sealer: None }
+    }
+
+    /// This store with its records sealed by `sealer` (`None`: kept in clear).
+    pub fn sealed(mut self, sealer: Option<Arc<Sealer>>) -> AnyStore {
+        self.sealer = sealer;
+        self
+    }
+
+    /// The backend, for what only one of them does (and for tests).
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(crate) fn sealer(&self) -> Option<&Sealer> {
+        self.sealer.as_deref()
+    }
+
     /// Gets a new handle ready for its first request: on Redis, loads the scripts, so
     /// that the first write does not pay `NOSCRIPT`, a load and a second try.
     pub(crate) async fn warm_up(&self) {
-        match self {
-            AnyStore::Memory(_) | AnyStore::Sqlite(_) => {}
-            AnyStore::Redis(store) => store.preload().await,
+        match &self.engine {
+            Engine::Memory(_) | Engine::Sqlite(_) => {}
+            Engine::Redis(store) => store.preload().await,
         }
     }
 
     /// Whether several proxy instances may share this store (Redis), or it is one
     /// process's own (memory, SQLite).
     pub(crate) fn shared_by_instances(&self) -> bool {
-        matches!(self, AnyStore::Redis(_))
+        matches!(self.engine, Engine::Redis(_))
     }
 
     /// What the embedded store holds and its bounds; Redis reports its own memory.
     pub fn usage(&self) -> Option<StoreUsage> {
-        match self {
-            AnyStore::Memory(store) => Some(store.usage()),
-            AnyStore::Sqlite(store) => store
+        match &self.engine {
+            Engine::Memory(store) => Some(store.usage()),
+            Engine::Sqlite(store) => store
                 .usage()
                 .inspect_err(|error| tracing::warn!(%error, "cannot read what the store's file holds"))
                 .ok(),
-            AnyStore::Redis(_) => None,
+            Engine::Redis(_) => None,
         }
     }
 
     /// What the SQLite store's commits cost; the others commit nothing of their own.
     pub(crate) fn commit_stats(&self) -> Option<&sqlite::CommitStats> {
-        match self {
-            AnyStore::Sqlite(store) => Some(store.commit_stats()),
-            AnyStore::Memory(_) | AnyStore::Redis(_) => None,
+        match &self.engine {
+            Engine::Sqlite(store) => Some(store.commit_stats()),
+            Engine::Memory(_) | Engine::Redis(_) => None,
         }
     }
 
     /// The records whose probe a fresh start must schedule: only the SQLite store owns
     /// all of its records, and knows that nobody else will find them.
     pub(crate) fn unsettled(&self) -> Result<Vec<sqlite::Unsettled>, StoreError> {
-        match self {
-            AnyStore::Sqlite(store) => store.unsettled(),
-            AnyStore::Memory(_) | AnyStore::Redis(_) => Ok(Vec::new()),
+        match &self.engine {
+            Engine::Sqlite(store) => store.unsettled(),
+            Engine::Memory(_) | Engine::Redis(_) => Ok(Vec::new()),
         }
     }
-}
 
-macro_rules! delegate {
-    ($self:ident, $store:ident => $call:expr) => {
-        match $self {
-            AnyStore::Memory($store) => $call.await,
-            AnyStore::Sqlite($store) => $call.await,
-            AnyStore::Redis($store) => $call.await,
-        }
-    };
+    /// The response a completed record holds, opened: for an operator who asks for
+    /// its body. `Ok(None)` when the record is absent or not completed.
+    pub async fn opened_response(
+        &self,
+        key: &StoreKey,
+    ) -> Result<Option<Result<StoredResponse, sealed::Unreadable>>, StoreError> {
+        let stored = delegate!(self, store => store.response(key))?;
+        Ok(stored.map(|stored| sealed::open(self.sealer(), key, stored)))
+    }
+
+    fn seal(&self, key: &StoreKey, response: &StoredResponse) -> Result<Option<StoredResponse>, StoreError> {
+        self.sealer().map(|sealer| sealer.seal(key, response)).transpose()
+    }
 }
 
 impl RecordStore for AnyStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        delegate!(self, store => store.claim(claim))
+        let outcome = match self.sealer() {
+            None => delegate!(self, store => store.claim(claim))?,
+            Some(sealer) => {
+                let sealed = sealed::sealed_claim(sealer, claim);
+                delegate!(self, store => store.claim(&sealed))?
+            }
+        };
+        Ok(sealed::opened(self.sealer(), &claim.key, claim.fingerprint, outcome))
     }
 
     async fn complete(
@@ -584,7 +664,10 @@ impl RecordStore for AnyStore {
         owner: OwnerToken,
         response: &StoredResponse,
     ) -> Result<Write, StoreError> {
-        delegate!(self, store => store.complete(key, owner, response))
+        match self.seal(key, response)? {
+            None => delegate!(self, store => store.complete(key, owner, response)),
+            Some(sealed) => delegate!(self, store => store.complete(key, owner, &sealed)),
+        }
     }
 
     async fn mark_unknown(
@@ -609,13 +692,27 @@ impl RecordStore for AnyStore {
         delegate!(self, store => store.inspect(key))
     }
 
+    async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
+        match self.opened_response(key).await? {
+            None => Ok(None),
+            Some(Ok(response)) => Ok(Some(response)),
+            Some(Err(_)) => Err(StoreError::Protocol("the recorded response cannot be opened")),
+        }
+    }
+
     async fn resolve(
         &self,
         key: &StoreKey,
         owner: Option<OwnerToken>,
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
-        delegate!(self, store => store.resolve(key, owner, resolution))
+        match self.sealer() {
+            None => delegate!(self, store => store.resolve(key, owner, resolution)),
+            Some(sealer) => {
+                let sealed = sealed::sealed_resolution(sealer, key, resolution)?;
+                delegate!(self, store => store.resolve(key, owner, &sealed))
+            }
+        }
     }
 
     async fn begin_probe(

@@ -496,7 +496,7 @@ async fn start_with_script(config: &TestConfig, script: Option<(ScriptName, &str
     let timeout = humantime::parse_duration(&config.store_timeout).expect("store timeout");
     let factory: idemproxy::StoreFactory = Arc::new(move || {
         let store = RedisStore::standalone(&url, timeout)?;
-        Ok(AnyStore::Redis(match &script {
+        Ok(AnyStore::from(match &script {
             Some((name, lua)) => store.with_script(*name, lua),
             None => store,
         }))
@@ -805,7 +805,7 @@ async fn memory_stale_complete_race(plant: Option<Plant>) -> bool {
         Some(plant) => MemoryStore::with_plant(1000, plant),
         None => MemoryStore::new(1000, usize::MAX),
     };
-    let shared = AnyStore::Memory(store);
+    let shared = AnyStore::from(store);
     let factory: idemproxy::StoreFactory = {
         let shared = shared.clone();
         Arc::new(move || Ok(shared.clone()))

@@ -144,9 +144,9 @@ async fn tokens_that_do_not_verify_get_401_and_nothing_is_forwarded_or_stored() 
         0,
         "a request with an unverified token was forwarded"
     );
-    match setup.proxy.running.store() {
-        idemproxy::store::AnyStore::Memory(store) => assert!(store.is_empty(), "an unverified request was stored"),
-        idemproxy::store::AnyStore::Sqlite(_) | idemproxy::store::AnyStore::Redis(_) => unreachable!(),
+    match setup.proxy.running.store().engine() {
+        idemproxy::store::Engine::Memory(store) => assert!(store.is_empty(), "an unverified request was stored"),
+        idemproxy::store::Engine::Sqlite(_) | idemproxy::store::Engine::Redis(_) => unreachable!(),
     }
     // Reads on the route are not guarded, so not checked either.
     assert_eq!(

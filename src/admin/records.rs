@@ -347,7 +347,7 @@ mod tests {
             file.display().to_string()
         );
         let config = Config::parse(&source, &dir.path().join("t.toml")).expect("a valid config");
-        let store = AnyStore::Memory(crate::store::MemoryStore::new(100, 1 << 20));
+        let store = AnyStore::from(crate::store::MemoryStore::new(100, 1 << 20));
         let status = async |authorization: Option<String>| {
             let mut headers = HeaderMap::new();
             if let Some(value) = authorization {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, UpstreamKey};
+use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, ReplayKind, UpstreamKey};
 use crate::problem::Profile;
 use crate::request_target::Spelling;
 
@@ -141,6 +141,15 @@ pub(super) struct RawStore {
     pub(super) tls_ca_file: Option<Spanned<String>>,
     pub(super) tls_cert_file: Option<Spanned<String>>,
     pub(super) tls_key_file: Option<Spanned<String>>,
+    pub(super) encryption: Option<Spanned<RawEncryption>>,
+}
+
+/// `[store.encryption]`: the environment variables the record keys are read from.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEncryption {
+    pub(super) key_env: Spanned<String>,
+    pub(super) previous_keys_env: Option<Spanned<String>>,
 }
 
 impl Default for RawStore {
@@ -165,6 +174,7 @@ impl Default for RawStore {
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
+            encryption: None,
         }
     }
 }
@@ -210,6 +220,20 @@ pub(super) struct RawIdempotency {
     pub(super) upstream_key_header: Spanned<String>,
     pub(super) reconcile: Option<Spanned<RawReconcile>>,
     pub(super) profile: Profile,
+    pub(super) replay: Spanned<ReplayKind>,
+    pub(super) replay_headers: Option<Spanned<Vec<String>>>,
+    pub(super) refetch: Option<Spanned<RawRefetch>>,
+}
+
+/// `[route.idempotency.refetch]`: how a `replay = "refetch"` route asks its upstream
+/// for an operation's current state.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRefetch {
+    #[serde(default = "default_probe_method")]
+    pub(super) method: Spanned<String>,
+    pub(super) path: Spanned<String>,
+    pub(super) timeout: Option<Spanned<HumanDuration>>,
 }
 
 #[derive(Deserialize)]
@@ -291,6 +315,9 @@ impl Default for RawIdempotency {
             upstream_key_header: Spanned::new(0..0, "Idempotency-Key".into()),
             reconcile: None,
             profile: Profile::Ietf,
+            replay: Spanned::new(0..0, ReplayKind::Stored),
+            replay_headers: None,
+            refetch: None,
         }
     }
 }

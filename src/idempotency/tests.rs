@@ -203,7 +203,7 @@ fn decisions_follow_the_record() {
     ));
     assert!(matches!(
         decide(existing(mine, RecordState::LeaseExpired), mine),
-        Decision::Unknown(crate::store::Probe::Unscheduled)
+        Decision::Unknown(crate::store::Probe::Unscheduled, crate::store::UnknownReason::LeaseExpired)
     ));
     let next = crate::store::Probe::Next(Duration::from_secs(3));
     assert!(matches!(
@@ -217,7 +217,7 @@ fn decisions_follow_the_record() {
             ),
             mine
         ),
-        Decision::Unknown(probe) if probe == next
+        Decision::Unknown(probe, _) if probe == next
     ));
     assert!(matches!(
         decide(

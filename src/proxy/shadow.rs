@@ -68,7 +68,7 @@ impl Proxy {
             }
             Ok(Decision::Replay(_)) => Would::Replay,
             Ok(Decision::Reject(rejection)) => would(&rejection),
-            Ok(Decision::Unknown(_)) => Would::Conflict,
+            Ok(Decision::Unknown(..)) => Would::Conflict,
             Err(error) => {
                 tracing::warn!(%error, "store unavailable; forwarding (shadow mode)");
                 Would::StoreError

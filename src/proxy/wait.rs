@@ -136,9 +136,9 @@ impl Proxy {
                     });
                     return Err(Refusal::about(rejection, &guarded.record));
                 }
-                Ok(Decision::Unknown(probe)) => {
+                Ok(Decision::Unknown(probe, reason)) => {
                     tally.end(WaitEnd::Unknown);
-                    return Err(self.unknown(&guarded, probe));
+                    return Err(self.unknown(&guarded, probe, reason));
                 }
                 Err(error) => {
                     tally.end(WaitEnd::Other);

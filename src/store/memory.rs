@@ -616,6 +616,14 @@ impl RecordStore for MemoryStore {
         Ok(removed)
     }
 
+    async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
+        let records = self.shared.lock();
+        Ok(match records.live(key, Instant::now()).map(|record| &record.state) {
+            Some(State::Completed(response)) => Some(response.clone()),
+            _ => None,
+        })
+    }
+
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
         let records = self.shared.lock();
         let now = Instant::now();

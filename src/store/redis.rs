@@ -450,6 +450,11 @@ impl RecordStore for RedisStore {
         layout::summary(found, pttl)
     }
 
+    async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
+        let (found, pttl) = self.read_with_ttl(key, self.timeout).await?;
+        layout::response(found, pttl)
+    }
+
     async fn resolve(
         &self,
         key: &StoreKey,

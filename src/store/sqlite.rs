@@ -827,6 +827,21 @@ impl RecordStore for SqliteStore {
         purged
     }
 
+    async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
+        self.read(|conn, now| match load(conn, key, true)?.filter(|row| row.expires_at > now) {
+            Some(Row {
+                state:
+                    RowState::Completed {
+                        status,
+                        headers,
+                        body: Body::Bytes(body),
+                    },
+                ..
+            }) => Ok(Some(response(status, &headers, body)?)),
+            _ => Ok(None),
+        })
+    }
+
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
         self.read(|conn, now| {
             let Some(row) = load(conn, key, false)?.filter(|row| row.expires_at > now) else {

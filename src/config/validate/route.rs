@@ -8,9 +8,9 @@ use std::time::Duration;
 use http::Method;
 use toml::Spanned;
 
-use crate::config::raw::{RawFingerprintBody, RawIdempotency, RawReconcile, RawRoute, RawScopeJwt};
+use crate::config::raw::{RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt};
 use crate::config::{
-    FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Route,
+    FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Refetch, ReplayKind, Route,
     ServerConfig, Upstream, UpstreamKey,
 };
 use crate::error::ConfigError;
@@ -186,6 +186,41 @@ impl Validator<'_> {
                 Some(self.reconcile(index, reconcile, upstream_timeout, raw.upstream_key, scoped)?)
             }
         };
+        let replay = *raw.replay.get_ref();
+        let replay_headers = match (&raw.replay_headers, replay) {
+            (Some(headers), ReplayKind::Stored) => {
+                return Err(self.error(
+                    headers.span(),
+                    field("replay_headers"),
+                    "only replay = \"status\" or \"refetch\" takes it: replay = \"stored\" records every field but replay_exclude_headers",
+                ));
+            }
+            (Some(headers), _) => self.header_names(headers, field("replay_headers"))?,
+            (None, ReplayKind::Stored) => Vec::new(),
+            (None, _) => vec![http::header::LOCATION],
+        };
+        let replay_headers: Vec<_> = replay_headers
+            .into_iter()
+            .filter(|name| !replay_exclude_headers.contains(name))
+            .collect();
+        let refetch = match (&raw.refetch, replay) {
+            (Some(refetch), ReplayKind::Refetch) => Some(self.refetch(index, refetch, upstream_timeout, raw.upstream_key)?),
+            (None, ReplayKind::Refetch) => {
+                return Err(self.error(
+                    raw.replay.span(),
+                    field("refetch"),
+                    "replay = \"refetch\" needs refetch = { method = \"GET\", path = \"/…/{key}\" }: how a retry asks the upstream for the operation",
+                ));
+            }
+            (Some(refetch), _) => {
+                return Err(self.error(
+                    refetch.span(),
+                    field("refetch"),
+                    "only replay = \"refetch\" takes it",
+                ));
+            }
+            (None, _) => None,
+        };
         Ok(IdempotencyPolicy {
             methods,
             header,
@@ -206,7 +241,49 @@ impl Validator<'_> {
             upstream_key_header,
             reconcile,
             profile: raw.profile,
+            replay,
+            replay_headers,
+            refetch,
         })
+    }
+
+    /// `[route.idempotency.refetch]`: a read-only method and a path like a probe's.
+    fn refetch(
+        &self,
+        index: usize,
+        raw: &Spanned<RawRefetch>,
+        upstream_timeout: Duration,
+        upstream_key: UpstreamKey,
+    ) -> Result<Refetch, ConfigError> {
+        let field = |name: &str| format!("route[{index}].idempotency.refetch.{name}");
+        let raw = raw.get_ref();
+        let method = match raw.method.get_ref().to_ascii_uppercase().as_str() {
+            "GET" => Method::GET,
+            "HEAD" => Method::HEAD,
+            other => {
+                return Err(self.error(
+                    raw.method.span(),
+                    field("method"),
+                    format!("{other:?} is not GET or HEAD: a refetch must never run the operation again"),
+                ));
+            }
+        };
+        let path = self.probe_path(&raw.path, field("path"))?;
+        if path.names_key() && upstream_key == UpstreamKey::None {
+            return Err(self.error(
+                raw.path.span(),
+                field("path"),
+                "names {key}, but upstream_key = \"none\" sends the upstream no key to look up; use {record} with upstream_key = \"derived\", or forward a key",
+            ));
+        }
+        let timeout = match &raw.timeout {
+            None => upstream_timeout,
+            Some(timeout) if timeout.get_ref().0.is_zero() => {
+                return Err(self.error(timeout.span(), field("timeout"), "must be greater than 0"));
+            }
+            Some(timeout) => timeout.get_ref().0,
+        };
+        Ok(Refetch { method, path, timeout })
     }
 
     /// `[route.idempotency.reconcile]`: a read-only method, a path whose only

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use crate::config::raw::{BackendKind, RawStore};
+use crate::config::raw::{BackendKind, RawEncryption, RawStore};
 use crate::config::{
-    Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
+    Backend, ClientIdentity, Encryption, RecordKey, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
     DEFAULT_SQLITE_CACHE_BYTES, DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS,
     RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
 };
@@ -68,10 +68,72 @@ impl Validator<'_> {
             }
             kind => Backend::Redis(self.redis(kind, &raw)?),
         };
+        let encryption = match &raw.encryption {
+            None => None,
+            Some(encryption) => Some(self.encryption(encryption.get_ref())?),
+        };
         Ok(StoreConfig {
             backend,
             key_prefix: raw.key_prefix.into_inner(),
             timeout: raw.timeout.into_inner().0,
+            encryption,
+        })
+    }
+
+    /// `[store.encryption]`: the current key from `key_env`, the keys records may still
+    /// be sealed with from `previous_keys_env` (comma-separated). Each is base64 of 32
+    /// bytes; an unset variable, or a value that is not, refuses the config naming the
+    /// variable (never its value).
+    fn encryption(&self, raw: &RawEncryption) -> Result<Encryption, ConfigError> {
+        let read = |variable: &Spanned<String>, field: &str| {
+            std::env::var(variable.get_ref()).map_err(|error| {
+                let reason = match error {
+                    std::env::VarError::NotPresent => "is not set",
+                    std::env::VarError::NotUnicode(_) => "is not text",
+                };
+                self.error(
+                    variable.span(),
+                    field,
+                    format!("the environment variable {} {reason}", variable.get_ref()),
+                )
+            })
+        };
+        let key = |text: &str, variable: &Spanned<String>, field: &str| {
+            RecordKey::from_base64(text).ok_or_else(|| {
+                self.error(
+                    variable.span(),
+                    field,
+                    format!(
+                        "the environment variable {} does not hold 32 bytes in base64 (make one with `openssl rand -base64 32`)",
+                        variable.get_ref()
+                    ),
+                )
+            })
+        };
+        if raw.key_env.get_ref().is_empty() {
+            return Err(self.error(raw.key_env.span(), "store.encryption.key_env", "must name a variable"));
+        }
+        let current = key(
+            &read(&raw.key_env, "store.encryption.key_env")?,
+            &raw.key_env,
+            "store.encryption.key_env",
+        )?;
+        let mut previous: Vec<RecordKey> = Vec::new();
+        if let Some(variable) = &raw.previous_keys_env {
+            let field = "store.encryption.previous_keys_env";
+            let text = read(variable, field)?;
+            for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+                let old = key(part, variable, field)?;
+                if old.id() != current.id() && !previous.iter().any(|known| known.id() == old.id()) {
+                    previous.push(old);
+                }
+            }
+        }
+        Ok(Encryption {
+            key_env: raw.key_env.get_ref().clone(),
+            previous_keys_env: raw.previous_keys_env.as_ref().map(|variable| variable.get_ref().clone()),
+            current,
+            previous,
         })
     }
 

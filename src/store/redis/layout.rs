@@ -235,6 +235,17 @@ pub(super) fn claim_outcome(
     Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
 }
 
+/// The response of the completed record `GET` found, with its `PTTL`.
+pub(super) fn response(found: Option<Bytes>, pttl: i64) -> Result<Option<StoredResponse>, StoreError> {
+    let Some(value) = found else {
+        return Ok(None);
+    };
+    Ok(match decode(value, Some(pttl))?.state {
+        Read::Completed(response) => Some(response),
+        Read::InFlight { .. } | Read::Unknown { .. } => None,
+    })
+}
+
 /// What an operator sees of the record `GET` found, with its `PTTL`.
 pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSummary>, StoreError> {
     let Some(value) = found else {

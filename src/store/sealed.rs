@@ -1,0 +1,294 @@
+//! Sealed records (docs/design.md §20): with `[store.encryption]`, every recorded
+//! response's fields and body are sealed with AES-256-GCM before any backend sees
+//! them, and every fingerprint is an HMAC under the same key, so that what the store
+//! holds (a Redis RDB, a replica, a backup, the SQLite file) reveals neither a response
+//! nor a low-entropy request body. The status, state, expiry, owner and probe schedule
+//! stay clear, so each backend's atomic steps are unchanged: `SealedStore` wraps the
+//! configured store, seals on the way in and opens on the way out.
+//!
+//! A sealed response is stored as a response whose only field is `idemproxy-sealed:
+//! <key id>` and whose body is `[version][nonce][ciphertext and tag]`; the plaintext is
+//! the length of the encoded fields, the fields, then the body. The associated data
+//! binds the version, the key id, the status and the store key, so a sealed value moved
+//! to another record, or given another status, does not open. A record that does not
+//! open, or whose key is no longer configured, is never run again: the claim reads it
+//! as unknown (`unreadable`), and the probe leaves it to an operator.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode};
+use prometheus_client::metrics::counter::Counter;
+use ring::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use ring::rand::{SecureRandom, SystemRandom};
+use ring::{hkdf, hmac};
+
+use super::{ClaimOutcome, ClaimRequest, Existing, Fingerprint, Probe, RecordState, StoreKey, StoredResponse};
+use super::{UnknownReason, Resolution};
+use crate::config::{Encryption, RecordKey};
+use crate::error::StoreError;
+use crate::record::{SEALED, decode_headers, encode_headers};
+
+/// The envelope's version, the first byte of a sealed body and part of what it is
+/// bound to.
+const VERSION: u8 = 1;
+const TAG_LEN: usize = 16;
+const HEADER_LEN: usize = 1 + NONCE_LEN;
+
+/// One record key's two uses, derived from it apart (HKDF-SHA256): sealing and
+/// fingerprints never share a key.
+struct Cipher {
+    id: String,
+    aead: LessSafeKey,
+    mac: hmac::Key,
+}
+
+impl Cipher {
+    fn new(key: &RecordKey) -> Cipher {
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, b"idemproxy record key v1").extract(key.bytes());
+        // Both lengths are what the algorithms take: neither expansion can fail.
+        let seal = prk.expand(&[b"seal"], &AES_256_GCM).map(UnboundKey::from);
+        let mac = prk.expand(&[b"fingerprint"], hmac::HMAC_SHA256).map(hmac::Key::from);
+        match (seal, mac) {
+            (Ok(seal), Ok(mac)) => Cipher {
+                id: key.id().to_string(),
+                aead: LessSafeKey::new(seal),
+                mac,
+            },
+            _ => unreachable!("HKDF-SHA256 expands to 32 bytes"),
+        }
+    }
+
+    fn fingerprint(&self, plain: Fingerprint) -> Fingerprint {
+        let tag = hmac::sign(&self.mac, &plain.0);
+        let mut out = [0u8; 32];
+        out.copy_from_slice(tag.as_ref());
+        Fingerprint(out)
+    }
+}
+
+/// What a sealed value is bound to besides its own bytes.
+fn associated(id: &str, status: StatusCode, key: &StoreKey) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(32 + id.len() + key.as_str().len());
+    aad.extend_from_slice(b"idemproxy sealed record\0");
+    aad.push(VERSION);
+    aad.extend_from_slice(id.as_bytes());
+    aad.push(0);
+    aad.extend_from_slice(&status.as_u16().to_be_bytes());
+    aad.extend_from_slice(key.as_str().as_bytes());
+    aad
+}
+
+/// Why a recorded response cannot be opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unreadable {
+    /// Sealed under a key that is not configured (dropped from `previous_keys_env`).
+    UnknownKey(String),
+    /// Sealed under a configured key, and does not open: tampered, truncated, moved
+    /// from another record.
+    Broken(String),
+    /// Sealed, and no key is configured at all.
+    NoKeys(String),
+}
+
+impl std::fmt::Display for Unreadable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unreadable::UnknownKey(id) => write!(f, "sealed under key {id}, which is not configured"),
+            Unreadable::Broken(id) => write!(f, "sealed under key {id}, and does not open (altered or truncated)"),
+            Unreadable::NoKeys(id) => write!(f, "sealed under key {id}, and [store.encryption] is not configured"),
+        }
+    }
+}
+
+/// The configured record keys: the current one seals, every one opens.
+pub struct Sealer {
+    current: Cipher,
+    previous: Vec<Cipher>,
+    random: SystemRandom,
+}
+
+/// Records found that could not be opened, by any store of this process
+/// (`idemproxy_records_unreadable_total`).
+pub(crate) static UNREADABLE: std::sync::LazyLock<Counter> = std::sync::LazyLock::new(Counter::default);
+
+impl Sealer {
+    pub fn new(encryption: &Encryption) -> Sealer {
+        Sealer {
+            current: Cipher::new(&encryption.current),
+            previous: encryption.previous.iter().map(Cipher::new).collect(),
+            random: SystemRandom::new(),
+        }
+    }
+
+    fn ciphers(&self) -> impl Iterator<Item = &Cipher> {
+        std::iter::once(&self.current).chain(&self.previous)
+    }
+
+    /// The fingerprint a new record keeps: an HMAC of the request's under the current key.
+    pub fn fingerprint(&self, plain: Fingerprint) -> Fingerprint {
+        self.current.fingerprint(plain)
+    }
+
+    /// The fingerprint a record kept, as `decide` compares it: `plain` when it is the
+    /// HMAC of `plain` under any configured key (or `plain` itself, written before
+    /// encryption was on), else as stored (another request's).
+    pub fn recognise(&self, stored: Fingerprint, plain: Fingerprint) -> Fingerprint {
+        if stored == plain || self.ciphers().any(|cipher| cipher.fingerprint(plain) == stored) {
+            plain
+        } else {
+            stored
+        }
+    }
+
+    /// `response` sealed for the record `key` under the current key.
+    pub fn seal(&self, key: &StoreKey, response: &StoredResponse) -> Result<StoredResponse, StoreError> {
+        let cipher = &self.current;
+        let fields = encode_headers(&response.headers);
+        let mut sealed = Vec::with_capacity(HEADER_LEN + 4 + fields.len() + response.body.len() + TAG_LEN);
+        sealed.push(VERSION);
+        let mut nonce = [0u8; NONCE_LEN];
+        self.random
+            .fill(&mut nonce)
+            .map_err(|_| StoreError::Unready("no random source to seal the record with"))?;
+        sealed.extend_from_slice(&nonce);
+        // Fields are below 64 KiB each and few: their encoding fits in 32 bits.
+        sealed.extend_from_slice(&u32::try_from(fields.len()).unwrap_or(u32::MAX).to_be_bytes());
+        sealed.extend_from_slice(&fields);
+        sealed.extend_from_slice(&response.body);
+        let aad = associated(&cipher.id, response.status, key);
+        let tag = cipher
+            .aead
+            .seal_in_place_separate_tag(Nonce::assume_unique_for_key(nonce), Aad::from(&aad), &mut sealed[HEADER_LEN..])
+            .map_err(|_| StoreError::Unready("the record could not be sealed"))?;
+        sealed.extend_from_slice(tag.as_ref());
+        let marker = HeaderValue::from_str(&cipher.id).map_err(|_| StoreError::Protocol("a key id is not a field value"))?;
+        Ok(StoredResponse {
+            status: response.status,
+            headers: vec![(SEALED, marker)],
+            body: Bytes::from(sealed),
+            // Not secret, and what the records API and a replay's span link to.
+            trace: response.trace,
+        })
+    }
+
+    /// The response `stored` holds, opened; one written before encryption was on is as
+    /// it was.
+    pub fn open(&self, key: &StoreKey, stored: StoredResponse) -> Result<StoredResponse, Unreadable> {
+        let Some(id) = sealed_by(&stored) else {
+            return Ok(stored);
+        };
+        let Some(cipher) = self.ciphers().find(|cipher| cipher.id == id) else {
+            return Err(Unreadable::UnknownKey(id));
+        };
+        open_with(cipher, key, stored).ok_or(Unreadable::Broken(id))
+    }
+
+}
+
+/// The id of the key that sealed `stored`, if it is sealed. A response whose fields
+/// are anything but the one marker is not sealed (from_parts never records the
+/// marker's name).
+pub fn sealed_by(stored: &StoredResponse) -> Option<String> {
+    match stored.headers.as_slice() {
+        [(name, value)] if *name == SEALED => Some(String::from_utf8_lossy(value.as_bytes()).into_owned()),
+        _ => None,
+    }
+}
+
+/// Opens a record sealed under `cipher`; `None` if it does not open or does not
+/// decode.
+fn open_with(cipher: &Cipher, key: &StoreKey, stored: StoredResponse) -> Option<StoredResponse> {
+    let (&version, rest) = stored.body.split_first()?;
+    if version != VERSION || rest.len() < NONCE_LEN + 4 + TAG_LEN {
+        return None;
+    }
+    let nonce = Nonce::try_assume_unique_for_key(&rest[..NONCE_LEN]).ok()?;
+    let mut sealed = rest[NONCE_LEN..].to_vec();
+    let aad = associated(&cipher.id, stored.status, key);
+    let plain_len = cipher.aead.open_in_place(nonce, Aad::from(&aad), &mut sealed).ok()?.len();
+    sealed.truncate(plain_len);
+    let (length, rest) = sealed.split_first_chunk::<4>()?;
+    let length = usize::try_from(u32::from_be_bytes(*length)).ok()?;
+    let fields = rest.get(..length)?;
+    let headers = decode_headers(fields)?;
+    let body = Bytes::from(sealed).slice(4 + length..);
+    Some(StoredResponse {
+        status: stored.status,
+        headers,
+        body,
+        trace: stored.trace,
+    })
+}
+
+/// A claim's outcome with the record's fingerprint recognised and its response opened.
+pub(super) fn opened(
+    sealer: Option<&Sealer>,
+    key: &StoreKey,
+    plain: Fingerprint,
+    outcome: ClaimOutcome,
+) -> ClaimOutcome {
+    let ClaimOutcome::Existing(Existing { fingerprint, state }) = outcome else {
+        return outcome;
+    };
+    let fingerprint = match sealer {
+        Some(sealer) => sealer.recognise(fingerprint, plain),
+        None => fingerprint,
+    };
+    let state = match state {
+        RecordState::Completed(stored) => match open(sealer, key, stored) {
+            Ok(response) => RecordState::Completed(response),
+            Err(_) => RecordState::Unknown {
+                reason: UnknownReason::Unreadable,
+                probe: Probe::GaveUp,
+            },
+        },
+        other => other,
+    };
+    ClaimOutcome::Existing(Existing { fingerprint, state })
+}
+
+/// Opens `stored` with `sealer`, or finds it sealed with no sealer; counted and logged
+/// when it cannot be opened.
+pub(super) fn open(sealer: Option<&Sealer>, key: &StoreKey, stored: StoredResponse) -> Result<StoredResponse, Unreadable> {
+    let opened = match sealer {
+        Some(sealer) => sealer.open(key, stored),
+        None => match sealed_by(&stored) {
+            Some(id) => Err(Unreadable::NoKeys(id)),
+            None => Ok(stored),
+        },
+    };
+    // Counted and logged: such a record is never run again, and waits for an operator.
+    if let Err(why) = &opened {
+        UNREADABLE.inc();
+        tracing::error!(
+            record = key.short_hash(),
+            reason = %why,
+            "a recorded response cannot be opened: retries get 409 outcome-unknown (unreadable) until an operator purges it"
+        );
+    }
+    opened
+}
+
+/// The claim as the store is sent it: its fingerprint an HMAC under the current key.
+pub(super) fn sealed_claim(sealer: &Sealer, claim: &ClaimRequest) -> ClaimRequest {
+    let mut claim = claim.clone();
+    claim.fingerprint = sealer.fingerprint(claim.fingerprint);
+    claim
+}
+
+/// A resolution as the store is sent it: an applied response sealed.
+pub(super) fn sealed_resolution(sealer: &Sealer, key: &StoreKey, resolution: &Resolution) -> Result<Resolution, StoreError> {
+    Ok(match resolution {
+        Resolution::Applied(response) => Resolution::Applied(sealer.seal(key, response)?),
+        Resolution::NotApplied => Resolution::NotApplied,
+    })
+}
+
+/// The sealer of a config, shared by every worker's handle.
+pub(crate) fn sealer(encryption: Option<&Encryption>) -> Option<Arc<Sealer>> {
+    encryption.map(|encryption| Arc::new(Sealer::new(encryption)))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,165 @@
+use super::*;
+use http::header;
+
+fn key(byte: u8) -> RecordKey {
+    RecordKey::from_bytes([byte; 32])
+}
+
+fn sealer(current: u8, previous: &[u8]) -> Sealer {
+    Sealer::new(&Encryption {
+        key_env: "K".into(),
+        previous_keys_env: None,
+        current: key(current),
+        previous: previous.iter().map(|byte| key(*byte)).collect(),
+    })
+}
+
+fn store_key(name: &str) -> StoreKey {
+    StoreKey::from_derived(format!("idemproxy:payments:{{{name}}}"))
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers: vec![
+            (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
+            (header::LOCATION, HeaderValue::from_static("/v1/payments/SECRET-LOCATION")),
+        ],
+        body: Bytes::from_static(b"{\"card_token\":\"SECRET-TOKEN-4242\"}"),
+        trace: Some(crate::record::ExecutionTrace {
+            trace_id: [7; 16],
+            span_id: [9; 8],
+        }),
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|window| window == needle)
+}
+
+#[test]
+fn a_sealed_record_holds_nothing_of_the_response_in_clear_and_opens_to_it() {
+    let sealer = sealer(1, &[]);
+    let record = store_key("a");
+    let sealed = sealer.seal(&record, &response()).expect("seals");
+    let stored = [sealed.body.as_ref(), &sealed.encode_headers()].concat();
+    for secret in [&b"SECRET"[..], b"application/json", b"card_token", b"location"] {
+        assert!(!contains(&stored, secret), "{} in clear", String::from_utf8_lossy(secret));
+    }
+    assert_eq!(sealed.status, StatusCode::CREATED, "the status stays clear");
+    assert_eq!(sealed.trace, response().trace, "the trace stays clear");
+    assert_eq!(sealed_by(&sealed).as_deref(), Some(key(1).id()));
+    assert_eq!(sealer.open(&record, sealed), Ok(response()));
+}
+
+#[test]
+fn each_seal_takes_a_fresh_nonce() {
+    let sealer = sealer(1, &[]);
+    let record = store_key("a");
+    let first = sealer.seal(&record, &response()).expect("seals");
+    let second = sealer.seal(&record, &response()).expect("seals");
+    assert_ne!(first.body[1..1 + NONCE_LEN], second.body[1..1 + NONCE_LEN]);
+    assert_ne!(first.body, second.body);
+}
+
+#[test]
+fn a_sealed_value_opens_only_where_and_as_it_was_sealed() {
+    let sealer = sealer(1, &[]);
+    let record = store_key("a");
+    let sealed = sealer.seal(&record, &response()).expect("seals");
+    let id = key(1).id().to_string();
+    // Moved to another record.
+    assert_eq!(
+        sealer.open(&store_key("b"), sealed.clone()),
+        Err(Unreadable::Broken(id.clone()))
+    );
+    // Given another status.
+    let mut restatused = sealed.clone();
+    restatused.status = StatusCode::OK;
+    assert_eq!(sealer.open(&record, restatused), Err(Unreadable::Broken(id.clone())));
+    // Any byte flipped, and any cut.
+    for at in 0..sealed.body.len() {
+        let mut flipped = sealed.body.to_vec();
+        flipped[at] ^= 0x01;
+        let altered = StoredResponse {
+            body: flipped.into(),
+            ..sealed.clone()
+        };
+        assert_eq!(sealer.open(&record, altered), Err(Unreadable::Broken(id.clone())), "byte {at}");
+    }
+    for cut in 0..sealed.body.len() {
+        let truncated = StoredResponse {
+            body: sealed.body.slice(..cut),
+            ..sealed.clone()
+        };
+        assert_eq!(sealer.open(&record, truncated), Err(Unreadable::Broken(id.clone())), "cut {cut}");
+    }
+}
+
+#[test]
+fn rotation_opens_old_records_and_a_dropped_key_opens_none() {
+    let record = store_key("a");
+    let old = sealer(1, &[]).seal(&record, &response()).expect("seals");
+    let rotated = sealer(2, &[1]);
+    assert_eq!(rotated.open(&record, old.clone()), Ok(response()));
+    let new = rotated.seal(&record, &response()).expect("seals");
+    assert_eq!(sealed_by(&new).as_deref(), Some(key(2).id()), "new records under the new key");
+    let dropped = sealer(2, &[]);
+    assert_eq!(
+        dropped.open(&record, old),
+        Err(Unreadable::UnknownKey(key(1).id().to_string()))
+    );
+    assert_eq!(dropped.open(&record, new), Ok(response()));
+}
+
+#[test]
+fn a_sealed_record_found_without_keys_is_unreadable_and_a_clear_one_opens_as_it_is() {
+    let record = store_key("a");
+    let sealed = sealer(1, &[]).seal(&record, &response()).expect("seals");
+    assert_eq!(
+        open(None, &record, sealed),
+        Err(Unreadable::NoKeys(key(1).id().to_string()))
+    );
+    assert_eq!(open(None, &record, response()), Ok(response()));
+    assert_eq!(sealer(1, &[]).open(&record, response()), Ok(response()), "written before encryption was on");
+}
+
+#[test]
+fn a_fingerprint_is_kept_as_an_hmac_and_recognised_under_every_configured_key() {
+    let plain = Fingerprint([5; 32]);
+    let other = Fingerprint([6; 32]);
+    let old = sealer(1, &[]);
+    let kept = old.fingerprint(plain);
+    assert_ne!(kept, plain, "never the plain digest");
+    assert_ne!(kept, sealer(2, &[]).fingerprint(plain), "keyed");
+    let rotated = sealer(2, &[1]);
+    assert_eq!(rotated.recognise(kept, plain), plain, "under a previous key");
+    assert_eq!(rotated.recognise(rotated.fingerprint(plain), plain), plain);
+    assert_eq!(rotated.recognise(plain, plain), plain, "a record from before encryption");
+    assert_ne!(rotated.recognise(kept, other), other, "another request's is not recognised");
+    assert_ne!(sealer(3, &[]).recognise(kept, plain), plain, "a dropped key's does not match");
+}
+
+#[test]
+fn key_ids_name_keys_and_reveal_nothing_of_them() {
+    assert_eq!(key(1).id().len(), 8);
+    assert_ne!(key(1).id(), key(2).id());
+    assert_eq!(key(1).id(), RecordKey::from_bytes([1; 32]).id());
+    assert!(format!("{:?}", key(1)).contains(key(1).id()));
+    assert!(!format!("{:?}", key(1)).contains("[1, 1"));
+    use base64::Engine as _;
+    let text = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
+    assert_eq!(RecordKey::from_base64(&text), Some(key(1)));
+    assert_eq!(RecordKey::from_base64(text.trim_end_matches('=')), Some(key(1)));
+    assert_eq!(RecordKey::from_base64(&base64::engine::general_purpose::STANDARD.encode([1u8; 31])), None);
+    assert_eq!(RecordKey::from_base64("not base64!"), None);
+}
+
+#[test]
+fn an_upstream_field_of_the_marker_name_is_never_recorded() {
+    let mut parts = http::Response::new(()).into_parts().0;
+    parts.headers.insert(SEALED, HeaderValue::from_static("forged"));
+    let stored = StoredResponse::from_parts(&parts, Bytes::new(), &[]);
+    assert!(stored.headers.is_empty());
+    assert_eq!(sealed_by(&stored), None);
+}
