@@ -406,6 +406,29 @@ pub struct IdempotencyPolicy {
     pub refetch: Option<Refetch>,
 }
 
+impl IdempotencyPolicy {
+    /// How a retry is answered, as `check` says it: nothing for `"stored"`.
+    pub fn describe_replay(&self) -> String {
+        let kept = || {
+            let names: Vec<&str> = self.replay_headers.iter().map(HeaderName::as_str).collect();
+            match names.as_slice() {
+                [] => "the status only".to_string(),
+                names => format!("the status and {}", names.join(", ")),
+            }
+        };
+        match (self.replay, &self.refetch) {
+            (ReplayKind::Stored, _) => String::new(),
+            (ReplayKind::Status, _) => format!(", replays {} with no body", kept()),
+            (ReplayKind::Refetch, Some(refetch)) => format!(
+                ", no body recorded: retries answered by {} {} with their own headers",
+                refetch.method,
+                refetch.path.template()
+            ),
+            (ReplayKind::Refetch, None) => ", retries refetched".to_string(),
+        }
+    }
+}
+
 /// `route.idempotency.replay` (docs/design.md §20).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -783,6 +806,28 @@ impl std::fmt::Display for Config {
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
         }
+        match &self.store.encryption {
+            None => writeln!(
+                f,
+                "sealed no: recorded responses are kept in clear (see [store.encryption])"
+            )?,
+            Some(encryption) => {
+                write!(
+                    f,
+                    "sealed new records with key {} (from {})",
+                    encryption.current.id(),
+                    encryption.key_env
+                )?;
+                match &encryption.previous_keys_env {
+                    Some(variable) if !encryption.previous.is_empty() => writeln!(
+                        f,
+                        "; records under {} (from {variable}) still open",
+                        encryption.previous.iter().map(RecordKey::id).collect::<Vec<_>>().join(", ")
+                    )?,
+                    _ => writeln!(f, "; no previous keys")?,
+                }
+            }
+        }
         for route in &self.routes {
             let guard = match &route.idempotency {
                 None => "unguarded".to_string(),
@@ -828,10 +873,11 @@ impl std::fmt::Display for Config {
                         ),
                         (Some(_), Mode::Shadow) => ", its probe idle in shadow mode".to_string(),
                         (None, _) => String::new(),
-                    } + match policy.profile {
-                        Profile::Ietf => "",
-                        Profile::Stripe => ", Stripe-style errors",
-                    }
+                    } + &policy.describe_replay()
+                        + match policy.profile {
+                            Profile::Ietf => "",
+                            Profile::Stripe => ", Stripe-style errors",
+                        }
                 ),
             };
             let docs = route

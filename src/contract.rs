@@ -6,7 +6,7 @@
 
 use serde_json::{Value, json};
 
-use crate::config::{FingerprintBody, IdempotencyPolicy, Mode, Profile, Route, UpstreamKey};
+use crate::config::{FingerprintBody, IdempotencyPolicy, Mode, Profile, ReplayKind, Route, UpstreamKey};
 use crate::idempotency::MAX_KEY_LEN;
 use crate::problem::{Listed, ProblemKind, problem_type};
 
@@ -74,9 +74,20 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
         },
         "profile": policy.profile.as_str(),
         "replay": {
+            "mode": policy.replay.as_str(),
+            "headers": match policy.replay {
+                ReplayKind::Stored => None,
+                ReplayKind::Status | ReplayKind::Refetch => {
+                    Some(policy.replay_headers.iter().map(|name| name.as_str()).collect::<Vec<_>>())
+                }
+            },
+            "refetch": policy.refetch.as_ref().map(|refetch| json!({
+                "method": refetch.method.as_str(),
+                "path": refetch.path.template(),
+            })),
             "marker": "Idempotent-Replayed: true",
             "reconciled_marker": "Idempotency-Reconciled: true",
-            "meaning": "a retry of a completed request gets the recorded response again (status, headers, body), with the marker; a response learned by resolving an unknown outcome carries both",
+            "meaning": replay_meaning(policy),
         },
         "upstream_key": match policy.upstream_key {
             UpstreamKey::Client => "client",
@@ -91,6 +102,21 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
         "responses": responses,
         "docs_url": route.docs_url.as_deref(),
     })
+}
+
+/// What a retry of a completed request gets on the route, in words.
+fn replay_meaning(policy: &IdempotencyPolicy) -> &'static str {
+    match policy.replay {
+        ReplayKind::Stored => {
+            "a retry of a completed request gets the recorded response again (status, headers, body), with the marker; a response learned by resolving an unknown outcome carries both"
+        }
+        ReplayKind::Status => {
+            "a retry of a completed request gets the recorded status and the fields in headers again, with an empty body and the marker: no body is stored"
+        }
+        ReplayKind::Refetch => {
+            "a retry of a completed request is answered by the upstream's answer to the refetch request, sent with the retry's own headers (its credentials) and no body, with the marker; nothing of the body is stored, and a failed refetch is 503 replay-unavailable, never a second run"
+        }
+    }
 }
 
 /// What the route's fingerprint covers, in words: what makes two requests "the same".
@@ -132,6 +158,7 @@ fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, ProblemKind
             Listed::Always => true,
             Listed::WhenRequired => policy.required,
             Listed::WhenScopeJwt => policy.scope_jwt.is_some(),
+            Listed::WhenRefetch => policy.replay == crate::config::ReplayKind::Refetch,
             Listed::Never => false,
         })
         .map(|kind| (policy.profile.status(kind).as_u16(), kind))
@@ -191,7 +218,7 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
         responses.insert(
             "default".to_string(),
             json!({
-                "description": "The upstream's own response. A retry of a completed request gets it again, byte for byte, with `Idempotent-Replayed: true`; a response learned by resolving an unknown outcome also carries `Idempotency-Reconciled: true`.",
+                "description": format!("The upstream's own response. Replay mode `{}`: {}.", policy.replay.as_str(), replay_meaning(policy)),
                 "headers": {
                     "Idempotent-Replayed": {
                         "description": "On a replay of a recorded response.",
@@ -294,6 +321,15 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
             "- The same key with a different request ({}) is refused.\n",
             covers(policy).join(", ")
         ));
+        match policy.replay {
+            ReplayKind::Stored => {}
+            ReplayKind::Status => page.push_str(
+                "- A retry of a completed request gets its status (and the fields the route keeps) again, with an empty body.\n",
+            ),
+            ReplayKind::Refetch => page.push_str(
+                "- A retry of a completed request is answered by asking the API again for the operation's current state, with your retry's own credentials; the first answer's body is not kept.\n",
+            ),
+        }
         if !policy.wait_for_in_flight.is_zero() {
             page.push_str(&format!(
                 "- A retry while the first request is in flight waits up to {} for its answer.\n",

@@ -258,6 +258,9 @@ pub(crate) enum Rejection {
     },
     #[error("the proxy is at its bound on {0}")]
     Overloaded(Bound),
+    /// A retry on a `replay = "refetch"` route, whose refetch failed: nothing ran again.
+    #[error("the refetch of a completed operation failed: {0}")]
+    ReplayUnavailable(&'static str),
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
@@ -315,6 +318,7 @@ impl Rejection {
             Rejection::InProgress { .. } => ProblemKind::InProgress,
             Rejection::OutcomeUnknown { .. } => ProblemKind::OutcomeUnknown,
             Rejection::Overloaded(_) => ProblemKind::Overloaded,
+            Rejection::ReplayUnavailable(_) => ProblemKind::ReplayUnavailable,
             Rejection::Store(StoreError::Full { .. }) => ProblemKind::StoreFull,
             Rejection::Store(StoreError::ScopeFull { .. }) => ProblemKind::ScopeFull,
             Rejection::Store(StoreError::ClientFull { .. }) => ProblemKind::ClientFull,
@@ -357,7 +361,7 @@ impl Rejection {
             Rejection::Store(StoreError::ScopeFull { retry_after, .. } | StoreError::ClientFull { retry_after }) => {
                 Some(whole_seconds(*retry_after))
             }
-            Rejection::Store(_) | Rejection::Overloaded(_) => Some(1),
+            Rejection::Store(_) | Rejection::Overloaded(_) | Rejection::ReplayUnavailable(_) => Some(1),
             // The next probe, in whole seconds rounded up: a retry then may find it settled.
             Rejection::OutcomeUnknown {
                 reconciling: Some(next),

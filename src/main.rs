@@ -95,6 +95,10 @@ enum Command {
         /// Print the admin listener's JSON answer instead.
         #[arg(long)]
         json: bool,
+        /// show: the recorded response too, body and fields, opened (by default a
+        /// record shows only metadata).
+        #[arg(long)]
+        body: bool,
         #[command(flatten)]
         resolve: ResolveArgs,
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
@@ -221,10 +225,15 @@ fn main() -> ExitCode {
             key,
             scopes,
             json,
+            body,
             resolve,
             config,
         } => {
             let owner = resolve.claim.clone();
+            if body && action != RecordsAction::Show {
+                eprintln!("idemproxy: --body is for show");
+                return ExitCode::FAILURE;
+            }
             let call = resolve.verdict(action).map(|verdict| {
                 let (verdict, response) = verdict.map_or((None, None), |(verdict, response)| (Some(verdict), response));
                 RecordsCall {
@@ -235,6 +244,7 @@ fn main() -> ExitCode {
                         scopes,
                         owner,
                         verdict,
+                        body,
                     },
                     response,
                 }

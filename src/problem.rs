@@ -33,6 +33,7 @@ label_values! {
         UpstreamUnavailable => "upstream-unavailable",
         UpstreamTimeout => "upstream-timeout",
         UpstreamFailed => "upstream-failed",
+        ReplayUnavailable => "replay-unavailable",
         NoRoute => "no-route",
         InvalidPath => "invalid-path",
         InvalidHost => "invalid-host",
@@ -92,6 +93,8 @@ pub(crate) enum Listed {
     WhenRequired,
     /// A route scoped by `scope_jwt`.
     WhenScopeJwt,
+    /// A route with `replay = "refetch"`.
+    WhenRefetch,
     /// Not a guarded route's own: any request may get it (no route, a bad path).
     Never,
 }
@@ -392,6 +395,24 @@ impl ProblemKind {
                             S::GATEWAY_TIMEOUT,
                             "Upstream timeout",
                             "upstream_timeout",
+                            Fault::Upstream,
+                            Outcome::UpstreamError,
+                        )
+                    }
+                }
+            }
+            ProblemKind::ReplayUnavailable => {
+                const {
+                    &Row {
+                        listed: Listed::WhenRefetch,
+                        meaning: "the request was a retry of one that completed, and the upstream could not be asked for its result (`replay = \"refetch\"`: refused, timed out or a 5xx); the operation was not run again, retry after Retry-After",
+                        detail: Detail::Fixed(
+                            "this key's operation completed, and its result could not be fetched from the upstream; it was not run again, retry later",
+                        ),
+                        ..failure(
+                            S::SERVICE_UNAVAILABLE,
+                            "Replay unavailable",
+                            "replay_unavailable",
                             Fault::Upstream,
                             Outcome::UpstreamError,
                         )

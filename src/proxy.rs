@@ -24,7 +24,7 @@ use self::send::send;
 use crate::body::BodyLimits;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
 use crate::bounds::{GuardedRequests, HeldBody, Share};
-use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError};
+use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError, ReplayKind};
 use crate::error::{Bound, DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
@@ -40,6 +40,7 @@ mod claim;
 mod context;
 mod exchange;
 mod reconcile;
+mod refetch;
 mod send;
 mod shadow;
 mod wait;
@@ -365,13 +366,22 @@ impl Proxy {
         };
         match decision {
             Decision::Forward(claim) => self.forward(guarded, claim, prepared).await,
-            Decision::Replay(stored) => Ok(Answer::replayed(stored, guarded.share)?),
+            Decision::Replay(stored) => self.replay(guarded, &prepared, stored).await,
             Decision::Reject(first @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
                 let span = self.shared.spans.wait();
                 self.wait(guarded, prepared, first).instrument(span).await
             }
             Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
             Decision::Unknown(probe, reason) => Err(self.unknown(&guarded, probe, reason)),
+        }
+    }
+
+    /// A retry of a completed record: its recorded response, or on a `replay =
+    /// "refetch"` route the upstream's answer to the refetch.
+    async fn replay(&self, guarded: Guarded, prepared: &Prepared, stored: StoredResponse) -> Handled {
+        match guarded.policy.replay {
+            ReplayKind::Refetch => self.refetch(&guarded, prepared, stored).await,
+            ReplayKind::Stored | ReplayKind::Status => Ok(Answer::replayed(stored, guarded.share)?),
         }
     }
 

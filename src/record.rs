@@ -7,6 +7,8 @@ use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Response, StatusCode, response};
 
+use crate::config::{IdempotencyPolicy, ReplayKind};
+
 /// Set on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
@@ -104,6 +106,31 @@ impl StoredResponse {
             headers,
             body,
             trace: None,
+        }
+    }
+
+    /// What a record of a route keeps of a response whose hop-by-hop fields are
+    /// already removed, as its `replay` says: the whole response but
+    /// `replay_exclude_headers` (`"stored"`), or only the status and `replay_headers`,
+    /// without a body (`"status"`, `"refetch"`).
+    pub fn recorded(parts: &response::Parts, body: Bytes, policy: &IdempotencyPolicy) -> StoredResponse {
+        match policy.replay {
+            ReplayKind::Stored => StoredResponse::from_parts(parts, body, &policy.replay_exclude_headers),
+            ReplayKind::Status | ReplayKind::Refetch => {
+                let headers = policy
+                    .replay_headers
+                    .iter()
+                    .flat_map(|name| parts.headers.get_all(name).iter().map(move |value| (name, value)))
+                    .filter(|(name, _)| **name != EXECUTION_TRACE && **name != SEALED && **name != header::CONTENT_LENGTH)
+                    .map(|(name, value)| (name.clone(), value.clone()))
+                    .collect();
+                StoredResponse {
+                    status: parts.status,
+                    headers,
+                    body: Bytes::new(),
+                    trace: None,
+                }
+            }
         }
     }
 

@@ -119,7 +119,8 @@ impl ViewState {
 }
 
 /// One record, as `GET /records/{route}` answers it and `records show` prints it:
-/// never its body. Absent fields are `null`.
+/// metadata, never its body unless asked for (`body=true`, `--body`). Absent fields are
+/// `null`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecordView {
     pub route: String,
@@ -150,8 +151,17 @@ pub struct RecordView {
     /// Completed, with tracing on: the trace id (32 hex digits) of the request that
     /// executed it, which every replay's span links to.
     pub trace_id: Option<String>,
-    /// The first request's fingerprint, hex.
+    /// The first request's fingerprint, hex (an HMAC under the record key, with
+    /// `[store.encryption]`).
     pub fingerprint: String,
+    /// Completed and sealed: the id of the key that sealed it (`check` lists the
+    /// configured ones).
+    pub sealed_by: Option<String>,
+    /// Completed, and its response cannot be opened: why (a key no longer configured,
+    /// or altered). Retries get 409 `outcome-unknown` with reason `unreadable`.
+    pub unreadable: Option<String>,
+    /// Asked for with `body=true`: the recorded response, opened.
+    pub response: Option<RecordedResponse>,
 }
 
 impl RecordView {
@@ -173,6 +183,9 @@ impl RecordView {
             response_bytes: None,
             trace_id: None,
             fingerprint: summary.fingerprint.to_hex(),
+            sealed_by: None,
+            unreadable: None,
+            response: None,
         };
         match summary.state {
             SummaryState::InFlight { lease_remaining } => {
@@ -238,6 +251,19 @@ impl std::fmt::Display for RecordView {
         if let Some(trace_id) = &self.trace_id {
             writeln!(f, "trace        {trace_id} (the request that executed it)")?;
         }
+        if let Some(key) = &self.sealed_by {
+            writeln!(f, "sealed by    key {key}")?;
+        }
+        if let Some(why) = &self.unreadable {
+            writeln!(f, "unreadable   {why}: retries get 409 outcome-unknown")?;
+        }
+        if let Some(response) = &self.response {
+            writeln!(f, "recorded     {}", response.status)?;
+            for (name, value) in &response.headers {
+                writeln!(f, "  {name}: {value}")?;
+            }
+            writeln!(f, "  body (base64) {}", response.body)?;
+        }
         if let Some(lease) = self.lease_remaining_ms {
             let lease = humantime::format_duration(Duration::from_millis(lease));
             writeln!(f, "lease        {lease} left")?;
@@ -268,6 +294,28 @@ pub struct RecordedResponse {
     pub headers: Vec<(String, String)>,
     #[serde(default)]
     pub body: String,
+}
+
+impl RecordedResponse {
+    /// A recorded response as the records API shows it (`body=true`): its fields as
+    /// text (a byte that is not UTF-8 shown as U+FFFD), its body in base64.
+    pub fn from_stored(response: &crate::store::StoredResponse) -> RecordedResponse {
+        use base64::Engine as _;
+        RecordedResponse {
+            status: response.status.as_u16(),
+            headers: response
+                .headers
+                .iter()
+                .map(|(name, value)| {
+                    (
+                        name.as_str().to_string(),
+                        String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                    )
+                })
+                .collect(),
+            body: base64::engine::general_purpose::STANDARD.encode(&response.body),
+        }
+    }
 }
 
 /// What a resolution decided: the `as=` of the call.
@@ -323,6 +371,8 @@ pub struct RecordsQuery {
     /// The claim to fence on: the owner token, 32 hex digits.
     pub owner: Option<String>,
     pub verdict: Option<Verdict>,
+    /// `show` only (`body=true`): the recorded response, body and fields, opened.
+    pub body: bool,
 }
 
 impl RecordsQuery {
@@ -338,6 +388,9 @@ impl RecordsQuery {
         }
         if let Some(verdict) = self.verdict {
             query.append_pair("as", verdict.as_str());
+        }
+        if self.body {
+            query.append_pair("body", "true");
         }
         query.finish()
     }
@@ -362,6 +415,13 @@ impl RecordsQuery {
                         return Err("claim is given twice".into());
                     }
                 }
+                "body" if action == RecordsAction::Show => {
+                    parsed.body = match value.as_ref() {
+                        "true" => true,
+                        "false" => false,
+                        _ => return Err("body must be true or false".into()),
+                    };
+                }
                 "as" if action == RecordsAction::Resolve => {
                     let given = Verdict::parse(&value).ok_or("as must be applied or not-applied")?;
                     if parsed.verdict.replace(given).is_some() {
@@ -372,7 +432,8 @@ impl RecordsQuery {
                     let takes = match action {
                         RecordsAction::Resolve => "key, scope, claim and as",
                         RecordsAction::Release => "key, scope and claim",
-                        RecordsAction::Show | RecordsAction::Purge => "key and scope",
+                        RecordsAction::Show => "key, scope and body",
+                        RecordsAction::Purge => "key and scope",
                     };
                     return Err(format!("unknown parameter {other:?}: the query takes {takes}"));
                 }
@@ -401,7 +462,7 @@ pub struct RecordsCall {
 /// What the admin listener answered, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answered {
-    Shown(RecordView),
+    Shown(Box<RecordView>),
     Purged,
     Released(Released),
     Resolved(ResolvedView),
@@ -496,7 +557,7 @@ fn decode(action: RecordsAction, status: StatusCode, body: &[u8]) -> Result<Answ
     };
     Ok(match (status, action) {
         (StatusCode::OK, RecordsAction::Show) => {
-            Answered::Shown(serde_json::from_slice(body).map_err(|_| unexpected())?)
+            Answered::Shown(Box::new(serde_json::from_slice(body).map_err(|_| unexpected())?))
         }
         (StatusCode::NO_CONTENT, RecordsAction::Purge) => Answered::Purged,
         (StatusCode::OK, RecordsAction::Release) => {
@@ -536,6 +597,7 @@ mod tests {
             scopes: vec!["authorization:Bearer a+b".into(), "jwt.sub=12".into()],
             owner: Some("0123456789abcdef0123456789abcdef".into()),
             verdict: Some(Verdict::NotApplied),
+            body: false,
         };
         let text = query.to_query();
         assert!(!text.contains(' ') && !text.contains("&x="), "{text}");
@@ -551,9 +613,14 @@ mod tests {
         let shown = RecordsQuery {
             owner: None,
             verdict: None,
+            body: true,
             ..query
         };
-        assert_eq!(RecordsQuery::parse(RecordsAction::Show, &shown.to_query()), Ok(shown));
+        assert_eq!(RecordsQuery::parse(RecordsAction::Show, &shown.to_query()), Ok(shown.clone()));
+        assert!(
+            RecordsQuery::parse(RecordsAction::Purge, &shown.to_query()).is_err(),
+            "body is for show only"
+        );
         assert_eq!(
             RecordsQuery::parse(RecordsAction::Release, "key=k&claim=zz"),
             Err("claim must be 32 hex digits, as show gives it".into())
@@ -597,11 +664,18 @@ mod tests {
             response_bytes: Some(81),
             trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".into()),
             fingerprint: "ab".repeat(32),
+            sealed_by: Some("0a1b2c3d".into()),
+            unreadable: None,
+            response: Some(RecordedResponse {
+                status: 201,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: "e30=".into(),
+            }),
         };
         let json = serde_json::to_vec(&view).expect("serialize");
         assert_eq!(
             decode(RecordsAction::Show, StatusCode::OK, &json).expect("decode"),
-            Answered::Shown(view.clone())
+            Answered::Shown(Box::new(view.clone()))
         );
         let printed = view.to_string();
         for line in [
@@ -610,6 +684,10 @@ mod tests {
             "status       201",
             "response     81 bytes",
             "trace        4bf92f3577b34da6a3ce929d0e0e4736 (the request that executed it)",
+            "sealed by    key 0a1b2c3d",
+            "recorded     201",
+            "  content-type: application/json",
+            "  body (base64) e30=",
             "expires in   59m",
         ] {
             assert!(printed.contains(line), "{line:?} not in {printed}");

@@ -631,14 +631,15 @@ impl AnyStore {
         }
     }
 
-    /// The response a completed record holds, opened: for an operator who asks for
-    /// its body. `Ok(None)` when the record is absent or not completed.
-    pub async fn opened_response(
-        &self,
-        key: &StoreKey,
-    ) -> Result<Option<Result<StoredResponse, sealed::Unreadable>>, StoreError> {
+    /// The response a completed record holds, opened, and the id of the key that
+    /// sealed it: for an operator who asks. `Ok(None)` when the record is absent or
+    /// not completed.
+    pub async fn opened_response(&self, key: &StoreKey) -> Result<Option<sealed::Opened>, StoreError> {
         let stored = delegate!(self, store => store.response(key))?;
-        Ok(stored.map(|stored| sealed::open(self.sealer(), key, stored)))
+        Ok(stored.map(|stored| sealed::Opened {
+            sealed_by: sealed::sealed_by(&stored),
+            response: sealed::open(self.sealer(), key, stored),
+        }))
     }
 
     fn seal(&self, key: &StoreKey, response: &StoredResponse) -> Result<Option<StoredResponse>, StoreError> {
@@ -693,7 +694,7 @@ impl RecordStore for AnyStore {
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
-        match self.opened_response(key).await? {
+        match self.opened_response(key).await?.map(|opened| opened.response) {
             None => Ok(None),
             Some(Ok(response)) => Ok(Some(response)),
             Some(Err(_)) => Err(StoreError::Protocol("the recorded response cannot be opened")),

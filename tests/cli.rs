@@ -342,3 +342,104 @@ fn scope_jwt_keys_are_checked_and_named() {
         assert!(stderr.contains(needle), "{name}: {needle:?} not in {stderr:?}");
     }
 }
+
+/// `[store.encryption]` (docs/design.md §20): `check` names the keys by their ids,
+/// never by their bytes; an unset variable or a value that is not 32 bytes of base64
+/// refuses the config naming the variable, never its value. The replay mode of each
+/// route is printed, and the replay settings that do not fit together are refused.
+#[test]
+fn record_keys_and_replay_modes_are_checked_and_named() {
+    use base64::Engine as _;
+    let dir = temp_dir();
+    let b64 = |byte: u8| base64::engine::general_purpose::STANDARD.encode([byte; 32]);
+    let (current, old) = (b64(1), b64(2));
+    let id = |byte: u8| idemproxy::config::RecordKey::from_bytes([byte; 32]).id().to_string();
+    let encryption = "[store.encryption]\nkey_env = \"IDEMPROXY_TEST_RECORD_KEY\"\nprevious_keys_env = \"IDEMPROXY_TEST_RECORD_KEYS_OLD\"\n";
+    let policy = "[route.idempotency]\nreplay = \"refetch\"\nrefetch = { path = \"/v1/payments/by-key/{key}\" }\n";
+    let path = write(&dir, "sealed.toml", &format!("{encryption}{ROUTE}{policy}"));
+    let run = |current: Option<&str>, old: Option<&str>| {
+        let mut command = idemproxy();
+        command.args(["check", "--config"]).arg(&path);
+        command.env_remove("IDEMPROXY_TEST_RECORD_KEY").env_remove("IDEMPROXY_TEST_RECORD_KEYS_OLD");
+        if let Some(current) = current {
+            command.env("IDEMPROXY_TEST_RECORD_KEY", current);
+        }
+        if let Some(old) = old {
+            command.env("IDEMPROXY_TEST_RECORD_KEYS_OLD", old);
+        }
+        let output = command.output().expect("run idemproxy");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr),
+        )
+    };
+    let (ok, out) = run(Some(&current), Some(&format!("{old}, {current}")));
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "sealed new records with key {} (from IDEMPROXY_TEST_RECORD_KEY); records under {} (from IDEMPROXY_TEST_RECORD_KEYS_OLD) still open",
+            id(1),
+            id(2)
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("no body recorded: retries answered by GET /v1/payments/by-key/{key} with their own headers"),
+        "{out}"
+    );
+    assert!(!out.contains(&current) && !out.contains(&old), "a key printed: {out}");
+    for (current, old, needle) in [
+        (None, None, "store.encryption.key_env: the environment variable IDEMPROXY_TEST_RECORD_KEY is not set"),
+        (
+            Some("c2hvcnQ="),
+            None,
+            "store.encryption.key_env: the environment variable IDEMPROXY_TEST_RECORD_KEY does not hold 32 bytes in base64",
+        ),
+        (
+            Some(current.as_str()),
+            None,
+            "store.encryption.previous_keys_env: the environment variable IDEMPROXY_TEST_RECORD_KEYS_OLD is not set",
+        ),
+        (
+            Some(current.as_str()),
+            Some("not-a-key!"),
+            "store.encryption.previous_keys_env: the environment variable IDEMPROXY_TEST_RECORD_KEYS_OLD does not hold 32 bytes in base64",
+        ),
+    ] {
+        let (ok, out) = run(current, old);
+        assert!(!ok && out.contains(needle), "{needle:?} not in {out}");
+        assert!(!out.contains("c2hvcnQ=") && !out.contains("not-a-key!"), "a value printed: {out}");
+    }
+    let plain = write(&dir, "plain.toml", &format!("{ROUTE}[route.idempotency]\nreplay = \"status\"\n"));
+    let (ok, stdout, stderr) = check(&plain);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("sealed no: recorded responses are kept in clear"), "{stdout}");
+    assert!(stdout.contains("replays the status and location with no body"), "{stdout}");
+    for (body, needle) in [
+        (
+            "replay = \"refetch\"\n",
+            "route[0].idempotency.refetch: replay = \"refetch\" needs refetch",
+        ),
+        (
+            "refetch = { path = \"/x/{key}\" }\n",
+            "route[0].idempotency.refetch: only replay = \"refetch\" takes it",
+        ),
+        (
+            "replay_headers = [\"location\"]\n",
+            "route[0].idempotency.replay_headers: only replay = \"status\" or \"refetch\" takes it",
+        ),
+        (
+            "replay = \"refetch\"\nrefetch = { method = \"POST\", path = \"/x/{key}\" }\n",
+            "route[0].idempotency.refetch.method: \"POST\" is not GET or HEAD",
+        ),
+        (
+            "replay = \"refetch\"\nupstream_key = \"none\"\nrefetch = { path = \"/x/{key}\" }\n",
+            "route[0].idempotency.refetch.path: names {key}, but upstream_key = \"none\"",
+        ),
+        ("replay = \"sometimes\"\n", "route[0].idempotency.replay: unknown variant `sometimes`"),
+    ] {
+        let bad = write(&dir, "bad.toml", &format!("{ROUTE}[route.idempotency]\n{body}"));
+        let (ok, stdout, stderr) = check(&bad);
+        assert!(!ok && stderr.contains(needle), "{needle:?} not in {stdout}{stderr}");
+    }
+}

@@ -28,7 +28,7 @@ use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::{ClaimPlant, ScriptName};
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
+    AnyStore, ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
     Resolution, Resolved, SqliteStore, StoreKey, StoreLimits, StoredResponse, UnknownReason, Write,
 };
 use proptest::prelude::*;
@@ -141,6 +141,9 @@ struct Subject<S> {
     store: S,
     key: StoreKey,
     tokens: Vec<OwnerToken>,
+    /// Where records are sealed: another owner's fingerprint comes back as its HMAC,
+    /// named here by the owner who sent it.
+    sealer: Option<std::sync::Arc<idemproxy::store::Sealer>>,
 }
 
 impl<S: RecordStore> Subject<S> {
@@ -148,7 +151,27 @@ impl<S: RecordStore> Subject<S> {
         let tokens = (0..=OBSERVER)
             .map(|_| OwnerToken::generate().expect("random bytes"))
             .collect();
-        Subject { store, key, tokens }
+        Subject {
+            store,
+            key,
+            tokens,
+            sealer: None,
+        }
+    }
+
+    /// The fingerprint a claim found, as the owner that sent it wrote it.
+    fn unsealed(&self, outcome: ClaimOutcome) -> ClaimOutcome {
+        let (Some(sealer), ClaimOutcome::Existing(existing)) = (&self.sealer, &outcome) else {
+            return outcome;
+        };
+        let sender = (0..=OBSERVER).find(|owner| sealer.fingerprint(fingerprint(*owner)) == existing.fingerprint);
+        match sender {
+            Some(owner) => ClaimOutcome::Existing(Existing {
+                fingerprint: fingerprint(owner),
+                state: existing.state.clone(),
+            }),
+            None => outcome,
+        }
     }
 
     async fn apply(&self, owner: u8, op: Op, lease: Duration) -> Result<Reply, String> {
@@ -166,7 +189,7 @@ impl<S: RecordStore> Subject<S> {
                     lease,
                     probe_key: None,
                 };
-                observed_claim(self.store.claim(&request).await.map_err(failed)?)
+                observed_claim(self.unsealed(self.store.claim(&request).await.map_err(failed)?))
             }
             Op::Complete => Ok(observed_write(
                 self.store
@@ -208,6 +231,29 @@ struct Memory(Subject<MemoryStore>);
 const MEMORY_LEASE: Duration = Duration::from_secs(1);
 
 impl Driver for Memory {
+    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
+        self.0.apply(owner, op, MEMORY_LEASE).await
+    }
+
+    async fn expire_lease(&mut self) {
+        tokio::time::advance(MEMORY_LEASE).await;
+    }
+
+    async fn expire_retention(&mut self) {
+        tokio::time::advance(RETENTION).await;
+    }
+
+    async fn check(&mut self, _: Record) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// The memory store behind `[store.encryption]` (docs/design.md §20): every response
+/// sealed on the way in and opened on the way out, every fingerprint an HMAC. What
+/// the model observes must not change.
+struct SealedMemory(Subject<AnyStore>);
+
+impl Driver for SealedMemory {
     async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
         self.0.apply(owner, op, MEMORY_LEASE).await
     }
@@ -519,6 +565,32 @@ fn the_memory_store_conforms_to_the_model() {
     );
     result.expect("the memory store strays from the model");
     assert_eq!(coverage.random, 512);
+}
+
+#[test]
+fn the_memory_store_with_sealed_records_conforms_to_the_model() {
+    let (states, traces) = model_traces(2);
+    let runtime = memory_runtime();
+    let sealer = std::sync::Arc::new(idemproxy::store::Sealer::new(&idemproxy::config::Encryption {
+        key_env: "K".into(),
+        previous_keys_env: None,
+        current: idemproxy::config::RecordKey::from_bytes([7; 32]),
+        previous: Vec::new(),
+    }));
+    let (coverage, result) = run(&runtime, &traces, 256, |n| {
+        let _entered = runtime.enter();
+        let store = AnyStore::from(MemoryStore::new(1000, usize::MAX)).sealed(Some(sealer.clone()));
+        let mut subject = Subject::new(store, key(n));
+        subject.sealer = Some(sealer.clone());
+        SealedMemory(subject)
+    });
+    println!(
+        "conformance (memory, sealed): model traces from {states} states: {} traces, {} steps; {} random sequences; \
+         {result:?}",
+        coverage.traces, coverage.trace_steps, coverage.random
+    );
+    result.expect("the sealed memory store strays from the model");
+    assert_eq!(coverage.random, 256);
 }
 
 #[test]

@@ -120,6 +120,51 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
     assert_eq!(report.unknown, 0);
 }
 
+/// The same storm with sealed records (docs/design.md §20), in the middle of a
+/// rolling key rotation: two processes seal with key 1 and open key 2, the third seals
+/// with key 2 and opens key 1, so that every record is opened by a process that did not
+/// seal it. Each key runs once, every duplicate replays (none is unreadable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_storm_across_a_rolling_key_rotation_runs_each_key_once() {
+    use base64::Engine as _;
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let key = |byte: u8| base64::engine::general_purpose::STANDARD.encode([byte; 32]);
+    let sealed = |current: u8, previous: u8| {
+        let mut config = storm_config(&redis.url(), &upstream.url(), "2s");
+        config.store_extra = "[store.encryption]\nkey_env = \"STORM_KEY\"\nprevious_keys_env = \"STORM_OLD\"".into();
+        config.env = vec![("STORM_KEY".into(), key(current)), ("STORM_OLD".into(), key(previous))];
+        config
+    };
+    let proxies = [
+        ChildProxy::start(&sealed(1, 2)).await,
+        ChildProxy::start(&sealed(2, 1)).await,
+        ChildProxy::start(&sealed(1, 2)).await,
+    ];
+    let storm = Storm {
+        name: "sealed",
+        targets: proxies.iter().map(|p| p.addr).collect(),
+        logical: 1000,
+        duplicates: 10,
+        concurrency: 96,
+        jitter_ms: 50,
+    };
+    let run = storm.start();
+    storm.run(&run).await;
+    let liveness = storm.settle(&run).await;
+    let report = storm.check(&run, &upstream.log(), &redis.dump_ttls(), RETENTION, vec![]);
+    println!("sealed storm: {} ops in {:.1?}", storm.total(), run.started.elapsed());
+    report.assert_clean("sealed storm 3 processes mid-rotation, 1000 keys x 10");
+    liveness.assert_live("sealed storm", 1.0);
+    assert_eq!(report.max_executions_per_key, 1);
+    assert_eq!(report.executions, storm.logical, "every logical operation ran exactly once");
+    assert_eq!(report.unknown, 0, "no record was unreadable");
+    for proxy in &proxies {
+        let unreadable = support::client::metric(proxy.admin, "idemproxy_records_unreadable_total").await;
+        assert_eq!(unreadable, Some(0.0));
+    }
+}
+
 // === 2. Redis faults mid-storm ===
 
 #[derive(Clone, Copy, Debug)]

@@ -14,7 +14,7 @@ use crate::error::DisplayChain;
 use crate::idempotency;
 use crate::jwt::{self, ScopeClaim};
 use crate::records::{
-    RecordView, RecordedResponse, RecordsAction, RecordsError, RecordsQuery, Released, ResolvedView, Verdict,
+    RecordView, RecordedResponse, RecordsAction, RecordsError, RecordsQuery, Released, ResolvedView, Verdict, ViewState,
 };
 use crate::scope;
 use crate::store::{AnyStore, OwnerToken, RecordStore, Resolution, Resolved, StoreKey, StoredResponse};
@@ -47,7 +47,12 @@ pub(crate) async fn handle(
             "the route guards nothing: it has no records",
         ));
     };
-    let Named { record, verdict, owner } = match record_key(config, &route.name, policy, query.unwrap_or(""), action) {
+    let Named {
+        record,
+        verdict,
+        owner,
+        body: with_body,
+    } = match record_key(config, &route.name, policy, query.unwrap_or(""), action) {
         Ok(named) => named,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
@@ -55,7 +60,7 @@ pub(crate) async fn handle(
         Ok(resolution) => resolution,
         Err(reason) => return Some(error(StatusCode::BAD_REQUEST, &reason)),
     };
-    let response = run(store, action, &route.name, &record, owner, resolution).await;
+    let response = run(store, action, &route.name, &record, owner, resolution, with_body).await;
     tracing::info!(
         route = %route.name,
         record = %record.short_hash(),
@@ -91,6 +96,8 @@ struct Named {
     record: StoreKey,
     verdict: Option<Verdict>,
     owner: Option<OwnerToken>,
+    /// `show` with `body=true`.
+    body: bool,
 }
 
 /// The store key the query names (`RecordsQuery`): its key within the scope its
@@ -148,6 +155,7 @@ fn record_key(
     Ok(Named {
         record: idempotency::store_key(&config.store.key_prefix, route, &scope, &key),
         verdict: query.verdict,
+        body: query.body,
         owner: query
             .owner
             .as_deref()
@@ -203,7 +211,7 @@ fn resolution(verdict: Verdict, policy: &IdempotencyPolicy, body: &[u8]) -> Resu
     }
     // As an upstream's response is recorded: without `Content-Length` (derived again),
     // the proxy's own fields, and what `replay_exclude_headers` names.
-    let stored = StoredResponse::from_parts(&parts, body.into(), &policy.replay_exclude_headers);
+    let stored = StoredResponse::recorded(&parts, body.into(), policy);
     Ok(Resolution::Applied(stored.reconciled()))
 }
 
@@ -236,6 +244,38 @@ fn scope_names(policy: &IdempotencyPolicy, jwt: Option<&str>, given: &str) -> St
     }
 }
 
+/// A record's view: its metadata, which key seals it, and with `with_body` the
+/// response it recorded, opened.
+async fn show(
+    store: &AnyStore,
+    route: &str,
+    record: &StoreKey,
+    with_body: bool,
+) -> Result<Option<RecordView>, crate::error::StoreError> {
+    let Some(summary) = store.inspect(record).await? else {
+        return Ok(None);
+    };
+    let mut view = RecordView::new(route, record, summary);
+    if view.state != ViewState::Completed {
+        return Ok(Some(view));
+    }
+    // Read again for the body: the record may have been purged or expired between.
+    let Some(opened) = store.opened_response(record).await? else {
+        return Ok(Some(view));
+    };
+    view.sealed_by = opened.sealed_by;
+    match opened.response {
+        Ok(response) => {
+            view.response_bytes = Some(response.body.len() as u64);
+            if with_body {
+                view.response = Some(RecordedResponse::from_stored(&response));
+            }
+        }
+        Err(why) => view.unreadable = Some(why.to_string()),
+    }
+    Ok(Some(view))
+}
+
 async fn run(
     store: &AnyStore,
     action: RecordsAction,
@@ -243,11 +283,12 @@ async fn run(
     record: &StoreKey,
     owner: Option<OwnerToken>,
     resolution: Option<Resolution>,
+    with_body: bool,
 ) -> Response<ProxyBody> {
     let absent = || error(StatusCode::NOT_FOUND, "no record for this key");
     match action {
-        RecordsAction::Show => match store.inspect(record).await {
-            Ok(Some(summary)) => json_response(StatusCode::OK, &RecordView::new(route, record, summary)),
+        RecordsAction::Show => match show(store, route, record, with_body).await {
+            Ok(Some(view)) => json_response(StatusCode::OK, &view),
             Ok(None) => absent(),
             Err(failure) => store_failed(&failure),
         },

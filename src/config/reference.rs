@@ -29,10 +29,12 @@ pub const TABLES: &[&str] = &[
     "server.tls",
     "admin",
     "store",
+    "store.encryption",
     "tracing",
     "route",
     "route.idempotency",
     "route.idempotency.reconcile",
+    "route.idempotency.refetch",
     "route.idempotency.scope_jwt",
 ];
 
@@ -229,6 +231,16 @@ pub const SETTINGS: &[Setting] = &[
         meaning: "bound on each store operation, counted from when the request asks (the time a busy worker takes to read the reply included): raise it to `\"2s\"` where bursts of many thousands of requests arrive at once on few cores (see [Load shaped like a slow legacy API](performance.md#load-shaped-like-a-slow-legacy-api))",
     },
     Setting {
+        key: "store.encryption.key_env",
+        default: DefaultValue::Text("— (records kept in clear)"),
+        meaning: "with `[store.encryption]`: the environment variable holding the record key, 32 random bytes in base64 (`openssl rand -base64 32`). Every recorded response's fields and body are sealed with AES-256-GCM under it, and fingerprints kept as an HMAC; the status, state and expiry stay clear. An unset variable or a value that is not 32 bytes refuses start, naming the variable. Changing it takes a restart. See [What is stored](stored-data.md)",
+    },
+    Setting {
+        key: "store.encryption.previous_keys_env",
+        default: DefaultValue::Text("none"),
+        meaning: "the variable holding earlier keys, comma-separated: records sealed under them still open and replay; new ones are sealed under `key_env`. A record under a key in neither is never run again: 409 `outcome-unknown` with `reason` `unreadable` (dropping a key erases its records)",
+    },
+    Setting {
         key: "store.max_records",
         default: DefaultValue::Text("`100000` (memory), `10000000` (sqlite)"),
         meaning: "memory and sqlite: live records held at most; then new claims get 503 `store-full`",
@@ -422,6 +434,31 @@ pub const SETTINGS: &[Setting] = &[
         key: "route.idempotency.replay_exclude_headers",
         default: DefaultValue::Toml("[\"set-cookie\"]"),
         meaning: "response fields the first client gets and that are never recorded, so never replayed to anyone",
+    },
+    Setting {
+        key: "route.idempotency.replay",
+        default: DefaultValue::Toml("\"stored\""),
+        meaning: "what a record keeps and a retry gets: `\"stored\"` the whole response; `\"status\"` only the status and `replay_headers`, replayed with an empty body; `\"refetch\"` no body: a retry is answered by the upstream's answer to `refetch`, asked with the retry's own headers. See [What is stored](stored-data.md)",
+    },
+    Setting {
+        key: "route.idempotency.replay_headers",
+        default: DefaultValue::Text("`[\"location\"]` with `replay = \"status\"` or `\"refetch\"`"),
+        meaning: "the response fields a `status` or `refetch` record keeps (never one in `replay_exclude_headers`); refused with `replay = \"stored\"`",
+    },
+    Setting {
+        key: "route.idempotency.refetch.path",
+        default: DefaultValue::Text("— (required with `replay = \"refetch\"`)"),
+        meaning: "the path and query a retry of a completed request is answered from, on the route's upstream; `{key}` and `{record}` as in a probe's path. Sent with the retry's own headers (its `Authorization`) and no body; a 5xx, a timeout or a refused connection answers 503 `replay-unavailable` and never runs the operation again; any other answer (a 401 or 403 too) is the client's, with `Idempotent-Replayed: true`",
+    },
+    Setting {
+        key: "route.idempotency.refetch.method",
+        default: DefaultValue::Toml("\"GET\""),
+        meaning: "`GET` or `HEAD`: a refetch never runs the operation",
+    },
+    Setting {
+        key: "route.idempotency.refetch.timeout",
+        default: DefaultValue::Text("the route's `upstream_timeout`"),
+        meaning: "how long a refetch may take to its response head",
     },
     Setting {
         key: "route.idempotency.scope_jwt.header",

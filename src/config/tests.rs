@@ -840,6 +840,9 @@ fn accepted(table: &str) -> std::collections::BTreeSet<String> {
         "route.idempotency.reconcile" | "route.idempotency.scope_jwt" => {
             format!("{ROUTE}[route.idempotency]\n[{table}]\n{unknown}")
         }
+        "route.idempotency.refetch" => {
+            format!("{ROUTE}[route.idempotency]\nreplay = \"refetch\"\n[{table}]\n{unknown}")
+        }
         table => format!("[{table}]\n{unknown}{ROUTE}"),
     };
     let error = parse(&source)
@@ -902,6 +905,10 @@ fn the_reference_defaults_are_the_ones_applied() {
             "route.idempotency" => vec![(policy.clone(), String::new())],
             "route.idempotency.reconcile" => vec![(
                 format!("{policy}[route.idempotency.reconcile]\npath = \"/by-key/{{record}}\"\n"),
+                String::new(),
+            )],
+            "route.idempotency.refetch" => vec![(
+                format!("{policy}replay = \"refetch\"\n[route.idempotency.refetch]\npath = \"/by-key/{{record}}\"\n"),
                 String::new(),
             )],
             "route.idempotency.scope_jwt" => vec![(

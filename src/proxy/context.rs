@@ -37,6 +37,18 @@ pub(super) struct Guarded {
     pub(super) execution: Option<ExecutionTrace>,
 }
 
+impl Guarded {
+    /// The key as the upstream is sent it: what a probe's or a refetch's `{key}` is.
+    pub(super) fn upstream_key(&self) -> String {
+        match self.policy.upstream_key {
+            UpstreamKey::Client => self.key.as_str().to_string(),
+            UpstreamKey::Derived => self.record.operation_id(),
+            // The config refuses `{key}` in a path with no key sent upstream.
+            UpstreamKey::None => String::new(),
+        }
+    }
+}
+
 /// The record a guarded request names, and the client (route and scope) it is
 /// counted against.
 pub(super) struct Named {
@@ -87,6 +99,11 @@ impl Prepared {
             fingerprint,
             claim,
         })
+    }
+
+    /// The request's head: a refetch sends its headers.
+    pub(super) fn head(&self) -> &request::Parts {
+        &self.parts
     }
 
     /// The request again, its body whole, to forward.

@@ -97,8 +97,7 @@ impl Proxy {
         let policy = &guarded.policy;
         match idempotency::recording_for(parts.status, policy.on_server_error, policy.on_unauthorized) {
             Recording::Record => {
-                let stored = StoredResponse::from_parts(parts, body.clone(), &policy.replay_exclude_headers)
-                    .traced(guarded.execution);
+                let stored = StoredResponse::recorded(parts, body.clone(), policy).traced(guarded.execution);
                 claim.complete(stored).await;
             }
             Recording::Release => claim.release().await,

@@ -151,12 +151,7 @@ impl Proxy {
             return;
         };
         let policy = &guarded.policy;
-        let key = match policy.upstream_key {
-            UpstreamKey::Client => guarded.key.as_str().to_string(),
-            UpstreamKey::Derived => guarded.record.operation_id(),
-            // The config refuses `{key}` in the path with no key sent upstream.
-            UpstreamKey::None => String::new(),
-        };
+        let key = guarded.upstream_key();
         self.begin(
             Job {
                 route: guarded.route.clone(),
@@ -424,7 +419,7 @@ impl Proxy {
         let limit = job.policy.max_response_body_bytes;
         match body::buffer_response(body, limit, clock.deadline, clock.timeout, |_| true).await {
             Ok(Buffered::Whole(body)) => Learned::Applied(
-                StoredResponse::from_parts(&parts, body, &job.policy.replay_exclude_headers)
+                StoredResponse::recorded(&parts, body, &job.policy)
                     .reconciled()
                     .traced(self.shared.spans.reference(&Span::current())),
             ),

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::{Answer, Guarded, Handled, Prepared, Proxy, Refusal};
+use super::{Guarded, Handled, Prepared, Proxy, Refusal};
 use crate::error::Rejection;
 use crate::idempotency::Decision;
 use crate::metrics::{Metrics, WaitEnd};
@@ -118,7 +118,8 @@ impl Proxy {
                 }
                 Ok(Decision::Replay(stored)) => {
                     tally.end(WaitEnd::Replayed);
-                    return Ok(Answer::replayed(stored, guarded.share)?);
+                    drop(watch);
+                    return self.replay(guarded, &prepared, stored).await;
                 }
                 Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {
                     Instant::now() + lease_remaining

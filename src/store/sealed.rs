@@ -39,6 +39,8 @@ const HEADER_LEN: usize = 1 + NONCE_LEN;
 /// fingerprints never share a key.
 struct Cipher {
     id: String,
+    /// The id as the first four bytes of every fingerprint made under the key.
+    id_bytes: [u8; 4],
     aead: LessSafeKey,
     mac: hmac::Key,
 }
@@ -52,6 +54,7 @@ impl Cipher {
         match (seal, mac) {
             (Ok(seal), Ok(mac)) => Cipher {
                 id: key.id().to_string(),
+                id_bytes: const_hex::decode_to_array(key.id()).unwrap_or_default(),
                 aead: LessSafeKey::new(seal),
                 mac,
             },
@@ -59,10 +62,13 @@ impl Cipher {
         }
     }
 
+    /// The key's id, then the first 28 bytes of the HMAC of `plain`: a fingerprint
+    /// says which key made it, so that one made under a dropped key is known as such.
     fn fingerprint(&self, plain: Fingerprint) -> Fingerprint {
         let tag = hmac::sign(&self.mac, &plain.0);
         let mut out = [0u8; 32];
-        out.copy_from_slice(tag.as_ref());
+        out[..4].copy_from_slice(&self.id_bytes);
+        out[4..].copy_from_slice(&tag.as_ref()[..28]);
         Fingerprint(out)
     }
 }
@@ -77,6 +83,25 @@ fn associated(id: &str, status: StatusCode, key: &StoreKey) -> Vec<u8> {
     aad.extend_from_slice(&status.as_u16().to_be_bytes());
     aad.extend_from_slice(key.as_str().as_bytes());
     aad
+}
+
+/// What a record's fingerprint says of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recognised {
+    Same,
+    /// Another request's.
+    Other,
+    /// Made under a key no longer configured, or (before encryption was on) another
+    /// request's: which one cannot be told.
+    Unverifiable,
+}
+
+/// A completed record's response as an operator asks for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opened {
+    /// The id of the key that sealed it; `None`: kept in clear.
+    pub sealed_by: Option<String>,
+    pub response: Result<StoredResponse, Unreadable>,
 }
 
 /// Why a recorded response cannot be opened.
@@ -130,14 +155,17 @@ impl Sealer {
         self.current.fingerprint(plain)
     }
 
-    /// The fingerprint a record kept, as `decide` compares it: `plain` when it is the
-    /// HMAC of `plain` under any configured key (or `plain` itself, written before
-    /// encryption was on), else as stored (another request's).
-    pub fn recognise(&self, stored: Fingerprint, plain: Fingerprint) -> Fingerprint {
-        if stored == plain || self.ciphers().any(|cipher| cipher.fingerprint(plain) == stored) {
-            plain
-        } else {
-            stored
+    /// Whether the fingerprint a record kept is the one a request with `plain` makes:
+    /// under the configured key it names, or `plain` itself (written before
+    /// encryption was on); `Unverifiable` when it names no configured key.
+    pub fn recognise(&self, stored: Fingerprint, plain: Fingerprint) -> Recognised {
+        if stored == plain {
+            return Recognised::Same;
+        }
+        match self.ciphers().find(|cipher| stored.0[..4] == cipher.id_bytes) {
+            Some(cipher) if cipher.fingerprint(plain) == stored => Recognised::Same,
+            Some(_) => Recognised::Other,
+            None => Recognised::Unverifiable,
         }
     }
 
@@ -231,19 +259,49 @@ pub(super) fn opened(
     let ClaimOutcome::Existing(Existing { fingerprint, state }) = outcome else {
         return outcome;
     };
-    let fingerprint = match sealer {
+    let recognised = match sealer {
         Some(sealer) => sealer.recognise(fingerprint, plain),
-        None => fingerprint,
+        None if fingerprint == plain => Recognised::Same,
+        None => Recognised::Other,
     };
-    let state = match state {
-        RecordState::Completed(stored) => match open(sealer, key, stored) {
-            Ok(response) => RecordState::Completed(response),
-            Err(_) => RecordState::Unknown {
-                reason: UnknownReason::Unreadable,
-                probe: Probe::GaveUp,
+    let unreadable = || RecordState::Unknown {
+        reason: UnknownReason::Unreadable,
+        probe: Probe::GaveUp,
+    };
+    // A record whose fingerprint cannot be checked is never replayed: a completed
+    // one under a key no longer configured is unreadable (its response is sealed
+    // under that key too); one kept in clear is another request's, written before
+    // encryption was on. Any other state refuses whoever asks alike (409), so it is
+    // answered as the same request's.
+    let (fingerprint, state) = match (recognised, state) {
+        // Refused by `decide` whatever it holds; opened all the same, so that a store
+        // never hands out a sealed response.
+        (Recognised::Other, RecordState::Completed(stored)) => match open(sealer, key, stored) {
+            Ok(response) => (fingerprint, RecordState::Completed(response)),
+            Err(_) => (fingerprint, unreadable()),
+        },
+        (Recognised::Other, state) => (fingerprint, state),
+        (Recognised::Same, RecordState::Completed(stored)) => match open(sealer, key, stored) {
+            Ok(response) => (plain, RecordState::Completed(response)),
+            Err(_) => (plain, unreadable()),
+        },
+        (Recognised::Unverifiable, RecordState::Completed(stored)) => match sealed_by(&stored) {
+            None => (fingerprint, RecordState::Completed(stored)),
+            Some(_) => match open(sealer, key, stored) {
+                // Opened, yet its fingerprint names a dropped key (resolved by a
+                // process with another key): which request made it is unknown.
+                Ok(_) => {
+                    UNREADABLE.inc();
+                    tracing::error!(
+                        record = key.short_hash(),
+                        "a recorded response's fingerprint names a key that is not configured: retries get 409 outcome-unknown (unreadable) until an operator purges it"
+                    );
+                    (plain, unreadable())
+                }
+                Err(_) => (plain, unreadable()),
             },
         },
-        other => other,
+        (Recognised::Same | Recognised::Unverifiable, state) => (plain, state),
     };
     ClaimOutcome::Existing(Existing { fingerprint, state })
 }

@@ -48,6 +48,8 @@ pub struct TestConfig {
     pub admin_extra: String,
     /// More `[[route]]` tables, after the three.
     pub extra_routes: String,
+    /// Environment variables a child proxy is started with (e.g. record keys).
+    pub env: Vec<(String, String)>,
 }
 
 impl TestConfig {
@@ -66,6 +68,7 @@ impl TestConfig {
             upstream_extra: String::new(),
             admin_extra: String::new(),
             extra_routes: String::new(),
+            env: Vec::new(),
         }
     }
 
@@ -290,6 +293,7 @@ impl ChildProxy {
             .args(["serve", "--config"])
             .arg(file.path())
             .env("RUST_LOG", if log.is_some() { "info" } else { "warn" })
+            .envs(config.env.iter().map(|(name, value)| (name, value)))
             .stdout(std::process::Stdio::null())
             .stderr(stderr)
             .spawn()

@@ -132,12 +132,14 @@ fn a_fingerprint_is_kept_as_an_hmac_and_recognised_under_every_configured_key() 
     let kept = old.fingerprint(plain);
     assert_ne!(kept, plain, "never the plain digest");
     assert_ne!(kept, sealer(2, &[]).fingerprint(plain), "keyed");
+    assert_eq!(&kept.0[..4], &const_hex::decode_to_array::<_, 4>(key(1).id()).expect("hex")[..], "names its key");
     let rotated = sealer(2, &[1]);
-    assert_eq!(rotated.recognise(kept, plain), plain, "under a previous key");
-    assert_eq!(rotated.recognise(rotated.fingerprint(plain), plain), plain);
-    assert_eq!(rotated.recognise(plain, plain), plain, "a record from before encryption");
-    assert_ne!(rotated.recognise(kept, other), other, "another request's is not recognised");
-    assert_ne!(sealer(3, &[]).recognise(kept, plain), plain, "a dropped key's does not match");
+    assert_eq!(rotated.recognise(kept, plain), Recognised::Same, "under a previous key");
+    assert_eq!(rotated.recognise(rotated.fingerprint(plain), plain), Recognised::Same);
+    assert_eq!(rotated.recognise(plain, plain), Recognised::Same, "a record from before encryption");
+    assert_eq!(rotated.recognise(kept, other), Recognised::Other, "another request's");
+    assert_eq!(rotated.recognise(plain, other), Recognised::Unverifiable, "from before encryption, another's");
+    assert_eq!(sealer(3, &[]).recognise(kept, plain), Recognised::Unverifiable, "a dropped key's");
 }
 
 #[test]
@@ -162,4 +164,63 @@ fn an_upstream_field_of_the_marker_name_is_never_recorded() {
     let stored = StoredResponse::from_parts(&parts, Bytes::new(), &[]);
     assert!(stored.headers.is_empty());
     assert_eq!(sealed_by(&stored), None);
+}
+
+/// What a claim's outcome reads as, for each way a record's fingerprint and response
+/// can stand: nothing is replayed whose fingerprint cannot be checked, and a record
+/// that does not open is unreadable rather than another request's.
+#[test]
+fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
+    let record = store_key("a");
+    let plain = Fingerprint([5; 32]);
+    let other = Fingerprint([6; 32]);
+    let old = sealer(1, &[]);
+    let current = sealer(2, &[]);
+    let existing = |fingerprint, state| ClaimOutcome::Existing(Existing { fingerprint, state });
+    let completed = |sealer: &Sealer| RecordState::Completed(sealer.seal(&record, &response()).expect("seals"));
+    let unreadable = RecordState::Unknown {
+        reason: UnknownReason::Unreadable,
+        probe: Probe::GaveUp,
+    };
+    let read = |sealer: Option<&Sealer>, outcome| opened(sealer, &record, plain, outcome);
+    // Sealed and fingerprinted under the current key: replayed, opened.
+    assert_eq!(
+        read(Some(&current), existing(current.fingerprint(plain), completed(&current))),
+        existing(plain, RecordState::Completed(response()))
+    );
+    // Another request's, under the current key: left to `decide` to refuse (422).
+    match read(Some(&current), existing(current.fingerprint(other), completed(&current))) {
+        ClaimOutcome::Existing(Existing { fingerprint, .. }) => {
+            assert_eq!(fingerprint, current.fingerprint(other), "left as stored");
+        }
+        acquired => panic!("{acquired:?}"),
+    }
+    // Under a dropped key: unreadable, whoever asks.
+    for asked in [plain, other] {
+        assert_eq!(
+            opened(Some(&current), &record, asked, existing(old.fingerprint(plain), completed(&old))),
+            existing(asked, unreadable.clone())
+        );
+    }
+    // Fingerprinted under a dropped key, sealed under the current one: unreadable too.
+    assert_eq!(
+        read(Some(&current), existing(old.fingerprint(plain), completed(&current))),
+        existing(plain, unreadable.clone())
+    );
+    // Written before encryption, another request's: still another's.
+    assert_eq!(
+        opened(Some(&current), &record, other, existing(plain, RecordState::Completed(response()))),
+        existing(plain, RecordState::Completed(response()))
+    );
+    // Unknown under a dropped key: still unknown, answered as the asker's (409).
+    let unknown = RecordState::Unknown {
+        reason: UnknownReason::UpstreamTimeout,
+        probe: Probe::Next(std::time::Duration::ZERO),
+    };
+    assert_eq!(
+        opened(Some(&current), &record, other, existing(old.fingerprint(plain), unknown.clone())),
+        existing(other, unknown)
+    );
+    // Sealed, and no keys at all: unreadable.
+    assert_eq!(read(None, existing(plain, completed(&current))), existing(plain, unreadable));
 }
