@@ -24,11 +24,14 @@ against a second idemproxy on a Redis Cluster of three primaries and three repli
 --traces (also run cases (q) to (t): tracing on at sample ratios 1.0 and 0.01, beside
 (c) and (d) with tracing off), --stores (also run cases (u) to (x): fresh keys and
 replays on the memory store and on the SQLite store, beside (d) and (e) on Redis, with
-the SQLite store's commits and fsyncs per second), --cases LIST (only these cases, e.g.
+the SQLite store's commits and fsyncs per second), --sealed (also run fresh keys and
+replays with 1 KiB and 64 KiB bodies on an idemproxy with [store.encryption], beside
+the same cases in clear), --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
 
 import argparse
+import base64
 import math
 import os
 import shutil
@@ -94,6 +97,23 @@ STORE_CASES = [
 ]
 # Each SQLite case and what it is held to: the memory store's same case, and Redis'.
 ON_SQLITE = {"w": ("u", "d"), "x": ("v", "e")}
+
+# With --sealed: fresh keys and replays with 1 KiB and 64 KiB response bodies, on the
+# Redis idemproxy (records in clear) and on one with [store.encryption] (records
+# sealed with AES-256-GCM) on the same redis-server, from the same run.
+SEALED_CASES = [
+    ("y1", "idemproxy POST, fresh key, 1 KiB body", "idemproxy", "fresh.lua", "/v1/payments/1k"),
+    ("z1", "idemproxy POST, fresh key, 1 KiB body, sealed", "sealed", "fresh.lua", "/v1/payments/1k"),
+    ("k", "idemproxy POST, replay, 1 KiB body", "idemproxy", "replay1k.lua", "/v1/payments/1k"),
+    ("zk", "idemproxy POST, replay, 1 KiB body, sealed", "sealed", "replay1k.lua", "/v1/payments/1k"),
+    ("y64", "idemproxy POST, fresh key, 64 KiB body", "idemproxy", "fresh.lua", "/v1/payments/64k"),
+    ("z64", "idemproxy POST, fresh key, 64 KiB body, sealed", "sealed", "fresh.lua", "/v1/payments/64k"),
+    ("p", "idemproxy POST, replay, 64 KiB body", "idemproxy", "replay64k.lua", "/v1/payments/64k"),
+    ("zp", "idemproxy POST, replay, 64 KiB body, sealed", "sealed", "replay64k.lua", "/v1/payments/64k"),
+]
+# Each sealed case and the same case in clear.
+UNSEALED = {"z1": "y1", "zk": "k", "z64": "y64", "zp": "p"}
+BASELINE.update({"y1": "i", "z1": "i", "zk": "i", "y64": "l", "z64": "l", "zp": "l"})
 
 # wrk prints one machine-readable line at the end of each run.
 DONE = """
@@ -362,23 +382,30 @@ def main():
     parser.add_argument("--cluster", action="store_true")
     parser.add_argument("--traces", action="store_true")
     parser.add_argument("--stores", action="store_true")
+    parser.add_argument("--sealed", action="store_true")
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
     cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
              + (STORE_CASES if args.stores else []))
+    if args.sealed:
+        # (k) and (p) are already among CASES: each case runs once.
+        known = {case[0] for case in cases}
+        cases += [case for case in SEALED_CASES if case[0] not in known]
     if args.cases:
         wanted = set(args.cases.split(","))
         # The baselines the chosen cases are compared with run too.
         wanted |= {BASELINE.get(case, "b") for case in wanted} | {UNTRACED[c] for c in wanted if c in UNTRACED}
         wanted |= {other for c in wanted if c in ON_SQLITE for other in ON_SQLITE[c]}
+        wanted |= {UNSEALED[c] for c in wanted if c in UNSEALED}
+        wanted |= {BASELINE.get(case, "b") for case in wanted}
         cases = [case for case in cases if case[0] in wanted]
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-bench-")
     ports = {name: free_port() for name in ("upstream", "nginx", "nginx-h2", "idemproxy", "admin",
                                             "redis", "cluster", "cluster-admin", "collector", "traced",
                                             "traced-admin", "traced-1pct", "traced-1pct-admin", "memory",
-                                            "memory-admin", "sqlite", "sqlite-admin")}
+                                            "memory-admin", "sqlite", "sqlite-admin", "sealed", "sealed-admin")}
     # The SQLite file where commits are fsyncs: beside the build, on the repository's disk.
     disk_dir = tempfile.mkdtemp(prefix="idemproxy-bench-sqlite-",
                                 dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"))
@@ -445,7 +472,7 @@ def main():
         for name in ("redis", "upstream", "nginx", "nginx-h2"):
             wait_port(ports[name], what=name)
 
-        def idemproxy_config(name, listen, admin, store, extra=""):
+        def idemproxy_config(name, listen, admin, store, extra="", env=None):
             config = os.path.join(workdir, f"{name}.toml")
             with open(config, "w") as f:
                 f.write(textwrap.dedent(f"""
@@ -470,7 +497,7 @@ def main():
                 """) + extra)
             proxy = subprocess.Popen([IDEMPROXY, "serve", "--config", config],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, "RUST_LOG": "warn"})
+                                     env={**os.environ, "RUST_LOG": "warn", **(env or {})})
             children.append(proxy)
             wait_port(listen, what=f"idemproxy ({name})")
             # Record the keys that the replay cases replay, and warm the script cache.
@@ -501,6 +528,15 @@ def main():
                 f'backend = "redis-cluster"\n                urls = [{seeds}]')
             redis_ports["cluster"] = primaries
 
+        if args.sealed:
+            # Its own key prefix on the same redis-server, so that its records are its own.
+            sealed_store = (f'backend = "redis"\n                url = "redis://127.0.0.1:{ports["redis"]}/0"\n'
+                            '                key_prefix = "sealed"')
+            key = base64.b64encode(os.urandom(32)).decode()
+            proxies["sealed"] = idemproxy_config("sealed", ports["sealed"], ports["sealed-admin"], sealed_store,
+                                                 '\n[store.encryption]\nkey_env = "BENCH_RECORD_KEY"\n',
+                                                 env={"BENCH_RECORD_KEY": key})
+            redis_ports["sealed"] = [ports["redis"]]
         if args.stores:
             # Bounds no run reaches (a fresh-key case records 100,000 keys a round or
             # more): a full store would answer 503s, not what the store costs.
@@ -610,6 +646,23 @@ def number(value, spec, suffix=""):
     return "-" if math.isnan(value) else format(value, spec) + suffix
 
 
+def ratio_table(results, connection_counts, cases, against, kind, plain_name):
+    """Each case in `against` beside the case it is compared with, from the same run."""
+    chosen = [case for case in cases if case[0] in against]
+    if not chosen:
+        return
+    print()
+    print(f"| {kind} case | conns | req/s vs {plain_name} | p50 vs {plain_name} | p99 vs {plain_name} |")
+    print("|---|---|---|---|---|")
+    for connections in connection_counts:
+        for case, label, _, _, _ in chosen:
+            runs, plain = results[(case, connections)], results[(against[case], connections)]
+            print(f"| ({case}) {label} vs ({against[case]}) | {connections} | "
+                  f"{median(runs, 'rps') / median(plain, 'rps'):.2f}x | "
+                  f"{median(runs, 'p50_ms') / median(plain, 'p50_ms'):.2f}x | "
+                  f"{median(runs, 'p99_ms') / median(plain, 'p99_ms'):.2f}x |")
+
+
 def print_table(results, connection_counts, args, cases):
     print()
     print(f"idemproxy vs nginx on loopback: {os.cpu_count()} cores, wrk -t1, {args.duration}s per case, "
@@ -626,7 +679,7 @@ def print_table(results, connection_counts, args, cases):
             rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
             requests = sum(run["requests"] for run in runs)
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
-            if target in ("idemproxy", "cluster", "traced", "traced-1pct"):
+            if target in ("idemproxy", "cluster", "traced", "traced-1pct", "sealed"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
                 trips = f"{max(0, sum(run['reads'] for run in runs)) / requests:.3f}"
                 cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
@@ -641,18 +694,8 @@ def print_table(results, connection_counts, args, cases):
             print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {number(p50, '.2f')} | "
                   f"{number(p99, '.2f')} | {rps / base_rps:.2f}x | {number(p99_ratio, '.2f', 'x')} | {non2xx} | "
                   f"{trips} | {commands} | {cpu} | {rss} |")
-    traced = [case for case in cases if case[0] in UNTRACED]
-    if traced:
-        print()
-        print("| traced case | conns | req/s vs untraced | p50 vs untraced | p99 vs untraced |")
-        print("|---|---|---|---|---|")
-        for connections in connection_counts:
-            for case, label, _, _, _ in traced:
-                runs, plain = results[(case, connections)], results[(UNTRACED[case], connections)]
-                print(f"| ({case}) {label} vs ({UNTRACED[case]}) | {connections} | "
-                      f"{median(runs, 'rps') / median(plain, 'rps'):.2f}x | "
-                      f"{median(runs, 'p50_ms') / median(plain, 'p50_ms'):.2f}x | "
-                      f"{median(runs, 'p99_ms') / median(plain, 'p99_ms'):.2f}x |")
+    ratio_table(results, connection_counts, cases, UNTRACED, "traced", "untraced")
+    ratio_table(results, connection_counts, cases, UNSEALED, "sealed", "in clear")
     on_sqlite = [case for case in cases if case[0] in ON_SQLITE]
     if on_sqlite:
         print()

@@ -21,6 +21,7 @@ redis-server (bench/run.sh installs the last two).
 """
 
 import argparse
+import base64
 import collections
 import http.client
 import os
@@ -155,6 +156,9 @@ def main():
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--top", type=int, default=0, help="also list the N costliest functions per case")
     parser.add_argument("--keep", action="store_true", help="keep the callgrind dumps (for callgrind_annotate)")
+    parser.add_argument("--sealed", action="store_true",
+                        help="also POST with 1 KiB and 64 KiB response bodies, on idemproxy in clear and with "
+                             "[store.encryption]")
     args = parser.parse_args()
     for tool in ("valgrind", "callgrind_control", "redis-server"):
         if not shutil.which(tool):
@@ -174,7 +178,14 @@ def main():
             server {{
               listen 127.0.0.1:{ports["upstream"]};
               location / {{ default_type application/json; return 201 '{BODY}'; }}
+              location ~ ^/v1/payments/(1k|64k)$ {{
+                root {workdir}/bodies; default_type application/octet-stream; error_page 405 =201 $uri;
+              }}
             }}"""), workers=1))
+        os.makedirs(os.path.join(workdir, "bodies", "v1", "payments"))
+        for name, size in (("1k", 1024), ("64k", 64 * 1024)):
+            with open(os.path.join(workdir, "bodies", "v1", "payments", name), "w") as f:
+                f.write("x" * size)
         for name in ("redis", "upstream"):
             wait_port(ports[name], what=name)
 
@@ -188,9 +199,10 @@ def main():
         nginx = measure(command, ports["nginx"],
                         [("GET pass-through", "GET", "/v1/payments", None)], args, workdir, "nginx")
 
-        config = os.path.join(workdir, "idemproxy.toml")
-        with open(config, "w") as f:
-            f.write(textwrap.dedent(f"""
+        def idemproxy_config(name, extra=""):
+            config = os.path.join(workdir, f"{name}.toml")
+            with open(config, "w") as f:
+                f.write(textwrap.dedent(f"""
                 [server]
                 listen = "127.0.0.1:{ports["idemproxy"]}"
                 workers = 1
@@ -206,13 +218,27 @@ def main():
                 upstream = "http://127.0.0.1:{ports["upstream"]}"
                 upstream_timeout = "30s"
                 [route.idempotency]
-                """))
+                """).replace("[[route]]", extra + "\n[[route]]"))
+            return config
+        bodies = [(f"POST, fresh key, {size}", "POST", f"/v1/payments/{size.replace(' KiB', 'k')}", "fresh")
+                  for size in ("1 KiB", "64 KiB")]
+        bodies += [(f"POST, replay, {size}", "POST", f"/v1/payments/{size.replace(' KiB', 'k')}",
+                    f"instructions-replay-{size.replace(' KiB', 'k')}") for size in ("1 KiB", "64 KiB")]
         idemproxy = measure(
-            [PROFILING, "serve", "--config", config], ports["idemproxy"],
+            [PROFILING, "serve", "--config", idemproxy_config("idemproxy")], ports["idemproxy"],
             [("GET pass-through", "GET", "/v1/payments", None),
              ("POST, fresh key", "POST", "/v1/payments", "fresh"),
-             ("POST, replay", "POST", "/v1/payments", "instructions-replay")],
+             ("POST, replay", "POST", "/v1/payments", "instructions-replay")]
+            + (bodies if args.sealed else []),
             args, workdir, "idemproxy")
+        sealed = {}
+        if args.sealed:
+            os.environ["INSTRUCTIONS_RECORD_KEY"] = base64.b64encode(os.urandom(32)).decode()
+            config = idemproxy_config("sealed", 'key_prefix = "sealed"\n')
+            with open(config, "a") as f:
+                f.write('\n[store.encryption]\nkey_env = "INSTRUCTIONS_RECORD_KEY"\n')
+            sealed = measure([PROFILING, "serve", "--config", config], ports["idemproxy"], bodies, args, workdir,
+                             "sealed")
     finally:
         for child in reversed(children):
             child.send_signal(signal.SIGTERM)
@@ -230,6 +256,10 @@ def main():
     print(f"{'nginx proxy_pass, GET':<34}{baseline:>18,.0f}{1:>9.2f}×")
     for case, (per_request, _, _) in idemproxy.items():
         print(f"{'idemproxy ' + case:<34}{per_request:>18,.0f}{per_request / baseline:>9.2f}×")
+    for case, (per_request, _, _) in sealed.items():
+        clear = idemproxy[case][0]
+        print(f"{'idemproxy ' + case + ', sealed':<34}{per_request:>18,.0f}{per_request / baseline:>9.2f}×"
+              f"   {per_request - clear:+,.0f} ({per_request / clear - 1:+.1%}) vs in clear")
     for case, (per_request, groups, costs) in idemproxy.items():
         total = sum(groups.values())
         print(f"\nidemproxy {case}: where the {per_request:,.0f} instructions go")

@@ -691,6 +691,7 @@ impl Config {
             ("store", self.store.backend != new.store.backend),
             ("store.key_prefix", self.store.key_prefix != new.store.key_prefix),
             ("store.timeout", self.store.timeout != new.store.timeout),
+            ("store.encryption", self.store.encryption != new.store.encryption),
             ("tracing", self.tracing != new.tracing),
         ]
         .into_iter()
@@ -822,7 +823,12 @@ impl std::fmt::Display for Config {
                     Some(variable) if !encryption.previous.is_empty() => writeln!(
                         f,
                         "; records under {} (from {variable}) still open",
-                        encryption.previous.iter().map(RecordKey::id).collect::<Vec<_>>().join(", ")
+                        encryption
+                            .previous
+                            .iter()
+                            .map(RecordKey::id)
+                            .collect::<Vec<_>>()
+                            .join(", ")
                     )?,
                     _ => writeln!(f, "; no previous keys")?,
                 }

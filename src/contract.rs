@@ -266,6 +266,7 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
                         "detail": {"type": "string"},
                         "operation": {"type": "string", "description": "on outcome-unknown: the operation's id"},
                         "reconciling": {"type": "boolean", "description": "on outcome-unknown: whether the proxy is asking the upstream"},
+                        "reason": {"type": "string", "description": "on outcome-unknown: why (upstream-timeout, upstream-failed, response-too-large, over-budget, lease-expired, or unreadable: the recorded response cannot be opened)"},
                     },
                 },
                 "StripeError": {
@@ -388,5 +389,53 @@ mod tests {
                 "upstream-failed"
             ]
         );
+    }
+
+    /// Each route's replay mode is published in the document, the OpenAPI fragment and
+    /// the Markdown page; `replay-unavailable` is listed only where a refetch can fail.
+    #[test]
+    fn the_contract_names_each_routes_replay_mode() {
+        let route = |name: &str, policy: &str| {
+            format!(
+                "[[route]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"http://127.0.0.1:9\"\n[route.idempotency]\n{policy}"
+            )
+        };
+        let source = [
+            route("stored", ""),
+            route(
+                "status",
+                "replay = \"status\"\nreplay_headers = [\"location\", \"x-id\"]\n",
+            ),
+            route(
+                "refetch",
+                "replay = \"refetch\"\nrefetch = { method = \"HEAD\", path = \"/ops/{record}\" }\n",
+            ),
+        ]
+        .concat();
+        let config = crate::Config::parse(&source, std::path::Path::new("t.toml")).expect("a valid config");
+        let document = document(&config.routes);
+        let replay = |index: usize| document["routes"][index]["replay"].clone();
+        assert_eq!(replay(0)["mode"], "stored");
+        assert_eq!(replay(0)["headers"], Value::Null);
+        assert_eq!(replay(1)["mode"], "status");
+        assert_eq!(replay(1)["headers"], json!(["location", "x-id"]));
+        assert_eq!(replay(2)["mode"], "refetch");
+        assert_eq!(replay(2)["refetch"], json!({"method": "HEAD", "path": "/ops/{record}"}));
+        let slugs = |index: usize| -> Vec<String> {
+            document["routes"][index]["responses"]
+                .as_array()
+                .expect("responses")
+                .iter()
+                .map(|answer| answer["problem"].as_str().unwrap_or_default().to_string())
+                .collect()
+        };
+        assert!(!slugs(0).contains(&"replay-unavailable".to_string()));
+        assert!(slugs(2).contains(&"replay-unavailable".to_string()));
+        let openapi = openapi(&config.routes, "1").to_string();
+        assert!(openapi.contains("Replay mode `refetch`"), "{openapi}");
+        assert!(openapi.contains("Replay mode `status`"), "{openapi}");
+        let page = markdown(&config.routes);
+        assert!(page.contains("with an empty body"), "{page}");
+        assert!(page.contains("asking the API again"), "{page}");
     }
 }

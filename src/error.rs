@@ -254,7 +254,7 @@ pub(crate) enum Rejection {
         reconciling: Option<Duration>,
         /// Why it is unknown, where the record says (`unreadable`: its recorded
         /// response cannot be opened).
-        reason: Option<crate::store::UnknownReason>,
+        reason: Option<&'static str>,
     },
     #[error("the proxy is at its bound on {0}")]
     Overloaded(Bound),
@@ -370,9 +370,7 @@ impl Rejection {
             _ => None,
         };
         let (reconciling, reason) = match self {
-            Rejection::OutcomeUnknown { reconciling, reason } => {
-                (Some(reconciling.is_some()), reason.map(crate::store::UnknownReason::as_str))
-            }
+            Rejection::OutcomeUnknown { reconciling, reason } => (Some(reconciling.is_some()), *reason),
             _ => (None, None),
         };
         Problem {
@@ -475,7 +473,7 @@ mod tests {
         assert_eq!(due.retry_after, Some(1));
         let left = Rejection::OutcomeUnknown {
             reconciling: None,
-            reason: Some(crate::store::UnknownReason::Unreadable),
+            reason: Some("unreadable"),
         }
         .problem();
         assert_eq!((left.retry_after, left.reconciling), (None, Some(false)));

@@ -744,7 +744,7 @@ mod tests {
             let client_class = (400..500).contains(&row.status.as_u16());
             assert_eq!(client_class, row.fault == Fault::Client, "{kind:?}");
         }
-        assert_eq!(ProblemKind::ALL.len(), 22);
+        assert_eq!(ProblemKind::ALL.len(), 23);
     }
 
     #[test]

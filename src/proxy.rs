@@ -389,7 +389,7 @@ impl Proxy {
     /// names the operation, and says whether the route's probe is reconciling it.
     fn unknown(&self, guarded: &Guarded, probe: crate::store::Probe, reason: crate::store::UnknownReason) -> Refusal {
         let reconciling = self.reconciling(guarded, probe);
-        let reason = Some(reason);
+        let reason = Some(reason.as_str());
         Refusal::about(Rejection::OutcomeUnknown { reconciling, reason }, &guarded.record)
     }
 

@@ -90,7 +90,10 @@ impl StoredResponse {
             .headers
             .iter()
             .filter(|(name, _)| {
-                *name != header::CONTENT_LENGTH && *name != EXECUTION_TRACE && *name != SEALED && !exclude.contains(name)
+                *name != header::CONTENT_LENGTH
+                    && *name != EXECUTION_TRACE
+                    && *name != SEALED
+                    && !exclude.contains(name)
             })
             // Copied: a parsed value may be a slice of the connection's read buffer,
             // which a record would otherwise keep alive for its whole retention.
@@ -121,7 +124,9 @@ impl StoredResponse {
                     .replay_headers
                     .iter()
                     .flat_map(|name| parts.headers.get_all(name).iter().map(move |value| (name, value)))
-                    .filter(|(name, _)| **name != EXECUTION_TRACE && **name != SEALED && **name != header::CONTENT_LENGTH)
+                    .filter(|(name, _)| {
+                        **name != EXECUTION_TRACE && **name != SEALED && **name != header::CONTENT_LENGTH
+                    })
                     .map(|(name, value)| (name.clone(), value.clone()))
                     .collect();
                 StoredResponse {

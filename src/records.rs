@@ -616,7 +616,10 @@ mod tests {
             body: true,
             ..query
         };
-        assert_eq!(RecordsQuery::parse(RecordsAction::Show, &shown.to_query()), Ok(shown.clone()));
+        assert_eq!(
+            RecordsQuery::parse(RecordsAction::Show, &shown.to_query()),
+            Ok(shown.clone())
+        );
         assert!(
             RecordsQuery::parse(RecordsAction::Purge, &shown.to_query()).is_err(),
             "body is for show only"

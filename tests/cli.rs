@@ -360,7 +360,9 @@ fn record_keys_and_replay_modes_are_checked_and_named() {
     let run = |current: Option<&str>, old: Option<&str>| {
         let mut command = idemproxy();
         command.args(["check", "--config"]).arg(&path);
-        command.env_remove("IDEMPROXY_TEST_RECORD_KEY").env_remove("IDEMPROXY_TEST_RECORD_KEYS_OLD");
+        command
+            .env_remove("IDEMPROXY_TEST_RECORD_KEY")
+            .env_remove("IDEMPROXY_TEST_RECORD_KEYS_OLD");
         if let Some(current) = current {
             command.env("IDEMPROXY_TEST_RECORD_KEY", current);
         }
@@ -389,7 +391,11 @@ fn record_keys_and_replay_modes_are_checked_and_named() {
     );
     assert!(!out.contains(&current) && !out.contains(&old), "a key printed: {out}");
     for (current, old, needle) in [
-        (None, None, "store.encryption.key_env: the environment variable IDEMPROXY_TEST_RECORD_KEY is not set"),
+        (
+            None,
+            None,
+            "store.encryption.key_env: the environment variable IDEMPROXY_TEST_RECORD_KEY is not set",
+        ),
         (
             Some("c2hvcnQ="),
             None,
@@ -408,13 +414,26 @@ fn record_keys_and_replay_modes_are_checked_and_named() {
     ] {
         let (ok, out) = run(current, old);
         assert!(!ok && out.contains(needle), "{needle:?} not in {out}");
-        assert!(!out.contains("c2hvcnQ=") && !out.contains("not-a-key!"), "a value printed: {out}");
+        assert!(
+            !out.contains("c2hvcnQ=") && !out.contains("not-a-key!"),
+            "a value printed: {out}"
+        );
     }
-    let plain = write(&dir, "plain.toml", &format!("{ROUTE}[route.idempotency]\nreplay = \"status\"\n"));
+    let plain = write(
+        &dir,
+        "plain.toml",
+        &format!("{ROUTE}[route.idempotency]\nreplay = \"status\"\n"),
+    );
     let (ok, stdout, stderr) = check(&plain);
     assert!(ok, "{stderr}");
-    assert!(stdout.contains("sealed no: recorded responses are kept in clear"), "{stdout}");
-    assert!(stdout.contains("replays the status and location with no body"), "{stdout}");
+    assert!(
+        stdout.contains("sealed no: recorded responses are kept in clear"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("replays the status and location with no body"),
+        "{stdout}"
+    );
     for (body, needle) in [
         (
             "replay = \"refetch\"\n",
@@ -436,7 +455,10 @@ fn record_keys_and_replay_modes_are_checked_and_named() {
             "replay = \"refetch\"\nupstream_key = \"none\"\nrefetch = { path = \"/x/{key}\" }\n",
             "route[0].idempotency.refetch.path: names {key}, but upstream_key = \"none\"",
         ),
-        ("replay = \"sometimes\"\n", "route[0].idempotency.replay: unknown variant `sometimes`"),
+        (
+            "replay = \"sometimes\"\n",
+            "route[0].idempotency.replay: unknown variant `sometimes`",
+        ),
     ] {
         let bad = write(&dir, "bad.toml", &format!("{ROUTE}[route.idempotency]\n{body}"));
         let (ok, stdout, stderr) = check(&bad);

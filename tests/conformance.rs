@@ -28,8 +28,8 @@ use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::{ClaimPlant, ScriptName};
 use idemproxy::store::{
-    AnyStore, ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore, RedisStore,
-    Resolution, Resolved, SqliteStore, StoreKey, StoreLimits, StoredResponse, UnknownReason, Write,
+    AnyStore, ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore,
+    RedisStore, Resolution, Resolved, SqliteStore, StoreKey, StoreLimits, StoredResponse, UnknownReason, Write,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};

@@ -1,4 +1,4 @@
-//! The SQLite store through the binary (docs/design.md §17): what survives a stop of
+//! The SQLite store through the binary (docs/design.md §21): what survives a stop of
 //! the process (SIGTERM, SIGKILL at any moment), one process per file, files that are
 //! not the store's, a full disk, and the probes a fresh start schedules. Every test
 //! runs real proxy processes on a real file; the storm runs its keys through the

@@ -157,7 +157,10 @@ async fn a_sealed_storm_across_a_rolling_key_rotation_runs_each_key_once() {
     report.assert_clean("sealed storm 3 processes mid-rotation, 1000 keys x 10");
     liveness.assert_live("sealed storm", 1.0);
     assert_eq!(report.max_executions_per_key, 1);
-    assert_eq!(report.executions, storm.logical, "every logical operation ran exactly once");
+    assert_eq!(
+        report.executions, storm.logical,
+        "every logical operation ran exactly once"
+    );
     assert_eq!(report.unknown, 0, "no record was unreadable");
     for proxy in &proxies {
         let unreadable = support::client::metric(proxy.admin, "idemproxy_records_unreadable_total").await;

@@ -39,10 +39,7 @@ fn sealed(mut config: TestConfig, current: u8, previous: &[u8]) -> TestConfig {
         "\n[store.encryption]\nkey_env = \"{KEY_VAR}\"\nprevious_keys_env = \"{OLD_VAR}\"\n"
     ));
     let old: Vec<String> = previous.iter().map(|byte| record_key(*byte)).collect();
-    config.env = vec![
-        (KEY_VAR.into(), record_key(current)),
-        (OLD_VAR.into(), old.join(",")),
-    ];
+    config.env = vec![(KEY_VAR.into(), record_key(current)), (OLD_VAR.into(), old.join(","))];
     config
 }
 
@@ -138,7 +135,10 @@ async fn nothing_of_a_response_is_readable_in_redis_and_every_replay_gets_it() {
             "{\"amount\":999}",
         )
         .await;
-        assert_eq!((reused.status.as_u16(), reused.problem()), (422, "idempotency-key-reused".into()));
+        assert_eq!(
+            (reused.status.as_u16(), reused.problem()),
+            (422, "idempotency-key-reused".into())
+        );
     }
 }
 
@@ -167,7 +167,10 @@ async fn nothing_of_a_response_is_readable_in_the_sqlite_file() {
         proxy.signal("TERM");
         proxy.child.wait().expect("wait for the proxy");
         let found = contains(&bytes(&file), MARKER);
-        assert_eq!(found, !encrypted, "encrypted {encrypted}: the marker in the checkpointed file");
+        assert_eq!(
+            found, !encrypted,
+            "encrypted {encrypted}: the marker in the checkpointed file"
+        );
         let proxy = ChildProxy::start(&config).await;
         let retry = pay(&proxy, &key, &[]).await;
         assert_replays(&first, &retry);
@@ -209,7 +212,10 @@ async fn rotation_keeps_old_records_and_a_dropped_key_makes_them_unreadable_neve
     }
     assert_eq!(upstream.executions("order-old"), 1, "never run again");
     assert_replays(&second, &pay(&dropped, "order-new", &[]).await);
-    assert_eq!(metric(dropped.admin, "idemproxy_records_unreadable_total").await, Some(2.0));
+    assert_eq!(
+        metric(dropped.admin, "idemproxy_records_unreadable_total").await,
+        Some(2.0)
+    );
     let view = show(&dropped, "order-old", false).await;
     assert_eq!(view["sealed_by"], Value::String(key_id(1)), "{view}");
     let why = view["unreadable"].as_str().unwrap_or_default().to_string();
@@ -222,11 +228,18 @@ async fn rotation_keeps_old_records_and_a_dropped_key_makes_them_unreadable_neve
     assert!(line.contains("ERROR"), "{line}");
     let hash = view["record"].as_str().expect("a record hash");
     assert!(line.contains(hash), "{line}");
-    assert!(!text.contains("order-old") && !text.contains(&record_key(2)), "a key in the log: {text}");
+    assert!(
+        !text.contains("order-old") && !text.contains(&record_key(2)),
+        "a key in the log: {text}"
+    );
 }
 
 fn assert_unreadable(retry: &TestResponse) {
-    assert_eq!((retry.status.as_u16(), retry.problem()), (409, "outcome-unknown".into()), "{retry:?}");
+    assert_eq!(
+        (retry.status.as_u16(), retry.problem()),
+        (409, "outcome-unknown".into()),
+        "{retry:?}"
+    );
     let body: Value = serde_json::from_slice(&retry.body).expect("JSON");
     assert_eq!(body["reason"], "unreadable", "{body}");
     assert_eq!(body["reconciling"], false, "{body}");
@@ -302,7 +315,8 @@ async fn status_replays_keep_no_body() {
 
 fn refetch_config(redis: &RedisServer, upstream: &Upstream) -> TestConfig {
     let mut config = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
-    config.idempotency = "replay = \"refetch\"\nrefetch = { path = \"/v1/payments/by-key/{key}\", timeout = \"2s\" }".into();
+    config.idempotency =
+        "replay = \"refetch\"\nrefetch = { path = \"/v1/payments/by-key/{key}\", timeout = \"2s\" }".into();
     config
 }
 
@@ -320,22 +334,36 @@ async fn refetch_replays_ask_the_upstream_with_the_retrys_credentials() {
     let retry = pay(&proxy, "order-refetch", &[("authorization", "Bearer second-client")]).await;
     assert_eq!(retry.status, 200, "the lookup's own answer: {retry:?}");
     assert!(retry.replayed(), "{retry:?}");
-    assert_eq!(retry.header("x-execution-id"), first.header("x-execution-id"), "the same operation");
+    assert_eq!(
+        retry.header("x-execution-id"),
+        first.header("x-execution-id"),
+        "the same operation"
+    );
     let body: Value = serde_json::from_slice(&retry.body).expect("JSON");
     assert_eq!(body["found"], true, "{body}");
     assert_eq!(upstream.executions("order-refetch"), 1);
     let lookups = upstream.lookups();
     assert_eq!(lookups.len(), 1, "{lookups:?}");
     let lookup = &lookups[0];
-    assert_eq!((lookup.method.as_str(), lookup.path.as_str()), ("GET", "/v1/payments/by-key/order-refetch"));
     assert_eq!(
-        lookup.headers.get("authorization").and_then(|value| value.to_str().ok()),
+        (lookup.method.as_str(), lookup.path.as_str()),
+        ("GET", "/v1/payments/by-key/order-refetch")
+    );
+    assert_eq!(
+        lookup
+            .headers
+            .get("authorization")
+            .and_then(|value| value.to_str().ok()),
         Some("Bearer second-client")
     );
     assert_eq!(lookup.body_bytes, 0);
     assert!(lookup.headers.get("content-length").is_none_or(|length| length == "0"));
     // The store keeps no body of the first answer.
-    assert!(!every_redis_value(&redis).iter().any(|value| contains(value, "execution")));
+    assert!(
+        !every_redis_value(&redis)
+            .iter()
+            .any(|value| contains(value, "execution"))
+    );
 
     upstream.set_lookups(Lookups::Fail(401));
     let refused = pay(&proxy, "order-refetch", &[("authorization", "Bearer revoked")]).await;
@@ -350,16 +378,33 @@ async fn refetch_replays_ask_the_upstream_with_the_retrys_credentials() {
 async fn a_failed_refetch_is_503_never_a_second_run() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    let proxy = ChildProxy::start(&refetch_config(&redis, &upstream)).await;
+    let mut config = refetch_config(&redis, &upstream);
+    config.idempotency = config.idempotency.replace("timeout = \"2s\"", "timeout = \"200ms\"");
+    let proxy = ChildProxy::start(&config).await;
     let first = pay(&proxy, "order-down", &[]).await;
     assert_eq!(first.status, 201, "{first:?}");
     upstream.set_lookups(Lookups::Fail(503));
     let failed = pay(&proxy, "order-down", &[]).await;
-    assert_eq!((failed.status.as_u16(), failed.problem()), (503, "replay-unavailable".into()), "{failed:?}");
+    assert_eq!(
+        (failed.status.as_u16(), failed.problem()),
+        (503, "replay-unavailable".into()),
+        "{failed:?}"
+    );
     assert_eq!(failed.header("retry-after"), Some("1"));
+    // A lookup held past the refetch's timeout (200 ms): 503, the same way.
+    upstream.set_lookups(Lookups::Hold("never".into()));
+    let slow = pay(&proxy, "order-down", &[]).await;
+    assert_eq!(
+        (slow.status.as_u16(), slow.problem()),
+        (503, "replay-unavailable".into()),
+        "{slow:?}"
+    );
     upstream.stop();
     let refused = pay(&proxy, "order-down", &[]).await;
-    assert_eq!((refused.status.as_u16(), refused.problem()), (503, "replay-unavailable".into()));
+    assert_eq!(
+        (refused.status.as_u16(), refused.problem()),
+        (503, "replay-unavailable".into())
+    );
     assert_eq!(upstream.executions("order-down"), 1, "never run again");
 }
 
@@ -387,7 +432,11 @@ async fn the_records_api_shows_metadata_and_the_body_only_when_asked() {
     assert_eq!(view["state"], "completed", "{view}");
     assert_eq!(view["sealed_by"], Value::String(key_id(1)), "{view}");
     assert_eq!(view["response"], Value::Null, "no body unless asked: {view}");
-    assert_eq!(view["response_bytes"].as_u64(), Some(first.body.len() as u64), "the opened size");
+    assert_eq!(
+        view["response_bytes"].as_u64(),
+        Some(first.body.len() as u64),
+        "the opened size"
+    );
     assert!(!view.to_string().contains("SECRET"), "{view}");
     let full = show(&proxy, "order-shown", true).await;
     let response = &full["response"];
@@ -407,7 +456,15 @@ async fn the_records_api_shows_metadata_and_the_body_only_when_asked() {
     std::fs::write(file.path(), config_text).expect("write");
     let cli = |extra: &[&str]| {
         let output = support::proxy::binary_command(&[])
-            .args(["records", "show", "--route", "payments", "--key", "order-shown", "--config"])
+            .args([
+                "records",
+                "show",
+                "--route",
+                "payments",
+                "--key",
+                "order-shown",
+                "--config",
+            ])
             .arg(file.path())
             .args(extra)
             .envs(config.env.iter().map(|(name, value)| (name, value)))

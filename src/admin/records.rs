@@ -437,7 +437,7 @@ mod tests {
         assert_eq!(resolved.owner.map(OwnerToken::to_hex).as_deref(), Some(claim));
         assert_eq!(resolved.verdict, Some(Verdict::NotApplied));
         let takes = [
-            (Show, "key and scope"),
+            (Show, "key, scope and body"),
             (Purge, "key and scope"),
             (Release, "key, scope and claim"),
             (Resolve, "key, scope, claim and as"),

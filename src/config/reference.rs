@@ -458,7 +458,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "route.idempotency.refetch.timeout",
         default: DefaultValue::Text("the route's `upstream_timeout`"),
-        meaning: "how long a refetch may take to its response head",
+        meaning: "how long a refetch may take, its body included",
     },
     Setting {
         key: "route.idempotency.scope_jwt.header",

@@ -203,7 +203,10 @@ fn decisions_follow_the_record() {
     ));
     assert!(matches!(
         decide(existing(mine, RecordState::LeaseExpired), mine),
-        Decision::Unknown(crate::store::Probe::Unscheduled, crate::store::UnknownReason::LeaseExpired)
+        Decision::Unknown(
+            crate::store::Probe::Unscheduled,
+            crate::store::UnknownReason::LeaseExpired
+        )
     ));
     let next = crate::store::Probe::Next(Duration::from_secs(3));
     assert!(matches!(

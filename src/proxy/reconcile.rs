@@ -166,7 +166,7 @@ impl Proxy {
     }
 
     /// Schedules the probe of every record the last run of this process left unknown
-    /// or in flight (docs/design.md §17): with one process per store file, nobody
+    /// or in flight (docs/design.md §21): with one process per store file, nobody
     /// else will find them, and a client may never retry. A record in flight is probed
     /// once its lease is over; one whose probe needs the client's key is probed with
     /// the key its record kept.

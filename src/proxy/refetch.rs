@@ -26,13 +26,22 @@ impl Proxy {
         let Some(refetch) = &guarded.policy.refetch else {
             return Err(Rejection::ReplayUnavailable("the route has no refetch").into());
         };
-        let path = refetch.path.render(&guarded.upstream_key(), &guarded.record.operation_id());
+        let path = refetch
+            .path
+            .render(&guarded.upstream_key(), &guarded.record.operation_id());
         let mut request = Request::new(full(Bytes::new()));
         *request.method_mut() = refetch.method.clone();
-        *request.uri_mut() = path.parse().map_err(|_| Rejection::ReplayUnavailable("the refetch path does not make a URI"))?;
+        *request.uri_mut() = path
+            .parse()
+            .map_err(|_| Rejection::ReplayUnavailable("the refetch path does not make a URI"))?;
         let headers = request.headers_mut();
         headers.clone_from(&prepared.head().headers);
-        for name in [header::CONTENT_LENGTH, header::CONTENT_TYPE, header::TRANSFER_ENCODING, header::EXPECT] {
+        for name in [
+            header::CONTENT_LENGTH,
+            header::CONTENT_TYPE,
+            header::TRANSFER_ENCODING,
+            header::EXPECT,
+        ] {
             headers.remove(name);
         }
         upstream::prepare_request(&mut request, &guarded.route.config.upstream, &guarded.client)
@@ -51,12 +60,17 @@ impl Proxy {
             })?;
         let elapsed = clock.started.elapsed();
         if response.status().is_server_error() {
-            tracing::warn!(status = response.status().as_u16(), "the refetch of a completed operation got a 5xx; answering 503, nothing runs again");
+            tracing::warn!(
+                status = response.status().as_u16(),
+                "the refetch of a completed operation got a 5xx; answering 503, nothing runs again"
+            );
             return Err(Rejection::ReplayUnavailable("the upstream answered the refetch with a 5xx").into());
         }
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
-        parts.headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        parts
+            .headers
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
         let body = StreamedBody::new(None, body, clock.deadline, clock.timeout).boxed_unsync();
         Ok(Answer {
             response: Response::from_parts(parts, body),

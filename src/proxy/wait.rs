@@ -118,7 +118,6 @@ impl Proxy {
                 }
                 Ok(Decision::Replay(stored)) => {
                     tally.end(WaitEnd::Replayed);
-                    drop(watch);
                     return self.replay(guarded, &prepared, stored).await;
                 }
                 Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {

@@ -24,7 +24,7 @@ use ring::rand::{SecureRandom, SystemRandom};
 use ring::{hkdf, hmac};
 
 use super::{ClaimOutcome, ClaimRequest, Existing, Fingerprint, Probe, RecordState, StoreKey, StoredResponse};
-use super::{UnknownReason, Resolution};
+use super::{Resolution, UnknownReason};
 use crate::config::{Encryption, RecordKey};
 use crate::error::StoreError;
 use crate::record::{SEALED, decode_headers, encode_headers};
@@ -187,10 +187,15 @@ impl Sealer {
         let aad = associated(&cipher.id, response.status, key);
         let tag = cipher
             .aead
-            .seal_in_place_separate_tag(Nonce::assume_unique_for_key(nonce), Aad::from(&aad), &mut sealed[HEADER_LEN..])
+            .seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(&aad),
+                &mut sealed[HEADER_LEN..],
+            )
             .map_err(|_| StoreError::Unready("the record could not be sealed"))?;
         sealed.extend_from_slice(tag.as_ref());
-        let marker = HeaderValue::from_str(&cipher.id).map_err(|_| StoreError::Protocol("a key id is not a field value"))?;
+        let marker =
+            HeaderValue::from_str(&cipher.id).map_err(|_| StoreError::Protocol("a key id is not a field value"))?;
         Ok(StoredResponse {
             status: response.status,
             headers: vec![(SEALED, marker)],
@@ -211,7 +216,6 @@ impl Sealer {
         };
         open_with(cipher, key, stored).ok_or(Unreadable::Broken(id))
     }
-
 }
 
 /// The id of the key that sealed `stored`, if it is sealed. A response whose fields
@@ -234,7 +238,11 @@ fn open_with(cipher: &Cipher, key: &StoreKey, stored: StoredResponse) -> Option<
     let nonce = Nonce::try_assume_unique_for_key(&rest[..NONCE_LEN]).ok()?;
     let mut sealed = rest[NONCE_LEN..].to_vec();
     let aad = associated(&cipher.id, stored.status, key);
-    let plain_len = cipher.aead.open_in_place(nonce, Aad::from(&aad), &mut sealed).ok()?.len();
+    let plain_len = cipher
+        .aead
+        .open_in_place(nonce, Aad::from(&aad), &mut sealed)
+        .ok()?
+        .len();
     sealed.truncate(plain_len);
     let (length, rest) = sealed.split_first_chunk::<4>()?;
     let length = usize::try_from(u32::from_be_bytes(*length)).ok()?;
@@ -308,7 +316,11 @@ pub(super) fn opened(
 
 /// Opens `stored` with `sealer`, or finds it sealed with no sealer; counted and logged
 /// when it cannot be opened.
-pub(super) fn open(sealer: Option<&Sealer>, key: &StoreKey, stored: StoredResponse) -> Result<StoredResponse, Unreadable> {
+pub(super) fn open(
+    sealer: Option<&Sealer>,
+    key: &StoreKey,
+    stored: StoredResponse,
+) -> Result<StoredResponse, Unreadable> {
     let opened = match sealer {
         Some(sealer) => sealer.open(key, stored),
         None => match sealed_by(&stored) {
@@ -336,7 +348,11 @@ pub(super) fn sealed_claim(sealer: &Sealer, claim: &ClaimRequest) -> ClaimReques
 }
 
 /// A resolution as the store is sent it: an applied response sealed.
-pub(super) fn sealed_resolution(sealer: &Sealer, key: &StoreKey, resolution: &Resolution) -> Result<Resolution, StoreError> {
+pub(super) fn sealed_resolution(
+    sealer: &Sealer,
+    key: &StoreKey,
+    resolution: &Resolution,
+) -> Result<Resolution, StoreError> {
     Ok(match resolution {
         Resolution::Applied(response) => Resolution::Applied(sealer.seal(key, response)?),
         Resolution::NotApplied => Resolution::NotApplied,

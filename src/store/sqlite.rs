@@ -1,5 +1,5 @@
 //! The durable embedded store: every record in one SQLite file that this process owns
-//! (docs/design.md §17). The same lifecycle as the memory store and Redis, each step a
+//! (docs/design.md §21). The same lifecycle as the memory store and Redis, each step a
 //! compare-and-set in one transaction, and every write on disk before its caller
 //! hears of it: a claim before its request is forwarded, a response before it is
 //! sent. Writes go through one writer thread that commits whatever is waiting as one
@@ -828,18 +828,20 @@ impl RecordStore for SqliteStore {
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
-        self.read(|conn, now| match load(conn, key, true)?.filter(|row| row.expires_at > now) {
-            Some(Row {
-                state:
-                    RowState::Completed {
-                        status,
-                        headers,
-                        body: Body::Bytes(body),
-                    },
-                ..
-            }) => Ok(Some(response(status, &headers, body)?)),
-            _ => Ok(None),
-        })
+        self.read(
+            |conn, now| match load(conn, key, true)?.filter(|row| row.expires_at > now) {
+                Some(Row {
+                    state:
+                        RowState::Completed {
+                            status,
+                            headers,
+                            body: Body::Bytes(body),
+                        },
+                    ..
+                }) => Ok(Some(response(status, &headers, body)?)),
+                _ => Ok(None),
+            },
+        )
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {

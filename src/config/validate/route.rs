@@ -10,8 +10,8 @@ use toml::Spanned;
 
 use crate::config::raw::{RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt};
 use crate::config::{
-    FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Refetch, ReplayKind, Route,
-    ServerConfig, Upstream, UpstreamKey,
+    FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Refetch,
+    ReplayKind, Route, ServerConfig, Upstream, UpstreamKey,
 };
 use crate::error::ConfigError;
 use crate::jwt::{JwtVerifier, KeySource};
@@ -204,7 +204,9 @@ impl Validator<'_> {
             .filter(|name| !replay_exclude_headers.contains(name))
             .collect();
         let refetch = match (&raw.refetch, replay) {
-            (Some(refetch), ReplayKind::Refetch) => Some(self.refetch(index, refetch, upstream_timeout, raw.upstream_key)?),
+            (Some(refetch), ReplayKind::Refetch) => {
+                Some(self.refetch(index, refetch, upstream_timeout, raw.upstream_key)?)
+            }
             (None, ReplayKind::Refetch) => {
                 return Err(self.error(
                     raw.replay.span(),
@@ -213,11 +215,7 @@ impl Validator<'_> {
                 ));
             }
             (Some(refetch), _) => {
-                return Err(self.error(
-                    refetch.span(),
-                    field("refetch"),
-                    "only replay = \"refetch\" takes it",
-                ));
+                return Err(self.error(refetch.span(), field("refetch"), "only replay = \"refetch\" takes it"));
             }
             (None, _) => None,
         };

@@ -7,9 +7,9 @@ use toml::Spanned;
 
 use crate::config::raw::{BackendKind, RawEncryption, RawStore};
 use crate::config::{
-    Backend, ClientIdentity, Encryption, RecordKey, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
+    Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
     DEFAULT_SQLITE_CACHE_BYTES, DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS,
-    RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
+    Encryption, RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::tls::{self, TlsError};
@@ -131,7 +131,10 @@ impl Validator<'_> {
         }
         Ok(Encryption {
             key_env: raw.key_env.get_ref().clone(),
-            previous_keys_env: raw.previous_keys_env.as_ref().map(|variable| variable.get_ref().clone()),
+            previous_keys_env: raw
+                .previous_keys_env
+                .as_ref()
+                .map(|variable| variable.get_ref().clone()),
             current,
             previous,
         })

@@ -23,7 +23,10 @@ fn response() -> StoredResponse {
         status: StatusCode::CREATED,
         headers: vec![
             (header::CONTENT_TYPE, HeaderValue::from_static("application/json")),
-            (header::LOCATION, HeaderValue::from_static("/v1/payments/SECRET-LOCATION")),
+            (
+                header::LOCATION,
+                HeaderValue::from_static("/v1/payments/SECRET-LOCATION"),
+            ),
         ],
         body: Bytes::from_static(b"{\"card_token\":\"SECRET-TOKEN-4242\"}"),
         trace: Some(crate::record::ExecutionTrace {
@@ -44,7 +47,11 @@ fn a_sealed_record_holds_nothing_of_the_response_in_clear_and_opens_to_it() {
     let sealed = sealer.seal(&record, &response()).expect("seals");
     let stored = [sealed.body.as_ref(), &sealed.encode_headers()].concat();
     for secret in [&b"SECRET"[..], b"application/json", b"card_token", b"location"] {
-        assert!(!contains(&stored, secret), "{} in clear", String::from_utf8_lossy(secret));
+        assert!(
+            !contains(&stored, secret),
+            "{} in clear",
+            String::from_utf8_lossy(secret)
+        );
     }
     assert_eq!(sealed.status, StatusCode::CREATED, "the status stays clear");
     assert_eq!(sealed.trace, response().trace, "the trace stays clear");
@@ -85,14 +92,22 @@ fn a_sealed_value_opens_only_where_and_as_it_was_sealed() {
             body: flipped.into(),
             ..sealed.clone()
         };
-        assert_eq!(sealer.open(&record, altered), Err(Unreadable::Broken(id.clone())), "byte {at}");
+        assert_eq!(
+            sealer.open(&record, altered),
+            Err(Unreadable::Broken(id.clone())),
+            "byte {at}"
+        );
     }
     for cut in 0..sealed.body.len() {
         let truncated = StoredResponse {
             body: sealed.body.slice(..cut),
             ..sealed.clone()
         };
-        assert_eq!(sealer.open(&record, truncated), Err(Unreadable::Broken(id.clone())), "cut {cut}");
+        assert_eq!(
+            sealer.open(&record, truncated),
+            Err(Unreadable::Broken(id.clone())),
+            "cut {cut}"
+        );
     }
 }
 
@@ -103,7 +118,11 @@ fn rotation_opens_old_records_and_a_dropped_key_opens_none() {
     let rotated = sealer(2, &[1]);
     assert_eq!(rotated.open(&record, old.clone()), Ok(response()));
     let new = rotated.seal(&record, &response()).expect("seals");
-    assert_eq!(sealed_by(&new).as_deref(), Some(key(2).id()), "new records under the new key");
+    assert_eq!(
+        sealed_by(&new).as_deref(),
+        Some(key(2).id()),
+        "new records under the new key"
+    );
     let dropped = sealer(2, &[]);
     assert_eq!(
         dropped.open(&record, old),
@@ -121,7 +140,11 @@ fn a_sealed_record_found_without_keys_is_unreadable_and_a_clear_one_opens_as_it_
         Err(Unreadable::NoKeys(key(1).id().to_string()))
     );
     assert_eq!(open(None, &record, response()), Ok(response()));
-    assert_eq!(sealer(1, &[]).open(&record, response()), Ok(response()), "written before encryption was on");
+    assert_eq!(
+        sealer(1, &[]).open(&record, response()),
+        Ok(response()),
+        "written before encryption was on"
+    );
 }
 
 #[test]
@@ -132,14 +155,30 @@ fn a_fingerprint_is_kept_as_an_hmac_and_recognised_under_every_configured_key() 
     let kept = old.fingerprint(plain);
     assert_ne!(kept, plain, "never the plain digest");
     assert_ne!(kept, sealer(2, &[]).fingerprint(plain), "keyed");
-    assert_eq!(&kept.0[..4], &const_hex::decode_to_array::<_, 4>(key(1).id()).expect("hex")[..], "names its key");
+    assert_eq!(
+        &kept.0[..4],
+        &const_hex::decode_to_array::<_, 4>(key(1).id()).expect("hex")[..],
+        "names its key"
+    );
     let rotated = sealer(2, &[1]);
     assert_eq!(rotated.recognise(kept, plain), Recognised::Same, "under a previous key");
     assert_eq!(rotated.recognise(rotated.fingerprint(plain), plain), Recognised::Same);
-    assert_eq!(rotated.recognise(plain, plain), Recognised::Same, "a record from before encryption");
+    assert_eq!(
+        rotated.recognise(plain, plain),
+        Recognised::Same,
+        "a record from before encryption"
+    );
     assert_eq!(rotated.recognise(kept, other), Recognised::Other, "another request's");
-    assert_eq!(rotated.recognise(plain, other), Recognised::Unverifiable, "from before encryption, another's");
-    assert_eq!(sealer(3, &[]).recognise(kept, plain), Recognised::Unverifiable, "a dropped key's");
+    assert_eq!(
+        rotated.recognise(plain, other),
+        Recognised::Unverifiable,
+        "from before encryption, another's"
+    );
+    assert_eq!(
+        sealer(3, &[]).recognise(kept, plain),
+        Recognised::Unverifiable,
+        "a dropped key's"
+    );
 }
 
 #[test]
@@ -153,7 +192,10 @@ fn key_ids_name_keys_and_reveal_nothing_of_them() {
     let text = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
     assert_eq!(RecordKey::from_base64(&text), Some(key(1)));
     assert_eq!(RecordKey::from_base64(text.trim_end_matches('=')), Some(key(1)));
-    assert_eq!(RecordKey::from_base64(&base64::engine::general_purpose::STANDARD.encode([1u8; 31])), None);
+    assert_eq!(
+        RecordKey::from_base64(&base64::engine::general_purpose::STANDARD.encode([1u8; 31])),
+        None
+    );
     assert_eq!(RecordKey::from_base64("not base64!"), None);
 }
 
@@ -185,11 +227,17 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
     let read = |sealer: Option<&Sealer>, outcome| opened(sealer, &record, plain, outcome);
     // Sealed and fingerprinted under the current key: replayed, opened.
     assert_eq!(
-        read(Some(&current), existing(current.fingerprint(plain), completed(&current))),
+        read(
+            Some(&current),
+            existing(current.fingerprint(plain), completed(&current))
+        ),
         existing(plain, RecordState::Completed(response()))
     );
     // Another request's, under the current key: left to `decide` to refuse (422).
-    match read(Some(&current), existing(current.fingerprint(other), completed(&current))) {
+    match read(
+        Some(&current),
+        existing(current.fingerprint(other), completed(&current)),
+    ) {
         ClaimOutcome::Existing(Existing { fingerprint, .. }) => {
             assert_eq!(fingerprint, current.fingerprint(other), "left as stored");
         }
@@ -198,7 +246,12 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
     // Under a dropped key: unreadable, whoever asks.
     for asked in [plain, other] {
         assert_eq!(
-            opened(Some(&current), &record, asked, existing(old.fingerprint(plain), completed(&old))),
+            opened(
+                Some(&current),
+                &record,
+                asked,
+                existing(old.fingerprint(plain), completed(&old))
+            ),
             existing(asked, unreadable.clone())
         );
     }
@@ -209,7 +262,12 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
     );
     // Written before encryption, another request's: still another's.
     assert_eq!(
-        opened(Some(&current), &record, other, existing(plain, RecordState::Completed(response()))),
+        opened(
+            Some(&current),
+            &record,
+            other,
+            existing(plain, RecordState::Completed(response()))
+        ),
         existing(plain, RecordState::Completed(response()))
     );
     // Unknown under a dropped key: still unknown, answered as the asker's (409).
@@ -218,9 +276,17 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         probe: Probe::Next(std::time::Duration::ZERO),
     };
     assert_eq!(
-        opened(Some(&current), &record, other, existing(old.fingerprint(plain), unknown.clone())),
+        opened(
+            Some(&current),
+            &record,
+            other,
+            existing(old.fingerprint(plain), unknown.clone())
+        ),
         existing(other, unknown)
     );
     // Sealed, and no keys at all: unreadable.
-    assert_eq!(read(None, existing(plain, completed(&current))), existing(plain, unreadable));
+    assert_eq!(
+        read(None, existing(plain, completed(&current))),
+        existing(plain, unreadable)
+    );
 }
