@@ -649,14 +649,20 @@ impl AnyStore {
 
 impl RecordStore for AnyStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let outcome = match self.sealer() {
-            None => delegate!(self, store => store.claim(claim))?,
+        let (outcome, sent) = match self.sealer() {
+            None => (delegate!(self, store => store.claim(claim))?, claim.fingerprint),
             Some(sealer) => {
                 let sealed = sealed::sealed_claim(sealer, claim);
-                delegate!(self, store => store.claim(&sealed))?
+                (delegate!(self, store => store.claim(&sealed))?, sealed.fingerprint)
             }
         };
-        Ok(sealed::opened(self.sealer(), &claim.key, claim.fingerprint, outcome))
+        Ok(sealed::opened(
+            self.sealer(),
+            &claim.key,
+            claim.fingerprint,
+            sent,
+            outcome,
+        ))
     }
 
     async fn complete(

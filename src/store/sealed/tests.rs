@@ -224,7 +224,8 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         reason: UnknownReason::Unreadable,
         probe: Probe::GaveUp,
     };
-    let read = |sealer: Option<&Sealer>, outcome| opened(sealer, &record, plain, outcome);
+    let sent = |sealer: Option<&Sealer>, asked: Fingerprint| sealer.map_or(asked, |sealer| sealer.fingerprint(asked));
+    let read = |sealer: Option<&Sealer>, outcome| opened(sealer, &record, plain, sent(sealer, plain), outcome);
     // Sealed and fingerprinted under the current key: replayed, opened.
     assert_eq!(
         read(
@@ -250,6 +251,7 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
                 Some(&current),
                 &record,
                 asked,
+                sent(Some(&current), asked),
                 existing(old.fingerprint(plain), completed(&old))
             ),
             existing(asked, unreadable.clone())
@@ -266,6 +268,7 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
             Some(&current),
             &record,
             other,
+            sent(Some(&current), other),
             existing(plain, RecordState::Completed(response()))
         ),
         existing(plain, RecordState::Completed(response()))
@@ -280,6 +283,7 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
             Some(&current),
             &record,
             other,
+            sent(Some(&current), other),
             existing(old.fingerprint(plain), unknown.clone())
         ),
         existing(other, unknown)
