@@ -270,11 +270,14 @@ pub(super) fn opened(
     let ClaimOutcome::Existing(Existing { fingerprint, state }) = outcome else {
         return outcome;
     };
-    let recognised = match sealer {
-        Some(_) if fingerprint == sent => Recognised::Same,
-        Some(sealer) => sealer.recognise(fingerprint, plain),
-        None if fingerprint == plain => Recognised::Same,
-        None => Recognised::Other,
+    let recognised = match (sealer, &state) {
+        (Some(_), _) if fingerprint == sent => Recognised::Same,
+        (Some(sealer), _) => sealer.recognise(fingerprint, plain),
+        (None, _) if fingerprint == plain => Recognised::Same,
+        // Sealed, with encryption since turned off: its fingerprint is an HMAC that
+        // cannot be checked.
+        (None, RecordState::Completed(stored)) if sealed_by(stored).is_some() => Recognised::Unverifiable,
+        (None, _) => Recognised::Other,
     };
     let unreadable = || RecordState::Unknown {
         reason: UnknownReason::Unreadable,

@@ -288,6 +288,28 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         ),
         existing(other, unknown)
     );
+    // Sealed, then encryption turned off: unreadable for whoever asks, never 422.
+    assert_eq!(
+        opened(
+            None,
+            &record,
+            other,
+            other,
+            existing(current.fingerprint(plain), completed(&current))
+        ),
+        existing(other, unreadable.clone())
+    );
+    // In clear, no keys, another request's: left to `decide` (422), as before.
+    match opened(
+        None,
+        &record,
+        other,
+        other,
+        existing(plain, RecordState::Completed(response())),
+    ) {
+        ClaimOutcome::Existing(Existing { fingerprint, .. }) => assert_eq!(fingerprint, plain),
+        acquired => panic!("{acquired:?}"),
+    }
     // Sealed, and no keys at all: unreadable.
     assert_eq!(
         read(None, existing(plain, completed(&current))),
