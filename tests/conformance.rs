@@ -223,37 +223,16 @@ impl<S: RecordStore> Subject<S> {
     }
 }
 
-/// The memory store, on Tokio's paused clock.
-struct Memory(Subject<MemoryStore>);
+/// The memory store, on Tokio's paused clock: on its own, or as `AnyStore` behind
+/// `[store.encryption]` (docs/design.md §20), every response sealed on the way in and
+/// opened on the way out, every fingerprint an HMAC, which the model must not observe.
+struct Memory<S = MemoryStore>(Subject<S>);
 
 /// The memory store's lease: short, so that a few lease expiries never reach the
 /// retention.
 const MEMORY_LEASE: Duration = Duration::from_secs(1);
 
-impl Driver for Memory {
-    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
-        self.0.apply(owner, op, MEMORY_LEASE).await
-    }
-
-    async fn expire_lease(&mut self) {
-        tokio::time::advance(MEMORY_LEASE).await;
-    }
-
-    async fn expire_retention(&mut self) {
-        tokio::time::advance(RETENTION).await;
-    }
-
-    async fn check(&mut self, _: Record) -> Result<(), String> {
-        Ok(())
-    }
-}
-
-/// The memory store behind `[store.encryption]` (docs/design.md §20): every response
-/// sealed on the way in and opened on the way out, every fingerprint an HMAC. What
-/// the model observes must not change.
-struct SealedMemory(Subject<AnyStore>);
-
-impl Driver for SealedMemory {
+impl<S: RecordStore> Driver for Memory<S> {
     async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
         self.0.apply(owner, op, MEMORY_LEASE).await
     }
@@ -582,7 +561,7 @@ fn the_memory_store_with_sealed_records_conforms_to_the_model() {
         let store = AnyStore::from(MemoryStore::new(1000, usize::MAX)).sealed(Some(sealer.clone()));
         let mut subject = Subject::new(store, key(n));
         subject.sealer = Some(sealer.clone());
-        SealedMemory(subject)
+        Memory(subject)
     });
     println!(
         "conformance (memory, sealed): model traces from {states} states: {} traces, {} steps; {} random sequences; \

@@ -95,11 +95,24 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
         ChildProxy::start(&config).await,
         ChildProxy::start(&config).await,
     ];
+    faultless_storm(&proxies, "storm", 20, &upstream, &redis).await;
+}
+
+/// A storm of 1,000 keys with `duplicates` each through `proxies`, with no fault:
+/// every key runs exactly once and ends in a success, and the history is clean.
+/// `name` prefixes the storm's keys, so it is a valid key itself.
+async fn faultless_storm(
+    proxies: &[ChildProxy],
+    name: &'static str,
+    duplicates: usize,
+    upstream: &Upstream,
+    redis: &RedisServer,
+) {
     let storm = Storm {
-        name: "storm",
+        name,
         targets: proxies.iter().map(|p| p.addr).collect(),
         logical: 1000,
-        duplicates: 20,
+        duplicates,
         concurrency: 96,
         jitter_ms: 50,
     };
@@ -107,17 +120,21 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
     storm.run(&run).await;
     let liveness = storm.settle(&run).await;
     let report = storm.check(&run, &upstream.log(), &redis.dump_ttls(), RETENTION, vec![]);
-    println!("storm: {} ops in {:.1?}", storm.total(), run.started.elapsed());
-    report.assert_clean("storm 3 processes, 1000 keys x 20");
+    println!("{name}: {} ops in {:.1?}", storm.total(), run.started.elapsed());
+    let scenario = format!("{name}: {} processes, 1000 keys x {duplicates}", proxies.len());
+    report.assert_clean(&scenario);
     // Nothing fails here, so every key must end in a success.
-    liveness.assert_live("storm 3 processes", 1.0);
+    liveness.assert_live(&scenario, 1.0);
     assert_eq!(report.ops, storm.total() + storm.logical);
     assert_eq!(report.max_executions_per_key, 1);
     assert_eq!(
         report.executions, storm.logical,
         "every logical operation ran exactly once"
     );
-    assert_eq!(report.unknown, 0);
+    assert_eq!(
+        report.unknown, 0,
+        "no key ended unknown (a sealed one: none was unreadable)"
+    );
 }
 
 /// The same storm with sealed records (docs/design.md §20), in the middle of a
@@ -141,27 +158,7 @@ async fn a_sealed_storm_across_a_rolling_key_rotation_runs_each_key_once() {
         ChildProxy::start(&sealed(2, 1)).await,
         ChildProxy::start(&sealed(1, 2)).await,
     ];
-    let storm = Storm {
-        name: "sealed",
-        targets: proxies.iter().map(|p| p.addr).collect(),
-        logical: 1000,
-        duplicates: 10,
-        concurrency: 96,
-        jitter_ms: 50,
-    };
-    let run = storm.start();
-    storm.run(&run).await;
-    let liveness = storm.settle(&run).await;
-    let report = storm.check(&run, &upstream.log(), &redis.dump_ttls(), RETENTION, vec![]);
-    println!("sealed storm: {} ops in {:.1?}", storm.total(), run.started.elapsed());
-    report.assert_clean("sealed storm 3 processes mid-rotation, 1000 keys x 10");
-    liveness.assert_live("sealed storm", 1.0);
-    assert_eq!(report.max_executions_per_key, 1);
-    assert_eq!(
-        report.executions, storm.logical,
-        "every logical operation ran exactly once"
-    );
-    assert_eq!(report.unknown, 0, "no record was unreadable");
+    faultless_storm(&proxies, "sealed-rotation", 10, &upstream, &redis).await;
     for proxy in &proxies {
         let unreadable = support::client::metric(proxy.admin, "idemproxy_records_unreadable_total").await;
         assert_eq!(unreadable, Some(0.0));

@@ -94,6 +94,16 @@ fn every_redis_value(redis: &RedisServer) -> Vec<Vec<u8>> {
     }
 }
 
+/// A proxy on a redis-server of its own, sealing with key 1 if `encrypted`.
+async fn on_redis(encrypted: bool) -> (RedisServer, Upstream, ChildProxy) {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let plain = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
+    let config = if encrypted { sealed(plain, 1, &[]) } else { plain };
+    let proxy = ChildProxy::start(&config).await;
+    (redis, upstream, proxy)
+}
+
 fn assert_replays(first: &TestResponse, retry: &TestResponse) {
     assert_eq!(retry.status, first.status, "{retry:?}");
     assert!(retry.replayed(), "{retry:?}");
@@ -106,11 +116,7 @@ fn assert_replays(first: &TestResponse, retry: &TestResponse) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_of_a_response_is_readable_in_redis_and_every_replay_gets_it() {
     for encrypted in [false, true] {
-        let redis = RedisServer::start();
-        let upstream = Upstream::start().await;
-        let plain = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
-        let config = if encrypted { sealed(plain, 1, &[]) } else { plain };
-        let proxy = ChildProxy::start(&config).await;
+        let (redis, upstream, proxy) = on_redis(encrypted).await;
         let key = format!("{MARKER}-order-1");
         let first = pay(&proxy, &key, &[]).await;
         assert_eq!(first.status, 201, "{first:?}");
@@ -252,11 +258,7 @@ fn assert_unreadable(retry: &TestResponse) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_altered_in_the_store_is_unreadable_and_never_run_again() {
     for encrypted in [false, true] {
-        let redis = RedisServer::start();
-        let upstream = Upstream::start().await;
-        let plain = TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url());
-        let config = if encrypted { sealed(plain, 1, &[]) } else { plain };
-        let proxy = ChildProxy::start(&config).await;
+        let (redis, upstream, proxy) = on_redis(encrypted).await;
         let first = pay(&proxy, "order-flip", &[]).await;
         assert_eq!(first.status, 201, "{first:?}");
         let mut connection = redis.connection();
@@ -423,7 +425,7 @@ async fn show(proxy: &ChildProxy, key: &str, body: bool) -> Value {
 async fn the_records_api_shows_metadata_and_the_body_only_when_asked() {
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
-    let (plain, token) = with_records_api(TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url()));
+    let (plain, _token) = with_records_api(TestConfig::new(StoreKind::Redis(redis.url()), &upstream.url()));
     let config = sealed(plain, 1, &[]);
     let proxy = ChildProxy::start(&config).await;
     let first = pay(&proxy, "order-shown", &[]).await;
@@ -452,7 +454,6 @@ async fn the_records_api_shows_metadata_and_the_body_only_when_asked() {
     let config_text = std::fs::read_to_string(file.path())
         .expect("read")
         .replace("127.0.0.1:0", &proxy.admin.to_string());
-    let _ = token;
     std::fs::write(file.path(), config_text).expect("write");
     let cli = |extra: &[&str]| {
         let output = support::proxy::binary_command(&[])

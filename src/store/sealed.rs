@@ -114,6 +114,9 @@ pub enum Unreadable {
     Broken(String),
     /// Sealed, and no key is configured at all.
     NoKeys(String),
+    /// Opens, but its fingerprint names a key that is not configured: which request
+    /// made it cannot be told.
+    UncheckedFingerprint,
 }
 
 impl std::fmt::Display for Unreadable {
@@ -122,6 +125,7 @@ impl std::fmt::Display for Unreadable {
             Unreadable::UnknownKey(id) => write!(f, "sealed under key {id}, which is not configured"),
             Unreadable::Broken(id) => write!(f, "sealed under key {id}, and does not open (altered or truncated)"),
             Unreadable::NoKeys(id) => write!(f, "sealed under key {id}, and [store.encryption] is not configured"),
+            Unreadable::UncheckedFingerprint => f.write_str("its fingerprint names a key that is not configured"),
         }
     }
 }
@@ -289,33 +293,32 @@ pub(super) fn opened(
     // encryption was on. Any other state refuses whoever asks alike (409), so it is
     // answered as the same request's.
     let (fingerprint, state) = match (recognised, state) {
-        // Refused by `decide` whatever it holds; opened all the same, so that a store
-        // never hands out a sealed response.
-        (Recognised::Other, RecordState::Completed(stored)) => match open(sealer, key, stored) {
-            Ok(response) => (fingerprint, RecordState::Completed(response)),
-            Err(_) => (fingerprint, unreadable()),
-        },
-        (Recognised::Other, state) => (fingerprint, state),
-        (Recognised::Same, RecordState::Completed(stored)) => match open(sealer, key, stored) {
-            Ok(response) => (plain, RecordState::Completed(response)),
-            Err(_) => (plain, unreadable()),
-        },
-        (Recognised::Unverifiable, RecordState::Completed(stored)) => match sealed_by(&stored) {
-            None => (fingerprint, RecordState::Completed(stored)),
-            Some(_) => match open(sealer, key, stored) {
-                // Opened, yet its fingerprint names a dropped key (resolved by a
-                // process with another key): which request made it is unknown.
-                Ok(_) => {
-                    UNREADABLE.inc();
-                    tracing::error!(
-                        record = key.short_hash(),
-                        "a recorded response's fingerprint names a key that is not configured: retries get 409 outcome-unknown (unreadable) until an operator purges it"
-                    );
-                    (plain, unreadable())
+        (Recognised::Unverifiable, RecordState::Completed(stored)) if sealed_by(&stored).is_none() => {
+            (fingerprint, RecordState::Completed(stored))
+        }
+        // Another request's is refused by `decide` whatever it holds, and opened all
+        // the same, so that a store never hands out a sealed response.
+        (recognised, RecordState::Completed(stored)) => {
+            let shown = if recognised == Recognised::Other {
+                fingerprint
+            } else {
+                plain
+            };
+            let opened = open_quietly(sealer, key, stored).and_then(|response| match recognised {
+                // Opened, yet its fingerprint names a key not configured (resolved by
+                // a process with another key): which request made it is unknown.
+                Recognised::Unverifiable => Err(Unreadable::UncheckedFingerprint),
+                Recognised::Same | Recognised::Other => Ok(response),
+            });
+            match opened {
+                Ok(response) => (shown, RecordState::Completed(response)),
+                Err(why) => {
+                    reported(key, &why);
+                    (shown, unreadable())
                 }
-                Err(_) => (plain, unreadable()),
-            },
-        },
+            }
+        }
+        (Recognised::Other, state) => (fingerprint, state),
         (Recognised::Same | Recognised::Unverifiable, state) => (plain, state),
     };
     ClaimOutcome::Existing(Existing { fingerprint, state })
@@ -328,23 +331,32 @@ pub(super) fn open(
     key: &StoreKey,
     stored: StoredResponse,
 ) -> Result<StoredResponse, Unreadable> {
-    let opened = match sealer {
+    let opened = open_quietly(sealer, key, stored);
+    if let Err(why) = &opened {
+        reported(key, why);
+    }
+    opened
+}
+
+fn open_quietly(sealer: Option<&Sealer>, key: &StoreKey, stored: StoredResponse) -> Result<StoredResponse, Unreadable> {
+    match sealer {
         Some(sealer) => sealer.open(key, stored),
         None => match sealed_by(&stored) {
             Some(id) => Err(Unreadable::NoKeys(id)),
             None => Ok(stored),
         },
-    };
-    // Counted and logged: such a record is never run again, and waits for an operator.
-    if let Err(why) = &opened {
-        UNREADABLE.inc();
-        tracing::error!(
-            record = key.short_hash(),
-            reason = %why,
-            "a recorded response cannot be opened: retries get 409 outcome-unknown (unreadable) until an operator purges it"
-        );
     }
-    opened
+}
+
+/// Counts and logs a record that cannot be read: it is never run again, and waits for
+/// an operator.
+fn reported(key: &StoreKey, why: &Unreadable) {
+    UNREADABLE.inc();
+    tracing::error!(
+        record = key.short_hash(),
+        reason = %why,
+        "a recorded response cannot be opened: retries get 409 outcome-unknown (unreadable) until an operator purges it"
+    );
 }
 
 /// The claim as the store is sent it: its fingerprint an HMAC under the current key.

@@ -8,7 +8,9 @@ use std::time::Duration;
 use http::Method;
 use toml::Spanned;
 
-use crate::config::raw::{RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt};
+use crate::config::raw::{
+    HumanDuration, RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt,
+};
 use crate::config::{
     FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Refetch,
     ReplayKind, Route, ServerConfig, Upstream, UpstreamKey,
@@ -255,33 +257,59 @@ impl Validator<'_> {
     ) -> Result<Refetch, ConfigError> {
         let field = |name: &str| format!("route[{index}].idempotency.refetch.{name}");
         let raw = raw.get_ref();
-        let method = match raw.method.get_ref().to_ascii_uppercase().as_str() {
+        let never = "a refetch must never run the operation again";
+        let (method, path) = self.lookup(&raw.method, &raw.path, upstream_key, &field, never)?;
+        let timeout = self.lookup_timeout(raw.timeout.as_ref(), upstream_timeout, &field)?;
+        Ok(Refetch { method, path, timeout })
+    }
+
+    /// A read-only request to the route's upstream about one record (a probe's or a
+    /// refetch's): `GET` or `HEAD` (`never` says why nothing else), and a path whose
+    /// `{key}` the upstream is sent.
+    fn lookup(
+        &self,
+        method: &Spanned<String>,
+        path: &Spanned<String>,
+        upstream_key: UpstreamKey,
+        field: &dyn Fn(&str) -> String,
+        never: &str,
+    ) -> Result<(Method, ProbePath), ConfigError> {
+        let method = match method.get_ref().to_ascii_uppercase().as_str() {
             "GET" => Method::GET,
             "HEAD" => Method::HEAD,
             other => {
                 return Err(self.error(
-                    raw.method.span(),
+                    method.span(),
                     field("method"),
-                    format!("{other:?} is not GET or HEAD: a refetch must never run the operation again"),
+                    format!("{other:?} is not GET or HEAD: {never}"),
                 ));
             }
         };
-        let path = self.probe_path(&raw.path, field("path"))?;
-        if path.names_key() && upstream_key == UpstreamKey::None {
+        let parsed = self.probe_path(path, field("path"))?;
+        if parsed.names_key() && upstream_key == UpstreamKey::None {
             return Err(self.error(
-                raw.path.span(),
+                path.span(),
                 field("path"),
                 "names {key}, but upstream_key = \"none\" sends the upstream no key to look up; use {record} with upstream_key = \"derived\", or forward a key",
             ));
         }
-        let timeout = match &raw.timeout {
-            None => upstream_timeout,
+        Ok((method, parsed))
+    }
+
+    /// A lookup's `timeout`: greater than 0, the route's `upstream_timeout` if not given.
+    fn lookup_timeout(
+        &self,
+        timeout: Option<&Spanned<HumanDuration>>,
+        upstream_timeout: Duration,
+        field: &dyn Fn(&str) -> String,
+    ) -> Result<Duration, ConfigError> {
+        match timeout {
+            None => Ok(upstream_timeout),
             Some(timeout) if timeout.get_ref().0.is_zero() => {
-                return Err(self.error(timeout.span(), field("timeout"), "must be greater than 0"));
+                Err(self.error(timeout.span(), field("timeout"), "must be greater than 0"))
             }
-            Some(timeout) => timeout.get_ref().0,
-        };
-        Ok(Refetch { method, path, timeout })
+            Some(timeout) => Ok(timeout.get_ref().0),
+        }
     }
 
     /// `[route.idempotency.reconcile]`: a read-only method, a path whose only
@@ -298,25 +326,8 @@ impl Validator<'_> {
         let field = |name: &str| format!("route[{index}].idempotency.reconcile.{name}");
         let span = raw.span();
         let raw = raw.get_ref();
-        let method = match raw.method.get_ref().to_ascii_uppercase().as_str() {
-            "GET" => Method::GET,
-            "HEAD" => Method::HEAD,
-            other => {
-                return Err(self.error(
-                    raw.method.span(),
-                    field("method"),
-                    format!("{other:?} is not GET or HEAD: a probe must never run the operation it asks about"),
-                ));
-            }
-        };
-        let path = self.probe_path(&raw.path, field("path"))?;
-        if path.names_key() && upstream_key == UpstreamKey::None {
-            return Err(self.error(
-                raw.path.span(),
-                field("path"),
-                "names {key}, but upstream_key = \"none\" sends the upstream no key to look up; use {record} with upstream_key = \"derived\", or forward a key",
-            ));
-        }
+        let never = "a probe must never run the operation it asks about";
+        let (method, path) = self.lookup(&raw.method, &raw.path, upstream_key, &field, never)?;
         // Two tenants may send the same key: the upstream, asked by the client's key
         // alone (a probe carries no credentials), could answer about the other's
         // operation, and that answer would be recorded and replayed to this one.
@@ -376,13 +387,7 @@ impl Validator<'_> {
                 ),
             ));
         }
-        let timeout = match &raw.timeout {
-            None => upstream_timeout,
-            Some(timeout) if timeout.get_ref().0.is_zero() => {
-                return Err(self.error(timeout.span(), field("timeout"), "must be greater than 0"));
-            }
-            Some(timeout) => timeout.get_ref().0,
-        };
+        let timeout = self.lookup_timeout(raw.timeout.as_ref(), upstream_timeout, &field)?;
         let max_concurrent = *raw.max_concurrent.get_ref();
         if max_concurrent == 0 {
             return Err(self.error(raw.max_concurrent.span(), field("max_concurrent"), "must be at least 1"));

@@ -225,7 +225,11 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         probe: Probe::GaveUp,
     };
     let sent = |sealer: Option<&Sealer>, asked: Fingerprint| sealer.map_or(asked, |sealer| sealer.fingerprint(asked));
-    let read = |sealer: Option<&Sealer>, outcome| opened(sealer, &record, plain, sent(sealer, plain), outcome);
+    // What a claim by a request with `asked` reads, sent as a sealer sends it.
+    let asked = |sealer: Option<&Sealer>, asked: Fingerprint, outcome| {
+        opened(sealer, &record, asked, sent(sealer, asked), outcome)
+    };
+    let read = |sealer: Option<&Sealer>, outcome| asked(sealer, plain, outcome);
     // Sealed and fingerprinted under the current key: replayed, opened.
     assert_eq!(
         read(
@@ -245,16 +249,10 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         acquired => panic!("{acquired:?}"),
     }
     // Under a dropped key: unreadable, whoever asks.
-    for asked in [plain, other] {
+    for who in [plain, other] {
         assert_eq!(
-            opened(
-                Some(&current),
-                &record,
-                asked,
-                sent(Some(&current), asked),
-                existing(old.fingerprint(plain), completed(&old))
-            ),
-            existing(asked, unreadable.clone())
+            asked(Some(&current), who, existing(old.fingerprint(plain), completed(&old))),
+            existing(who, unreadable.clone())
         );
     }
     // Fingerprinted under a dropped key, sealed under the current one: unreadable too.
@@ -264,11 +262,9 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
     );
     // Written before encryption, another request's: still another's.
     assert_eq!(
-        opened(
+        asked(
             Some(&current),
-            &record,
             other,
-            sent(Some(&current), other),
             existing(plain, RecordState::Completed(response()))
         ),
         existing(plain, RecordState::Completed(response()))
@@ -279,34 +275,16 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         probe: Probe::Next(std::time::Duration::ZERO),
     };
     assert_eq!(
-        opened(
-            Some(&current),
-            &record,
-            other,
-            sent(Some(&current), other),
-            existing(old.fingerprint(plain), unknown.clone())
-        ),
+        asked(Some(&current), other, existing(old.fingerprint(plain), unknown.clone())),
         existing(other, unknown)
     );
     // Sealed, then encryption turned off: unreadable for whoever asks, never 422.
     assert_eq!(
-        opened(
-            None,
-            &record,
-            other,
-            other,
-            existing(current.fingerprint(plain), completed(&current))
-        ),
+        asked(None, other, existing(current.fingerprint(plain), completed(&current))),
         existing(other, unreadable.clone())
     );
     // In clear, no keys, another request's: left to `decide` (422), as before.
-    match opened(
-        None,
-        &record,
-        other,
-        other,
-        existing(plain, RecordState::Completed(response())),
-    ) {
+    match asked(None, other, existing(plain, RecordState::Completed(response()))) {
         ClaimOutcome::Existing(Existing { fingerprint, .. }) => assert_eq!(fingerprint, plain),
         acquired => panic!("{acquired:?}"),
     }
