@@ -219,6 +219,94 @@ pub enum Backend {
     /// A SQLite file this process owns: every record survives a restart.
     Sqlite(SqliteConfig),
     Redis(RedisConfig),
+    /// A Postgres schema that every instance on the database shares (docs/design.md §22).
+    Postgres(PostgresConfig),
+}
+
+/// The Postgres store: where it is, how it connects and what it may hold per tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresConfig {
+    /// A libpq-style URL (`postgres://user@host:5432/db?sslmode=require`, several hosts
+    /// with `target_session_attrs=read-write`); a password in it is kept, never shown.
+    pub url: String,
+    /// The password read from `password_env` at load.
+    pub password: Option<Secret>,
+    pub password_env: Option<String>,
+    /// The schema the tables and functions live in: `[a-z_][a-z0-9_]*`, at most 48.
+    pub schema: String,
+    /// Create or upgrade the schema at start (else only check its version).
+    pub migrate: bool,
+    /// Connections each worker keeps (a pool; each statement takes one).
+    pub connections: usize,
+    /// What a TLS connection trusts and presents (`sslmode` in the URL says when).
+    pub tls: Option<StoreTls>,
+    /// More than 0: a claim commits only with this many synchronous standbys
+    /// streaming, and every commit waits for them to apply it (`remote_apply`).
+    pub min_replica_acks: u32,
+    /// The live records one scope may hold; its new keys then get 429 `scope-full`.
+    pub max_records_per_scope: usize,
+}
+
+impl PostgresConfig {
+    /// The store at `url` with every other setting at its default.
+    pub fn at(url: &str) -> PostgresConfig {
+        PostgresConfig {
+            url: url.to_string(),
+            password: None,
+            password_env: None,
+            schema: "idemproxy".to_string(),
+            migrate: true,
+            connections: DEFAULT_POSTGRES_CONNECTIONS,
+            tls: None,
+            min_replica_acks: 0,
+            max_records_per_scope: DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE,
+        }
+    }
+
+    /// Where the store is, as `check` and the logs show it: user, hosts, ports and
+    /// database, never a password.
+    pub fn shown(&self) -> String {
+        match self.url.parse::<tokio_postgres::Config>() {
+            Err(_) => "an unreadable URL".to_string(),
+            Ok(pg) => {
+                let hosts: Vec<String> = pg
+                    .get_hosts()
+                    .iter()
+                    .zip(pg.get_ports().iter().chain(std::iter::repeat(&5432)))
+                    .map(|(host, port)| match host {
+                        tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                        tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
+                    })
+                    .collect();
+                format!(
+                    "postgres://{}@{}/{}",
+                    pg.get_user().unwrap_or("(the system user)"),
+                    hosts.join(","),
+                    pg.get_dbname().unwrap_or("(the user's database)")
+                )
+            }
+        }
+    }
+}
+
+/// A secret read from the environment: compared and used, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: String) -> Secret {
+        Secret(value)
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(..)")
+    }
 }
 
 /// What an embedded store (memory or SQLite) may hold, in all and per client.
@@ -295,6 +383,7 @@ impl Backend {
             Backend::Memory(_) => "memory",
             Backend::Sqlite(_) => "sqlite",
             Backend::Redis(redis) => redis.topology.name(),
+            Backend::Postgres(_) => "postgres",
         }
     }
 }
@@ -743,6 +832,13 @@ pub const DEFAULT_MAX_WAITERS: usize = 10_000;
 /// The memory store's byte bound when `store.max_bytes` is not set: 256 MiB.
 pub const DEFAULT_MAX_BYTES: usize = 256 * 1024 * 1024;
 
+/// The live records one scope may hold on the Postgres store when
+/// `store.max_records_per_scope` is not set.
+pub const DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE: usize = 1_000_000;
+
+/// Connections each worker keeps to a Postgres store when `store.connections` is not set.
+pub const DEFAULT_POSTGRES_CONNECTIONS: usize = 4;
+
 /// Connections each worker keeps to a Redis store when `store.connections` is not set.
 pub const DEFAULT_STORE_CONNECTIONS: usize = 1;
 
@@ -806,6 +902,7 @@ impl std::fmt::Display for Config {
                 unit(sqlite.cache_bytes as u64),
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
+            Backend::Postgres(postgres) => writeln!(f, "store  {postgres}")?,
         }
         match &self.store.encryption {
             None => writeln!(
@@ -925,6 +1022,52 @@ impl std::fmt::Display for RedisConfig {
                 f,
                 "; a claim waits for {acks} replica acknowledgement(s) within {}",
                 humantime::format_duration(self.replica_ack_timeout)
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for PostgresConfig {
+    /// The store as `idemproxy check` prints it: never the password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "postgres {} schema {}", self.shown(), self.schema)?;
+        let in_url = self
+            .url
+            .parse::<tokio_postgres::Config>()
+            .is_ok_and(|pg| pg.get_password().is_some());
+        match (&self.password_env, in_url) {
+            (Some(variable), _) => write!(f, "; password from ${variable}")?,
+            (None, true) => write!(f, "; password in the URL")?,
+            (None, false) => {}
+        }
+        write!(
+            f,
+            "; {}",
+            if self.migrate {
+                "creates or upgrades its schema at start"
+            } else {
+                "its schema applied by hand (migrate = false)"
+            }
+        )?;
+        write!(f, "; {} connection(s) per worker", self.connections)?;
+        if let Some(tls) = &self.tls {
+            write!(
+                f,
+                "; TLS trusting {}",
+                tls.ca_file
+                    .as_ref()
+                    .map_or_else(|| "the webpki roots".to_string(), |ca| ca.display().to_string())
+            )?;
+            if let Some(client) = &tls.client {
+                write!(f, ", client certificate {}", client.cert_file.display())?;
+            }
+        }
+        write!(f, "; at most {} live records per scope", self.max_records_per_scope)?;
+        match self.min_replica_acks {
+            0 => write!(f, "; claims are not standby-acknowledged"),
+            acks => write!(
+                f,
+                "; a claim needs {acks} synchronous standby(s) and every commit waits for them to apply it (synchronous_commit = remote_apply)"
             ),
         }
     }

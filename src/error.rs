@@ -85,6 +85,9 @@ pub enum StoreError {
     /// The SQLite store's file cannot be used: at start, before anything is served.
     #[error(transparent)]
     File(#[from] StoreFileError),
+    /// The Postgres store refused a statement, failed it, or cannot be reached.
+    #[error(transparent)]
+    Postgres(PostgresError),
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
     /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
@@ -95,6 +98,61 @@ pub enum StoreError {
     /// primary that is not a primary).
     #[error("the store cannot serve: {0}")]
     Unready(&'static str),
+}
+
+/// What the Postgres store said or could not do: the server's message and SQLSTATE,
+/// or the connection's failure. Never a password: the server's messages name the user
+/// and the database, and the connection's name the host.
+#[derive(Debug, thiserror::Error)]
+#[error("postgres: {detail}")]
+pub struct PostgresError {
+    detail: String,
+    may_have_written: bool,
+}
+
+impl PostgresError {
+    /// A setting that cannot be used, found before anything was sent.
+    pub(crate) fn setup(detail: String) -> PostgresError {
+        PostgresError {
+            detail,
+            may_have_written: false,
+        }
+    }
+
+    /// No connection to send on.
+    pub(crate) fn unreachable(detail: &str) -> PostgresError {
+        PostgresError::setup(detail.to_string())
+    }
+
+    /// A connection that could not be made: refused, a wrong password, a database that
+    /// does not exist, a TLS handshake that failed.
+    pub(crate) fn from_connect(error: &tokio_postgres::Error) -> PostgresError {
+        PostgresError::setup(PostgresError::describe(error))
+    }
+
+    /// A statement that failed: refused by the server (rolled back, so nothing was
+    /// written), or lost with its connection after it was `sent` (it may have run).
+    pub(crate) fn from_query(error: &tokio_postgres::Error, sent: bool) -> PostgresError {
+        PostgresError {
+            detail: PostgresError::describe(error),
+            may_have_written: sent && error.as_db_error().is_none(),
+        }
+    }
+
+    fn describe(error: &tokio_postgres::Error) -> String {
+        use std::error::Error as _;
+        match error.as_db_error() {
+            Some(db) if db.code() == &tokio_postgres::error::SqlState::QUERY_CANCELED => format!(
+                "the statement ran past store.timeout and the server cancelled it ({})",
+                db.message()
+            ),
+            Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+            None => match error.source() {
+                Some(source) => format!("{error}: {source}"),
+                None => error.to_string(),
+            },
+        }
+    }
 }
 
 impl StoreError {
@@ -108,6 +166,7 @@ impl StoreError {
             StoreError::ScopeFull { .. } => "scope_full",
             StoreError::ClientFull { .. } => "client_full",
             StoreError::Protocol(_) => "protocol",
+            StoreError::Postgres(_) => "postgres",
             StoreError::NotReplicated { .. } => "not_replicated",
             StoreError::Unready(_) => "unready",
             StoreError::Disk(_) => "disk",
@@ -126,6 +185,7 @@ impl StoreError {
             | StoreError::Protocol(_)
             | StoreError::NotReplicated { .. } => true,
             StoreError::Disk(failure) => failure.may_have_written,
+            StoreError::Postgres(failure) => failure.may_have_written,
             StoreError::Full { .. }
             | StoreError::ScopeFull { .. }
             | StoreError::ClientFull { .. }
@@ -330,6 +390,7 @@ impl Rejection {
                 | StoreError::NotReplicated { .. }
                 | StoreError::Unready(_)
                 | StoreError::Disk(_)
+                | StoreError::Postgres(_)
                 | StoreError::File(_),
             ) => ProblemKind::StoreUnavailable,
             Rejection::Upstream(UpstreamError::Unavailable(_)) => ProblemKind::UpstreamUnavailable,

@@ -72,6 +72,11 @@ enum Command {
         #[arg(long, default_value = "Idempotency-Key")]
         key_header: String,
     },
+    /// About the store itself.
+    Store {
+        #[command(subcommand)]
+        command: StoreCommand,
+    },
     /// About the configuration itself.
     Config {
         #[command(subcommand)]
@@ -101,6 +106,17 @@ enum Command {
         body: bool,
         #[command(flatten)]
         resolve: ResolveArgs,
+        #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
+        config: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum StoreCommand {
+    /// Print the Postgres store's DDL (tables, functions, and its version row) for the
+    /// schema the config names, as one transaction, for a DBA to apply by hand where
+    /// `store.migrate = false`. Connects to nothing.
+    Schema {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
@@ -192,6 +208,25 @@ enum LogFormat {
     Json,
 }
 
+/// `idemproxy store schema`: the DDL of the Postgres schema the config names.
+fn store_schema(path: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(path)?;
+    let idemproxy::config::Backend::Postgres(postgres) = &config.store.backend else {
+        anyhow::bail!(
+            "{}: store.backend is {:?}; only the postgres backend has a schema to apply",
+            path.display(),
+            config.store.backend.name()
+        );
+    };
+    let identity = idemproxy::store::postgres::schema::fresh_identity()
+        .ok_or_else(|| anyhow::anyhow!("no random source for the schema's key"))?;
+    print!(
+        "{}",
+        idemproxy::store::postgres::schema::script(&postgres.schema, identity)
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // `serve` sets up its logging once its config says whether traces are exported.
@@ -213,6 +248,9 @@ fn main() -> ExitCode {
             Ok(code) => return code,
             Err(error) => Err(error),
         },
+        Command::Store {
+            command: StoreCommand::Schema { config },
+        } => store_schema(&config),
         Command::Config {
             command: ConfigCommand::Reference,
         } => {

@@ -129,7 +129,7 @@ impl Running {
 /// threads. Must be called inside a Tokio runtime, which runs the admin
 /// listener, the memory store's sweeper and the Redis subscriber.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let (factory, watcher) = store::open(&config.store).map_err(StartError::Store)?;
+    let (factory, watcher) = store::open(&config.store).await.map_err(StartError::Store)?;
     launch(config, factory, watcher).await
 }
 

@@ -16,12 +16,14 @@ pub use crate::record::StoredResponse;
 
 pub mod memory;
 pub(crate) mod notify;
+pub mod postgres;
 pub mod redis;
 pub mod sealed;
 pub mod sqlite;
 
 pub use self::memory::MemoryStore;
 use self::notify::Watcher;
+pub use self::postgres::PostgresStore;
 pub use self::redis::RedisStore;
 pub use self::sealed::Sealer;
 pub use self::sqlite::SqliteStore;
@@ -35,8 +37,9 @@ pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sy
 /// Opens the store `config` names: the factory the workers make their handles with,
 /// and where waiters learn that records changed (on Redis, the process's subscriber,
 /// started here). Must be called inside a Tokio runtime, which runs the memory store's
-/// sweeper or the Redis subscriber.
-pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
+/// sweeper, the Redis subscriber, or Postgres's listener and sweeper. Postgres is
+/// connected to here, and its schema made ready (or checked), before anything is served.
+pub(crate) async fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
     // One sealer for the process: its counter of unreadable records is one.
     let sealer = sealed::sealer(config.encryption.as_ref());
     match &config.backend {
@@ -57,6 +60,11 @@ pub(crate) fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), Stor
             let watcher = self::redis::start_subscriber(&redis, timeout)?;
             let factory: StoreFactory =
                 Arc::new(move || Ok(AnyStore::from(RedisStore::new(&redis, timeout)?).sealed(sealer.clone())));
+            Ok((factory, watcher))
+        }
+        Backend::Postgres(postgres) => {
+            let (factory, watcher) = self::postgres::open(postgres, config.timeout).await?;
+            let factory: StoreFactory = Arc::new(move || Ok(factory()?.sealed(sealer.clone())));
             Ok((factory, watcher))
         }
     }
@@ -80,7 +88,6 @@ pub struct StoreUsage {
 /// that a scope's records count against the same share after a restart. Only this
 /// process and the file know it, so no client can aim at another's number.
 pub(crate) mod identity {
-    use std::path::Path;
     use std::sync::OnceLock;
 
     static KEY: OnceLock<[u8; 16]> = OnceLock::new();
@@ -99,13 +106,13 @@ pub(crate) mod identity {
         Some(key)
     }
 
-    /// Makes the key of the store file at `path` the process's. A process opens one
-    /// store file; a second (tests do) keeps the first's key, and that file's
-    /// earlier records are then counted against shares of their own.
-    pub(crate) fn adopt(file_key: [u8; 16], path: &Path) {
+    /// Makes the key of the store at `place` (a file, a Postgres schema) the
+    /// process's. A process opens one store; a second (tests do) keeps the first's
+    /// key, and that store's earlier records are then counted against shares of their own.
+    pub(crate) fn adopt(file_key: [u8; 16], place: &dyn std::fmt::Display) {
         if KEY.set(file_key).is_err() && KEY.get() != Some(&file_key) {
             tracing::warn!(
-                file = %path.display(),
+                store = %place,
                 "client numbers keep another store file's key: this file's earlier records count against shares of their own"
             );
         }
@@ -529,6 +536,7 @@ macro_rules! delegate {
             Engine::Memory($store) => $call.await,
             Engine::Sqlite($store) => $call.await,
             Engine::Redis($store) => $call.await,
+            Engine::Postgres($store) => $call.await,
         }
     };
 }
@@ -541,12 +549,19 @@ pub struct AnyStore {
     sealer: Option<Arc<Sealer>>,
 }
 
-/// One of the three backends.
+/// One of the four backends.
 #[derive(Clone)]
 pub enum Engine {
     Memory(MemoryStore),
     Sqlite(SqliteStore),
     Redis(RedisStore),
+    Postgres(PostgresStore),
+}
+
+impl From<PostgresStore> for AnyStore {
+    fn from(store: PostgresStore) -> AnyStore {
+        AnyStore::new(Engine::Postgres(store))
+    }
 }
 
 impl From<MemoryStore> for AnyStore {
@@ -591,15 +606,15 @@ impl AnyStore {
     /// that the first write does not pay `NOSCRIPT`, a load and a second try.
     pub(crate) async fn warm_up(&self) {
         match &self.engine {
-            Engine::Memory(_) | Engine::Sqlite(_) => {}
+            Engine::Memory(_) | Engine::Sqlite(_) | Engine::Postgres(_) => {}
             Engine::Redis(store) => store.preload().await,
         }
     }
 
-    /// Whether several proxy instances may share this store (Redis), or it is one
-    /// process's own (memory, SQLite).
+    /// Whether several proxy instances may share this store (Redis, Postgres), or it
+    /// is one process's own (memory, SQLite).
     pub(crate) fn shared_by_instances(&self) -> bool {
-        matches!(self.engine, Engine::Redis(_))
+        matches!(self.engine, Engine::Redis(_) | Engine::Postgres(_))
     }
 
     /// What the embedded store holds and its bounds; Redis reports its own memory.
@@ -610,7 +625,7 @@ impl AnyStore {
                 .usage()
                 .inspect_err(|error| tracing::warn!(%error, "cannot read what the store's file holds"))
                 .ok(),
-            Engine::Redis(_) => None,
+            Engine::Redis(_) | Engine::Postgres(_) => None,
         }
     }
 
@@ -618,7 +633,7 @@ impl AnyStore {
     pub(crate) fn commit_stats(&self) -> Option<&sqlite::CommitStats> {
         match &self.engine {
             Engine::Sqlite(store) => Some(store.commit_stats()),
-            Engine::Memory(_) | Engine::Redis(_) => None,
+            Engine::Memory(_) | Engine::Redis(_) | Engine::Postgres(_) => None,
         }
     }
 
@@ -627,7 +642,7 @@ impl AnyStore {
     pub(crate) fn unsettled(&self) -> Result<Vec<sqlite::Unsettled>, StoreError> {
         match &self.engine {
             Engine::Sqlite(store) => store.unsettled(),
-            Engine::Memory(_) | Engine::Redis(_) => Ok(Vec::new()),
+            Engine::Memory(_) | Engine::Redis(_) | Engine::Postgres(_) => Ok(Vec::new()),
         }
     }
 

@@ -131,6 +131,36 @@ pub fn upstream_client_config(ca_file: &Path) -> Result<Arc<rustls::ClientConfig
     Ok(Arc::new(config))
 }
 
+/// A store's client configuration (Postgres): the CA certificates at `ca_file`, else
+/// the webpki roots; and the client certificate and key to present, when given.
+pub fn store_client_config(
+    ca_file: Option<&Path>,
+    client: Option<(&Path, &Path)>,
+) -> Result<rustls::ClientConfig, TlsError> {
+    let roots = match ca_file {
+        Some(ca_file) => roots(ca_file)?,
+        None => {
+            let mut roots = RootCertStore::empty();
+            roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+            roots
+        }
+    };
+    let rejected = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| TlsError::Rejected { path, source }
+    };
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(rejected(ca_file.unwrap_or(Path::new("the webpki roots"))))?
+        .with_root_certificates(roots);
+    match client {
+        None => Ok(builder.with_no_client_auth()),
+        Some((cert_file, key_file)) => builder
+            .with_client_auth_cert(certificates(cert_file)?, private_key(key_file)?)
+            .map_err(rejected(key_file)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use rcgen::{

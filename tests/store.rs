@@ -12,19 +12,19 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
-use idemproxy::config::{ClientIdentity, RedisConfig, RedisTopology, SqliteConfig, StoreTls};
+use idemproxy::config::{ClientIdentity, PostgresConfig, RedisConfig, RedisTopology, SqliteConfig, StoreTls};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryStore, OwnerToken, Probe,
-    ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId, SqliteStore,
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryStore, OwnerToken, PostgresStore,
+    Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId, SqliteStore,
     StoreKey, StoreLimits, StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
 };
-use support::RedisServer;
 use support::pki::Pki;
 use support::redis_server::ServerTls;
+use support::{PostgresServer, RedisServer};
 
 fn key(name: &str) -> StoreKey {
     let key = parse_key_value(name.as_bytes()).expect("valid key");
@@ -1021,6 +1021,18 @@ macro_rules! against_every_store {
                 }
             )*
         }
+        /// A Postgres server of the test's own, the schema made by the store's migration.
+        mod postgres_store {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let server = super::PostgresServer::start();
+                    let store = super::postgres_store(&server).await;
+                    super::$name(&store).await;
+                    drop(server);
+                }
+            )*
+        }
         /// Over TLS to a server that requires a client certificate, both from a
         /// private CA made for the test.
         mod redis_tls_store {
@@ -1044,6 +1056,13 @@ fn sqlite_store(path: &std::path::Path, limits: StoreLimits) -> SqliteStore {
         cache_bytes: 4 << 20,
     };
     SqliteStore::open(&config, Duration::from_secs(2)).expect("open the sqlite store")
+}
+
+/// A Postgres store on `server`'s `postgres` database, schema `idemproxy`, 2 s timeout.
+async fn postgres_store(server: &PostgresServer) -> PostgresStore {
+    PostgresStore::open(&PostgresConfig::at(&server.url()), Duration::from_secs(2))
+        .await
+        .expect("open the postgres store")
 }
 
 /// A `redis-server` with `tls-auth-clients yes` and a store that trusts its private CA

@@ -11,6 +11,7 @@ pub mod history;
 pub mod jwt;
 pub mod model;
 pub mod pki;
+pub mod postgres_server;
 pub mod protocol;
 pub mod proxy;
 pub mod redis_server;
@@ -20,6 +21,7 @@ pub mod topology;
 pub mod upstream;
 
 pub use client::{TestResponse, post_key, send, send_raw};
+pub use postgres_server::PostgresServer;
 pub use proxy::{ChildProxy, ProxyHandle, StoreKind, TestConfig, free_port};
 pub use redis_server::RedisServer;
 pub use relay::{Mode, Relay};

@@ -117,6 +117,7 @@ pub(super) enum BackendKind {
     Redis,
     RedisSentinel,
     RedisCluster,
+    Postgres,
 }
 
 #[derive(Deserialize)]
@@ -142,6 +143,9 @@ pub(super) struct RawStore {
     pub(super) tls_cert_file: Option<Spanned<String>>,
     pub(super) tls_key_file: Option<Spanned<String>>,
     pub(super) encryption: Option<Spanned<RawEncryption>>,
+    pub(super) password_env: Option<Spanned<String>>,
+    pub(super) schema: Option<Spanned<String>>,
+    pub(super) migrate: Option<Spanned<bool>>,
 }
 
 /// `[store.encryption]`: the environment variables the record keys are read from.
@@ -175,6 +179,9 @@ impl Default for RawStore {
             tls_cert_file: None,
             tls_key_file: None,
             encryption: None,
+            password_env: None,
+            schema: None,
+            migrate: None,
         }
     }
 }

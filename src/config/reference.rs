@@ -163,7 +163,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.backend",
         default: DefaultValue::Toml("\"memory\""),
-        meaning: "`\"sqlite\"` (one instance, every record in a file that survives restarts: what the shipped `proxy.toml` and the image use), `\"memory\"` (one instance, every record forgotten when the process ends: for tests), `\"redis\"` (one primary), `\"redis-sentinel\"` or `\"redis-cluster\"` (several instances)",
+        meaning: "`\"sqlite\"` (one instance, every record in a file that survives restarts: what the shipped `proxy.toml` and the image use), `\"memory\"` (one instance, every record forgotten when the process ends: for tests), `\"redis\"` (one primary), `\"redis-sentinel\"` or `\"redis-cluster\"` (several instances), `\"postgres\"` (several instances on one Postgres database, every record durable: see [Stores](stores.md#the-postgres-store))",
     },
     Setting {
         key: "store.path",
@@ -178,7 +178,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.url",
         default: DefaultValue::Required,
-        meaning: "`\"redis\"` only: `redis://host:6379/0` or `rediss://` (TLS)",
+        meaning: "`\"redis\"`: `redis://host:6379/0` or `rediss://` (TLS). `\"postgres\"`: a libpq-style URL, `postgres://user@host:5432/database`, with `sslmode` (`disable`, `prefer`, the default, or `require`) and several hosts for failover (`postgres://user@a,b/db?target_session_attrs=read-write`). A password in it is used, never shown",
     },
     Setting {
         key: "store.urls",
@@ -193,7 +193,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.min_replica_acks",
         default: DefaultValue::Toml("0"),
-        meaning: "Redis backends: more than 0 makes a claim count only once this many replicas acknowledged it (`WAIT`); fewer in time releases it and answers 503, nothing forwarded",
+        meaning: "Redis backends: more than 0 makes a claim count only once this many replicas acknowledged it (`WAIT`); fewer in time releases it and answers 503, nothing forwarded. Postgres: more than 0 makes every commit wait until the synchronous standbys applied it (`synchronous_commit = remote_apply`), and a claim is refused (503, nothing forwarded) while fewer than this many synchronous standbys stream (the role needs `pg_monitor` to see them)",
     },
     Setting {
         key: "store.replica_ack_timeout",
@@ -203,22 +203,37 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.connections",
         default: DefaultValue::Toml("1"),
-        meaning: "Redis backends: multiplexed connections each worker keeps to the store, taken in turn (1 to 64; more did not shorten claims here, see [Performance](performance.md))",
+        meaning: "Redis backends: multiplexed connections each worker keeps to the store, taken in turn (1 to 64; more did not shorten claims here, see [Performance](performance.md)). Postgres (default 4): the pool each worker keeps, one statement on each at a time",
     },
     Setting {
         key: "store.tls_ca_file",
         default: DefaultValue::Text("the webpki roots"),
-        meaning: "Redis backends, `rediss://`: PEM CA certificates a Redis node's (and sentinel's) certificate must chain to, instead of the webpki roots",
+        meaning: "Redis backends, `rediss://`, and Postgres with TLS (`sslmode` not `disable`): PEM CA certificates the server's certificate must chain to, instead of the webpki roots",
     },
     Setting {
         key: "store.tls_cert_file",
         default: DefaultValue::Text("none"),
-        meaning: "with `tls_key_file`: the client certificate chain (PEM) presented to a Redis with `tls-auth-clients yes`",
+        meaning: "with `tls_key_file`: the client certificate chain (PEM) presented to a Redis with `tls-auth-clients yes`, or to Postgres (`cert` authentication)",
     },
     Setting {
         key: "store.tls_key_file",
         default: DefaultValue::Text("none"),
         meaning: "its private key, PEM (PKCS#8, RSA or SEC1)",
+    },
+    Setting {
+        key: "store.password_env",
+        default: DefaultValue::Text("none"),
+        meaning: "`\"postgres\"` only: the environment variable holding the role's password (instead of one in `url`). Unset refuses start, naming the variable; the password is never logged or printed",
+    },
+    Setting {
+        key: "store.schema",
+        default: DefaultValue::Toml("\"idemproxy\""),
+        meaning: "`\"postgres\"` only: the schema the store's tables and functions live in (`a-z 0-9 _`, at most 48)",
+    },
+    Setting {
+        key: "store.migrate",
+        default: DefaultValue::Toml("true"),
+        meaning: "`\"postgres\"` only: create or upgrade the schema at start, in one transaction under an advisory lock (instances starting at once migrate once). `false`: only check it; a missing or older schema refuses start, naming `idemproxy store schema`, which prints the DDL for a DBA to apply",
     },
     Setting {
         key: "store.key_prefix",
@@ -253,7 +268,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.max_records_per_scope",
         default: DefaultValue::Text("a quarter of `max_records`"),
-        meaning: "memory and sqlite: live records one scope (a route's client, as its `scope_headers` and `scope_jwt` name it) may hold; its new keys then get 429 `scope-full`. Routes without scope are not bounded by it",
+        meaning: "memory, sqlite and postgres (default `1000000` there): live records one scope (a route's client, as its `scope_headers` and `scope_jwt` name it) may hold; its new keys then get 429 `scope-full`. Routes without scope are not bounded by it",
     },
     Setting {
         key: "store.max_bytes_per_scope",

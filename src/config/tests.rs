@@ -929,6 +929,12 @@ fn the_reference_defaults_are_the_ones_applied() {
                     format!("[store]\nbackend = \"sqlite\"\npath = \"records.db\"\n__SETTING__{route}"),
                     String::new(),
                 ),
+                (
+                    format!(
+                        "[store]\nbackend = \"postgres\"\nurl = \"postgres://idemproxy@db/app\"\n__SETTING__{route}"
+                    ),
+                    String::new(),
+                ),
             ],
             table => vec![(format!("[{table}]\n__SETTING__{route}"), String::new())],
         }
@@ -1139,4 +1145,88 @@ fn the_sqlite_backend_takes_a_file_and_the_embedded_bounds() {
         "{sqlite}path = \"r.db\"\nmax_bytes = \"8MiB\"\n{ROUTE}[route.idempotency]\n"
     ))
     .expect("valid");
+}
+
+/// The Postgres backend: its settings, each refusal naming the field, and a password
+/// (in the URL or from `password_env`) never in `check`'s output nor in an error.
+#[test]
+fn the_postgres_backend_takes_its_settings_and_never_shows_a_password() {
+    let with = |lines: &str| format!("[store]\nbackend = \"postgres\"\n{lines}\n{ROUTE}");
+    let config = parse(&with(
+        "url = \"postgres://app:hunter2-secret@db1,db2:5433/orders?target_session_attrs=read-write\"\nschema = \"idem_1\"\nmigrate = false\nconnections = 8\nmax_records_per_scope = 50\nmin_replica_acks = 1",
+    ))
+    .expect("valid");
+    let Backend::Postgres(postgres) = &config.store.backend else {
+        panic!("not postgres: {:?}", config.store.backend);
+    };
+    assert_eq!(
+        (postgres.schema.as_str(), postgres.migrate, postgres.connections),
+        ("idem_1", false, 8)
+    );
+    assert_eq!((postgres.max_records_per_scope, postgres.min_replica_acks), (50, 1));
+    let shown = config.to_string();
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(
+        shown.contains("postgres postgres://app@db1:5432,db2:5433/orders schema idem_1; password in the URL"),
+        "{shown}"
+    );
+    assert!(shown.contains("remote_apply"), "{shown}");
+    let defaults = parse(&with("url = \"postgres://app@db/orders\"")).expect("valid");
+    let Backend::Postgres(postgres) = &defaults.store.backend else {
+        panic!("not postgres");
+    };
+    assert_eq!(
+        (postgres.schema.as_str(), postgres.migrate, postgres.connections),
+        ("idemproxy", true, DEFAULT_POSTGRES_CONNECTIONS)
+    );
+    assert!(!format!("{defaults:?}").contains("hunter2"));
+    for (lines, expected) in [
+        ("", "store.url: the postgres backend needs url"),
+        (
+            "url = \"redis://db:6379\"",
+            "store.url: must be a postgres:// or postgresql:// URL",
+        ),
+        (
+            "url = \"postgres://a:hunter2@db/x?sslmode=sometimes\"",
+            "store.url: must be a postgres://",
+        ),
+        (
+            "url = \"postgres://a@db/x\"\nschema = \"Bad-Name\"",
+            "store.schema: must be 1 to 48",
+        ),
+        ("url = \"postgres://a@db/x\"\nschema = \"pg_catalog\"", "store.schema"),
+        (
+            "url = \"postgres://a@db/x\"\nmax_records = 5",
+            "store.max_records: only the memory and sqlite",
+        ),
+        (
+            "url = \"postgres://a@db/x\"\npath = \"r.db\"",
+            "store.path: only the sqlite backend",
+        ),
+        (
+            "url = \"postgres://a@db/x\"\nconnections = 0",
+            "store.connections: must be between 1 and 64",
+        ),
+        (
+            "url = \"postgres://a@db/x\"\nmax_records_per_scope = 0",
+            "store.max_records_per_scope: must be greater than 0",
+        ),
+        (
+            "url = \"postgres://a@db/x\"\npassword_env = \"IDEMPROXY_TEST_SURELY_UNSET_PG\"",
+            "store.password_env: the environment variable IDEMPROXY_TEST_SURELY_UNSET_PG is not set",
+        ),
+        (
+            "url = \"postgres://a:hunter2@db/x\"\npassword_env = \"PATH\"",
+            "store.password_env: store.url holds a password too",
+        ),
+        (
+            "url = \"postgres://a@db/x?sslmode=disable\"\ntls_ca_file = \"ca.pem\"",
+            "store.tls_ca_file: TLS settings with sslmode=disable",
+        ),
+    ] {
+        let refused = error(&with(lines));
+        assert!(refused.contains(expected), "{lines}: {refused}");
+        assert!(!refused.contains("hunter2"), "{refused}");
+    }
+    assert!(error(&format!("[store]\nschema = \"x\"\n{ROUTE}")).contains("store.schema: only the postgres backend"));
 }

@@ -13,7 +13,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use redis::RedisResult;
 use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::StoreKey;
@@ -86,8 +85,8 @@ pub(crate) enum Watcher {
     None,
     /// The memory store wakes its own waiters.
     Local(Arc<Hub>),
-    /// Redis: the subscriber task's hub, and its commands.
-    Redis {
+    /// Redis or Postgres: the subscriber task's hub, and its commands.
+    Remote {
         hub: Arc<Hub>,
         commands: mpsc::UnboundedSender<Command>,
     },
@@ -121,7 +120,7 @@ impl Drop for Watch {
         let (hub, commands) = match &self.watcher {
             Watcher::None => return,
             Watcher::Local(hub) => (hub, None),
-            Watcher::Redis { hub, commands } => (hub, Some(commands)),
+            Watcher::Remote { hub, commands } => (hub, Some(commands)),
         };
         if hub.leave(&self.key)
             && let Some(commands) = commands
@@ -146,7 +145,7 @@ impl Watcher {
                     watcher: Watcher::None,
                 });
             }
-            Watcher::Local(hub) | Watcher::Redis { hub, .. } => hub,
+            Watcher::Local(hub) | Watcher::Remote { hub, .. } => hub,
         };
         let notify = hub.enter(&key);
         let watch = Watch {
@@ -154,7 +153,7 @@ impl Watcher {
             key: key.clone(),
             watcher: self.clone(),
         };
-        if let Watcher::Redis { commands, .. } = self {
+        if let Watcher::Remote { commands, .. } = self {
             let (ack, subscribed) = oneshot::channel();
             commands.send(Command::Subscribe(key, ack)).ok()?;
             // Awaited so that the waiter counts as waiting only once subscribed; without a
@@ -168,8 +167,10 @@ impl Watcher {
 
 /// A connection that delivers a record channel's messages.
 pub(crate) trait Subscription: Send {
-    fn subscribe(&mut self, channel: String) -> impl Future<Output = RedisResult<()>> + Send;
-    fn unsubscribe(&mut self, channel: String) -> impl Future<Output = RedisResult<()>> + Send;
+    /// What a failed subscription or connection says.
+    type Error: std::fmt::Display;
+    fn subscribe(&mut self, channel: String) -> impl Future<Output = Result<(), Self::Error>> + Send;
+    fn unsubscribe(&mut self, channel: String) -> impl Future<Output = Result<(), Self::Error>> + Send;
     /// The next message's channel; `None` when the connection is lost.
     fn next(&mut self) -> impl Future<Output = Option<String>> + Send;
 }
@@ -179,12 +180,14 @@ pub(crate) trait Subscription: Send {
 /// waiters, and wakes a record's waiters on each message on its channel. After a lost
 /// connection it connects again (while some wait), subscribes again and wakes every
 /// waiter, so that each re-reads its record. While it cannot connect, waiters are told
-/// at once, and re-read at their lease's end and their deadline.
+/// at once, and every waiter is woken to re-read at each try to connect again (every
+/// 50 ms at first, then at most every 2 s): polling, bounded, until notifications
+/// come back.
 pub(crate) async fn subscriber<S, F, Fut>(hub: Arc<Hub>, mut commands: mpsc::UnboundedReceiver<Command>, connect: F)
 where
     S: Subscription,
     F: Fn() -> Fut,
-    Fut: Future<Output = RedisResult<S>>,
+    Fut: Future<Output = Result<S, S::Error>>,
 {
     let mut pause = Duration::from_millis(50);
     let mut failing = false;
@@ -222,6 +225,7 @@ where
                     }
                 }
                 pause = (pause * 2).min(Duration::from_secs(2));
+                hub.wake_all();
                 continue;
             }
         };
@@ -290,6 +294,8 @@ async fn subscribe<S: Subscription>(connection: &mut S, subscribed: &mut HashSet
 mod tests {
     use std::collections::VecDeque;
 
+    use redis::RedisResult;
+
     use super::*;
 
     /// A subscription the test drives: its messages (`None`: the connection is lost),
@@ -300,6 +306,8 @@ mod tests {
     }
 
     impl Subscription for Fake {
+        type Error = redis::RedisError;
+
         async fn subscribe(&mut self, _channel: String) -> RedisResult<()> {
             if let Some(gate) = self.gate.take() {
                 let _ = gate.await;
@@ -348,7 +356,7 @@ mod tests {
                 next.ok_or_else(|| redis::RedisError::from((redis::ErrorKind::Io, "no more connections")))
             }
         }));
-        let watcher = Watcher::Redis { hub, commands };
+        let watcher = Watcher::Remote { hub, commands };
         let key = StoreKey::from_derived("test:payments:{ab}".into());
         let watch = watcher.watch(&key).await.expect("registered");
         connects.recv().await.expect("the first connection");

@@ -331,7 +331,7 @@ impl SqliteStore {
         })
         .map_err(|error| disk(&error, false))?;
         let identity = identity_key(&conn)?;
-        super::identity::adopt(identity, &config.path);
+        super::identity::adopt(identity, &config.path.display());
         let clock = Clock::default();
         let stats = CommitStats::default();
         let writer = Writer::start(conn, checkpoints, clock.clone(), stats.clone()).map_err(|source| {

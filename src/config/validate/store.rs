@@ -7,9 +7,10 @@ use toml::Spanned;
 
 use crate::config::raw::{BackendKind, RawEncryption, RawStore};
 use crate::config::{
-    Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_REPLICA_ACK_TIMEOUT,
-    DEFAULT_SQLITE_CACHE_BYTES, DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS,
-    Encryption, RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
+    Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_POSTGRES_CONNECTIONS,
+    DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE, DEFAULT_REPLICA_ACK_TIMEOUT, DEFAULT_SQLITE_CACHE_BYTES,
+    DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS, Encryption, PostgresConfig,
+    RecordKey, RedisConfig, RedisTopology, Secret, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::tls::{self, TlsError};
@@ -32,6 +33,7 @@ impl Validator<'_> {
         let backend = match *raw.backend.get_ref() {
             BackendKind::Memory => {
                 self.refuse_redis_settings(&raw)?;
+                self.refuse_postgres_settings(&raw)?;
                 let sqlite_only = [
                     ("store.path", raw.path.as_ref().map(Spanned::span)),
                     ("store.cache_bytes", raw.cache_bytes.as_ref().map(Spanned::span)),
@@ -43,6 +45,7 @@ impl Validator<'_> {
             }
             BackendKind::Sqlite => {
                 self.refuse_redis_settings(&raw)?;
+                self.refuse_postgres_settings(&raw)?;
                 let Some(path) = &raw.path else {
                     return Err(self.error(
                         raw.backend.span(),
@@ -66,7 +69,11 @@ impl Validator<'_> {
                     cache_bytes,
                 })
             }
-            kind => Backend::Redis(self.redis(kind, &raw)?),
+            BackendKind::Postgres => Backend::Postgres(self.postgres(&raw)?),
+            kind => {
+                self.refuse_postgres_settings(&raw)?;
+                Backend::Redis(self.redis(kind, &raw)?)
+            }
         };
         let encryption = match &raw.encryption {
             None => None,
@@ -212,6 +219,180 @@ impl Validator<'_> {
         }
     }
 
+    /// The Postgres settings on another backend.
+    fn refuse_postgres_settings(&self, raw: &RawStore) -> Result<(), ConfigError> {
+        let postgres_only = [
+            ("store.password_env", raw.password_env.as_ref().map(Spanned::span)),
+            ("store.schema", raw.schema.as_ref().map(Spanned::span)),
+            ("store.migrate", raw.migrate.as_ref().map(Spanned::span)),
+        ];
+        match postgres_only.into_iter().find(|(_, span)| span.is_some()) {
+            Some((field, Some(span))) => Err(self.error(span, field, "only the postgres backend takes this")),
+            _ => Ok(()),
+        }
+    }
+
+    /// The Postgres backend: its URL (libpq's syntax), password, schema, pool, TLS,
+    /// standbys and per-scope share.
+    fn postgres(&self, raw: &RawStore) -> Result<PostgresConfig, ConfigError> {
+        let not_here = [
+            (
+                "store.urls",
+                raw.urls.as_ref().map(Spanned::span),
+                "the postgres backend takes one url (several hosts go in it: postgres://a,b/db?target_session_attrs=read-write)",
+            ),
+            (
+                "store.master_name",
+                raw.master_name.as_ref().map(Spanned::span),
+                "only the redis-sentinel backend takes this",
+            ),
+            (
+                "store.replica_ack_timeout",
+                raw.replica_ack_timeout.as_ref().map(Spanned::span),
+                "the postgres backend waits for its synchronous standbys within store.timeout",
+            ),
+            (
+                "store.path",
+                raw.path.as_ref().map(Spanned::span),
+                "only the sqlite backend takes this",
+            ),
+            (
+                "store.cache_bytes",
+                raw.cache_bytes.as_ref().map(Spanned::span),
+                "only the sqlite backend takes this",
+            ),
+            (
+                "store.max_records",
+                raw.max_records.as_ref().map(Spanned::span),
+                "only the memory and sqlite backends take this; the postgres backend is bounded by its disk, and per tenant by max_records_per_scope",
+            ),
+            (
+                "store.max_bytes",
+                raw.max_bytes.as_ref().map(Spanned::span),
+                "only the memory and sqlite backends take this; the postgres backend is bounded by its disk, and per tenant by max_records_per_scope",
+            ),
+            (
+                "store.max_bytes_per_scope",
+                raw.max_bytes_per_scope.as_ref().map(Spanned::span),
+                "only the memory and sqlite backends take this; on postgres a tenant is bounded by max_records_per_scope",
+            ),
+            (
+                "store.max_records_per_client",
+                raw.max_records_per_client.as_ref().map(Spanned::span),
+                "only the memory and sqlite backends take this; on postgres a tenant is bounded by max_records_per_scope",
+            ),
+        ];
+        if let Some((field, Some(span), reason)) = not_here.into_iter().find(|(_, span, _)| span.is_some()) {
+            return Err(self.error(span, field, reason));
+        }
+        let Some(url) = &raw.url else {
+            return Err(self.error(
+                raw.backend.span(),
+                "store.url",
+                "the postgres backend needs url = \"postgres://user@host:5432/database\"",
+            ));
+        };
+        let scheme_ok = url.get_ref().starts_with("postgres://") || url.get_ref().starts_with("postgresql://");
+        let parsed = match url.get_ref().parse::<tokio_postgres::Config>() {
+            Ok(parsed) if scheme_ok => parsed,
+            // The parser's message may quote the URL, and with it a password.
+            _ => {
+                return Err(self.error(
+                    url.span(),
+                    "store.url",
+                    "must be a postgres:// or postgresql:// URL in libpq's syntax (postgres://user@host:5432/database?sslmode=require)",
+                ));
+            }
+        };
+        if parsed.get_hosts().is_empty() {
+            return Err(self.error(url.span(), "store.url", "must name a host"));
+        }
+        let password = match &raw.password_env {
+            None => None,
+            Some(variable) if variable.get_ref().is_empty() => {
+                return Err(self.error(variable.span(), "store.password_env", "must name a variable"));
+            }
+            Some(variable) => {
+                if parsed.get_password().is_some() {
+                    return Err(self.error(
+                        variable.span(),
+                        "store.password_env",
+                        "store.url holds a password too: keep it in one place",
+                    ));
+                }
+                match std::env::var(variable.get_ref()) {
+                    Ok(value) => Some(Secret::new(value)),
+                    Err(error) => {
+                        let reason = match error {
+                            std::env::VarError::NotPresent => "is not set",
+                            std::env::VarError::NotUnicode(_) => "is not text",
+                        };
+                        return Err(self.error(
+                            variable.span(),
+                            "store.password_env",
+                            format!("the environment variable {} {reason}", variable.get_ref()),
+                        ));
+                    }
+                }
+            }
+        };
+        let schema = match &raw.schema {
+            None => "idemproxy".to_string(),
+            Some(schema) => {
+                let name = schema.get_ref();
+                let first_ok = name
+                    .bytes()
+                    .next()
+                    .is_some_and(|byte| byte.is_ascii_lowercase() || byte == b'_');
+                let rest_ok = name
+                    .bytes()
+                    .all(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_');
+                if !first_ok || !rest_ok || name.len() > 48 || name.starts_with("pg_") {
+                    return Err(self.error(
+                        schema.span(),
+                        "store.schema",
+                        "must be 1 to 48 of a-z 0-9 _, starting with a letter or _, and not pg_ (a Postgres identifier that needs no quoting)",
+                    ));
+                }
+                name.clone()
+            }
+        };
+        let connections = match &raw.connections {
+            Some(count) if !(1..=64).contains(count.get_ref()) => {
+                return Err(self.error(count.span(), "store.connections", "must be between 1 and 64"));
+            }
+            Some(count) => *count.get_ref(),
+            None => DEFAULT_POSTGRES_CONNECTIONS,
+        };
+        let max_records_per_scope = match &raw.max_records_per_scope {
+            Some(max) if *max.get_ref() == 0 => {
+                return Err(self.error(max.span(), "store.max_records_per_scope", "must be greater than 0"));
+            }
+            Some(max) => *max.get_ref(),
+            None => DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE,
+        };
+        let sslmode = url
+            .get_ref()
+            .split_once('?')
+            .map(|(_, query)| query.split('&').any(|pair| pair == "sslmode=disable"));
+        let tls = self.store_tls(
+            raw,
+            sslmode != Some(true),
+            "TLS settings with sslmode=disable in store.url would never be used",
+        )?;
+        Ok(PostgresConfig {
+            url: url.get_ref().clone(),
+            password,
+            password_env: raw.password_env.as_ref().map(|variable| variable.get_ref().clone()),
+            schema,
+            migrate: raw.migrate.as_ref().is_none_or(|migrate| *migrate.get_ref()),
+            connections,
+            tls,
+            min_replica_acks: raw.min_replica_acks.as_ref().map_or(0, |acks| *acks.get_ref()),
+            max_records_per_scope,
+        })
+    }
+
     /// The Redis backends: which fields each topology takes, every URL checked.
     pub(super) fn redis(&self, kind: BackendKind, raw: &RawStore) -> Result<RedisConfig, ConfigError> {
         for (field, span) in [
@@ -323,8 +504,8 @@ impl Validator<'_> {
                     RedisTopology::Sentinel { urls, master_name }
                 }
             }
-            // `store` validates the embedded backends itself and never asks for this.
-            BackendKind::Memory | BackendKind::Sqlite => {
+            // `store` validates the other backends itself and never asks for this.
+            BackendKind::Memory | BackendKind::Sqlite | BackendKind::Postgres => {
                 return Err(self.error(raw.backend.span(), "store.backend", "not a Redis backend"));
             }
         };
@@ -339,7 +520,12 @@ impl Validator<'_> {
             Some(timeout) => timeout.get_ref().0,
             None => DEFAULT_REPLICA_ACK_TIMEOUT,
         };
-        let tls = self.store_tls(raw, &topology)?;
+        let rediss = topology.urls().iter().any(|url| url.starts_with("rediss://"));
+        let tls = self.store_tls(
+            raw,
+            rediss,
+            "TLS settings need a rediss:// store URL; with redis:// they would never be used",
+        )?;
         let connections = match &raw.connections {
             Some(count) if !(1..=64).contains(count.get_ref()) => {
                 return Err(self.error(count.span(), "store.connections", "must be between 1 and 64"));
@@ -358,7 +544,7 @@ impl Validator<'_> {
 
     /// The store's CA and client certificate, each file read and checked and named by
     /// its own field: only with a `rediss://` URL, a certificate only with its key.
-    pub(super) fn store_tls(&self, raw: &RawStore, topology: &RedisTopology) -> Result<Option<StoreTls>, ConfigError> {
+    pub(super) fn store_tls(&self, raw: &RawStore, used: bool, unused: &str) -> Result<Option<StoreTls>, ConfigError> {
         let fields = [
             ("store.tls_ca_file", &raw.tls_ca_file),
             ("store.tls_cert_file", &raw.tls_cert_file),
@@ -370,12 +556,8 @@ impl Validator<'_> {
         else {
             return Ok(None);
         };
-        if !topology.urls().iter().any(|url| url.starts_with("rediss://")) {
-            return Err(self.error(
-                span,
-                first,
-                "TLS settings need a rediss:// store URL; with redis:// they would never be used",
-            ));
+        if !used {
+            return Err(self.error(span, first, unused));
         }
         let failed =
             |span: Range<usize>, field: &'static str| move |error: TlsError| self.error(span, field, error.to_string());

@@ -70,7 +70,7 @@ pub(crate) fn start(config: &RedisConfig, timeout: Duration) -> Result<Watcher, 
         let source = source.clone();
         async move { connect(&source, timeout).await }
     }));
-    Ok(Watcher::Redis { hub, commands })
+    Ok(Watcher::Remote { hub, commands })
 }
 
 async fn connect(source: &Source, timeout: Duration) -> RedisResult<Connection> {
@@ -118,6 +118,8 @@ enum Connection {
 }
 
 impl Subscription for Connection {
+    type Error = redis::RedisError;
+
     async fn subscribe(&mut self, channel: String) -> RedisResult<()> {
         match self {
             Connection::PubSub { sink, .. } => sink.subscribe(channel).await,
