@@ -28,14 +28,15 @@ use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::store::memory::Plant;
 use idemproxy::store::redis::{ClaimPlant, ScriptName};
 use idemproxy::store::{
-    AnyStore, ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, RecordState, RecordStore,
-    RedisStore, Resolution, Resolved, SqliteStore, StoreKey, StoreLimits, StoredResponse, UnknownReason, Write,
+    AnyStore, ClaimOutcome, ClaimRequest, Existing, Fingerprint, MemoryStore, OwnerToken, PostgresStore, RecordState,
+    RecordStore, RedisStore, Resolution, Resolved, SqliteStore, StoreKey, StoreLimits, StoredResponse, UnknownReason,
+    Write,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestError, TestRunner};
-use support::RedisServer;
 use support::model::explore;
 use support::protocol::{CORRECT, Event, Op, Record, Reply};
+use support::{PostgresServer, RedisServer};
 
 /// Owners 0..OWNERS write; the last token observes the final state with a claim.
 const OWNERS: u8 = 3;
@@ -341,6 +342,65 @@ impl Driver for Redis {
     }
 }
 
+/// A Postgres server of the test's own, with a connection of the test's own that moves
+/// a record's lease and expiry into the past (the server's clock cannot be moved) and
+/// reads back what the row holds.
+struct Postgres {
+    subject: Subject<PostgresStore>,
+    control: std::sync::Arc<tokio_postgres::Client>,
+}
+
+impl Driver for Postgres {
+    async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
+        self.subject.apply(owner, op, LEASE).await
+    }
+
+    async fn expire_lease(&mut self) {
+        self.control
+            .execute(
+                "UPDATE idemproxy.records SET lease_until = clock_timestamp() - interval '1 ms' \
+                 WHERE key = $1 AND state = 'in_flight'",
+                &[&self.subject.key.as_str()],
+            )
+            .await
+            .expect("age the lease");
+    }
+
+    async fn expire_retention(&mut self) {
+        self.control
+            .execute(
+                "UPDATE idemproxy.records SET expires_at = clock_timestamp() - interval '1 ms' WHERE key = $1",
+                &[&self.subject.key.as_str()],
+            )
+            .await
+            .expect("age the record");
+    }
+
+    async fn check(&mut self, model: Record) -> Result<(), String> {
+        let row = self
+            .control
+            .query_opt(
+                "SELECT floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
+                 FROM idemproxy.records WHERE key = $1 AND expires_at > clock_timestamp()",
+                &[&self.subject.key.as_str()],
+            )
+            .await
+            .expect("read the row");
+        let expected = millis(RETENTION);
+        match (model, row.map(|row| row.get::<_, i64>(0))) {
+            (Record::Free, None) => Ok(()),
+            (Record::Free, Some(ttl)) => Err(format!(
+                "the model has no record, Postgres has one expiring in {ttl} ms"
+            )),
+            (_, None) => Err("the model has a record, Postgres has none".into()),
+            (_, Some(ttl)) if ttl > expected - 60_000 && ttl <= expected => Ok(()),
+            (_, Some(ttl)) => Err(format!(
+                "the row expires in {ttl} ms, not the {expected} ms the retention leaves"
+            )),
+        }
+    }
+}
+
 /// Runs `events` (then the observer's claim) on `driver` and on the model side by side;
 /// `Err` names the first step where they part.
 async fn conform(driver: &mut impl Driver, events: &[Event]) -> Result<(), String> {
@@ -613,6 +673,38 @@ fn the_redis_store_conforms_to_the_model() {
         coverage.traces, coverage.trace_steps, coverage.random
     );
     result.expect("the Redis store strays from the model");
+    assert_eq!(coverage.random, 256);
+}
+
+#[test]
+fn the_postgres_store_conforms_to_the_model() {
+    let (states, traces) = model_traces(2);
+    let server = PostgresServer::start();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (store, control) = runtime.block_on(async {
+        let config = idemproxy::config::PostgresConfig::at(&server.url());
+        let store = PostgresStore::open(&config, Duration::from_secs(5))
+            .await
+            .expect("the postgres store");
+        let (control, connection) = tokio_postgres::connect(&server.url(), tokio_postgres::NoTls)
+            .await
+            .expect("control connection");
+        tokio::spawn(connection);
+        (store, std::sync::Arc::new(control))
+    });
+    let (coverage, result) = run(&runtime, &traces, 256, |n| Postgres {
+        subject: Subject::new(store.clone(), key(n)),
+        control: control.clone(),
+    });
+    println!(
+        "conformance (postgres): model traces from {states} states: {} traces, {} steps; {} random sequences; \
+         {result:?}",
+        coverage.traces, coverage.trace_steps, coverage.random
+    );
+    result.expect("the Postgres store strays from the model");
     assert_eq!(coverage.random, 256);
 }
 

@@ -1596,6 +1596,39 @@ async fn a_begin_probe_that_leases_from_the_old_due_time_is_caught() {
     assert!(an_overdue_probe_lease_starts_now(&store).await);
 }
 
+/// The same two planted bugs in the Postgres store's `begin_probe` function, applied to
+/// the test's server over the right one: each is caught, and the right one passes.
+#[tokio::test]
+async fn postgres_begin_probe_bugs_are_caught() {
+    let server = PostgresServer::start();
+    let store = postgres_store(&server).await;
+    let ddl = idemproxy::store::postgres::schema::ddl("idemproxy");
+    let no_due_check = ddl.replace("IF r.probe_due > now_ THEN", "IF false THEN");
+    let old_due = ddl.replace(
+        "UPDATE {schema}.records SET probe_due = now_ + p_lease_ms * interval '1 ms' WHERE key = p_key;"
+            .replace("{schema}", "idemproxy")
+            .as_str(),
+        "UPDATE idemproxy.records SET probe_due = r.probe_due + p_lease_ms * interval '1 ms' WHERE key = p_key;",
+    );
+    assert!(
+        no_due_check != ddl && old_due != ddl,
+        "the planted bugs must change the functions"
+    );
+    server.psql(&no_due_check);
+    assert!(
+        !probe_lease_is_exclusive(&store).await,
+        "a probe leased twice at once went unnoticed"
+    );
+    server.psql(&old_due);
+    assert!(
+        !an_overdue_probe_lease_starts_now(&store).await,
+        "an overdue probe leased twice at once went unnoticed"
+    );
+    server.psql(&ddl);
+    assert!(probe_lease_is_exclusive(&store).await);
+    assert!(an_overdue_probe_lease_starts_now(&store).await);
+}
+
 /// An unknown record written before unknown records kept their owner
 /// (`2U<fingerprint><reason>`) has no claim to fence a resolution on: a probe leaves it
 /// alone (for an operator), never leases it with its reason read as an owner.

@@ -308,6 +308,21 @@ impl PostgresServer {
         psql
     }
 
+    /// Every record of `schema` with the milliseconds until it expires, as the
+    /// history checker reads a store's keys and TTLs.
+    pub fn dump_ttls(&self, schema: &str) -> Vec<(String, i64)> {
+        let rows = self.psql(&format!(
+            "SELECT key || ' ' || floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
+             FROM {schema}.records WHERE expires_at > clock_timestamp()"
+        ));
+        rows.lines()
+            .filter_map(|line| {
+                let (key, ttl) = line.rsplit_once(' ')?;
+                Some((key.to_string(), ttl.parse().ok()?))
+            })
+            .collect()
+    }
+
     /// `pg_ctl stop -m <mode>` (`fast`: sessions ended, a clean shutdown; `immediate`:
     /// every process quit at once, recovered from the WAL at the next start).
     pub fn stop(&mut self, mode: &str) {

@@ -25,6 +25,8 @@ pub enum StoreKind {
     Sentinel(Vec<String>, String),
     /// Seed node URLs.
     Cluster(Vec<String>),
+    /// The Postgres store at this URL (schema `idemproxy` unless `store_extra` says).
+    Postgres(String),
 }
 
 #[derive(Debug, Clone)]
@@ -85,6 +87,7 @@ impl TestConfig {
                 )
             }
             StoreKind::Cluster(urls) => format!("backend = \"redis-cluster\"\nurls = [{}]", list(urls)),
+            StoreKind::Postgres(url) => format!("backend = \"postgres\"\nurl = \"{url}\""),
         };
         format!(
             r#"
