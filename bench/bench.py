@@ -26,7 +26,9 @@ against a second idemproxy on a Redis Cluster of three primaries and three repli
 replays on the memory store and on the SQLite store, beside (d) and (e) on Redis, with
 the SQLite store's commits and fsyncs per second), --sealed (also run fresh keys and
 replays with 1 KiB and 64 KiB bodies on an idemproxy with [store.encryption], beside
-the same cases in clear), --cases LIST (only these cases, e.g.
+the same cases in clear), --postgres (also run fresh keys and replays on the Postgres
+store, beside (d) and (e) on Redis, with statements and Postgres CPU per request),
+--cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
 
@@ -114,6 +116,15 @@ SEALED_CASES = [
 # Each sealed case and the same case in clear.
 UNSEALED = {"z1": "y1", "zk": "k", "z64": "y64", "zp": "p"}
 BASELINE.update({"y1": "i", "z1": "i", "zk": "i", "y64": "l", "z64": "l", "zp": "l"})
+
+# With --postgres: fresh keys and replays on an idemproxy with the Postgres store (a
+# server of the bench's own, fsync and synchronous_commit on, its data on this
+# machine's disk), beside (d) and (e) on Redis, from the same run.
+POSTGRES_CASES = [
+    ("pf", "idemproxy POST, fresh key, Postgres store", "postgres", "fresh.lua", "/v1/payments"),
+    ("pr", "idemproxy POST, replay, Postgres store", "postgres", "replay.lua", "/v1/payments"),
+]
+ON_POSTGRES = {"pf": "d", "pr": "e"}
 
 # wrk prints one machine-readable line at the end of each run.
 DONE = """
@@ -383,11 +394,12 @@ def main():
     parser.add_argument("--traces", action="store_true")
     parser.add_argument("--stores", action="store_true")
     parser.add_argument("--sealed", action="store_true")
+    parser.add_argument("--postgres", action="store_true")
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
     cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
-             + (STORE_CASES if args.stores else []))
+             + (STORE_CASES if args.stores else []) + (POSTGRES_CASES if args.postgres else []))
     if args.sealed:
         # (k) and (p) are already among CASES: each case runs once.
         known = {case[0] for case in cases}
@@ -398,6 +410,7 @@ def main():
         wanted |= {BASELINE.get(case, "b") for case in wanted} | {UNTRACED[c] for c in wanted if c in UNTRACED}
         wanted |= {other for c in wanted if c in ON_SQLITE for other in ON_SQLITE[c]}
         wanted |= {UNSEALED[c] for c in wanted if c in UNSEALED}
+        wanted |= {ON_POSTGRES[c] for c in wanted if c in ON_POSTGRES}
         wanted |= {BASELINE.get(case, "b") for case in wanted}
         cases = [case for case in cases if case[0] in wanted]
 
@@ -405,7 +418,8 @@ def main():
     ports = {name: free_port() for name in ("upstream", "nginx", "nginx-h2", "idemproxy", "admin",
                                             "redis", "cluster", "cluster-admin", "collector", "traced",
                                             "traced-admin", "traced-1pct", "traced-1pct-admin", "memory",
-                                            "memory-admin", "sqlite", "sqlite-admin", "sealed", "sealed-admin")}
+                                            "memory-admin", "sqlite", "sqlite-admin", "sealed", "sealed-admin",
+                                            "postgres", "postgres-admin", "pg")}
     # The SQLite file where commits are fsyncs: beside the build, on the repository's disk.
     disk_dir = tempfile.mkdtemp(prefix="idemproxy-bench-sqlite-",
                                 dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"))
@@ -547,6 +561,14 @@ def main():
                 proxies[name] = idemproxy_config(name, ports[name], ports[f"{name}-admin"], store)
                 redis_ports[name] = []
 
+        postgres = None
+        if args.postgres:
+            postgres = Postgres(disk_dir, ports["pg"], children)
+            proxies["postgres"] = idemproxy_config(
+                "postgres", ports["postgres"], ports["postgres-admin"],
+                f'backend = "postgres"\n                url = "postgres://postgres@127.0.0.1:{ports["pg"]}/postgres"')
+            redis_ports["postgres"] = []
+
         results = {}  # (case, connections) -> list of runs
         for round_number in range(args.rounds):
             for connections in connection_counts:
@@ -557,6 +579,7 @@ def main():
                     reads_before = redis_reads(*counted)
                     commits_before = commits(ports, target)
                     fsyncs = FsyncCounter(proxies["sqlite"].pid) if target == "sqlite" and args.stores else None
+                    pg_before = postgres.counters() if target == "postgres" else None
                     if script == "h2":
                         run = run_h2load(ports[target], path, connections, args.duration)
                     else:
@@ -569,6 +592,9 @@ def main():
                     run["rss_mib"] = sampler.stop() / 1024
                     run["commits"] = [after - first for after, first in zip(commits(ports, target), commits_before)]
                     run["fsyncs"] = fsyncs.stop() if fsyncs else 0
+                    if pg_before is not None:
+                        after = postgres.counters()
+                        run["pg_statements"], run["pg_cpu"] = after[0] - pg_before[0], after[1] - pg_before[1]
                     results.setdefault((case, connections), []).append(run)
                     print(f"round {round_number + 1} c={connections} ({case}) {run['rps']:.0f} req/s",
                           file=sys.stderr, flush=True)
@@ -593,6 +619,59 @@ def main():
                 child.kill()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+class Postgres:
+    """A Postgres server of the bench's own: initdb into `parent` (this machine's disk,
+    so that commits are real fsyncs), the server's defaults for durability, run as the
+    postgres user when the bench runs as root; pg_stat_statements counts the store's
+    statements."""
+
+    def __init__(self, parent, port, children):
+        bins = sorted(os.listdir("/usr/lib/postgresql"), key=int)
+        self.bin = f"/usr/lib/postgresql/{bins[-1]}/bin"
+        self.port = port
+        self.dir = tempfile.mkdtemp(prefix="pg-", dir=parent)
+        as_owner = ["setpriv", "--reuid", "postgres", "--regid", "postgres", "--init-groups", "--"] \
+            if os.getuid() == 0 else []
+        if os.getuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+        data = os.path.join(self.dir, "data")
+        subprocess.run(as_owner + [f"{self.bin}/initdb", "-D", data, "-U", "postgres", "--auth=trust",
+                                   "-E", "UTF8", "--locale=C"], check=True, stdout=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            as_owner + [f"{self.bin}/postgres", "-D", data, "-p", str(port), "-c", "listen_addresses=127.0.0.1",
+                        "-c", f"unix_socket_directories={self.dir}", "-c", "max_connections=200",
+                        "-c", "shared_buffers=256MB", "-c", "shared_preload_libraries=pg_stat_statements"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        children.append(self.process)
+        wait_port(port, what="postgres")
+        for _ in range(100):
+            if subprocess.run([f"{self.bin}/pg_isready", "-q", "-h", "127.0.0.1", "-p", str(port)]).returncode == 0:
+                break
+            time.sleep(0.1)
+        self.psql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+
+    def psql(self, sql):
+        return subprocess.run([f"{self.bin}/psql", "-X", "-At", "-h", "127.0.0.1", "-p", str(self.port),
+                               "-U", "postgres", "-d", "postgres", "-c", sql],
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    def counters(self):
+        """The store's statements so far (claims, completes and every other function
+        call, from pg_stat_statements), and the CPU seconds of every Postgres process."""
+        calls = self.psql("SELECT coalesce(sum(calls), 0) FROM pg_stat_statements WHERE query LIKE '%idemproxy.%'")
+        pids = [self.process.pid] + [int(pid) for pid in subprocess.run(
+            ["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout.split()]
+        cpu = 0.0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cpu += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except OSError:
+                pass
+        return int(calls), cpu
 
 
 def commits(ports, target):
@@ -718,6 +797,21 @@ def print_table(results, connection_counts, args, cases):
                       f"{median(runs, 'p99_ms') - median(base, 'p99_ms'):.2f} | "
                       f"{commit_count / seconds:,.0f} | {writes / max(commit_count, 1):.1f} | "
                       f"{fsync_count / seconds:,.0f} |")
+    on_postgres = [case for case in cases if case[0] in ON_POSTGRES]
+    if on_postgres:
+        print()
+        print("| Postgres case | conns | req/s | p50 ms | p99 ms | req/s vs Redis | statements/req | "
+              "Postgres CPU µs/req |")
+        print("|---|---|---|---|---|---|---|---|")
+        for connections in connection_counts:
+            for case, label, _, _, _ in on_postgres:
+                runs, redis = results[(case, connections)], results[(ON_POSTGRES[case], connections)]
+                requests = sum(run["requests"] for run in runs)
+                statements = sum(run["pg_statements"] for run in runs) / requests
+                cpu = sum(run["pg_cpu"] for run in runs) / requests * 1e6
+                print(f"| ({case}) {label} | {connections} | {median(runs, 'rps'):,.0f} | "
+                      f"{median(runs, 'p50_ms'):.2f} | {median(runs, 'p99_ms'):.2f} | "
+                      f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x | {statements:.2f} | {cpu:.1f} |")
     idemproxy_cases = [case for case, _, target, _, _ in cases if target == "idemproxy"]
     print()
     for connections in connection_counts:

@@ -2311,3 +2311,62 @@ async fn a_full_disk_refuses_claims_keeps_replays_and_recovers_by_itself() {
         .await
         .expect("a claim once there is room");
 }
+
+/// On Postgres a scope past `max_records_per_scope` is refused (429 `scope-full` at
+/// the proxy) until a record of its own goes, while other scopes, unscoped claims and
+/// the scope's own replays go on; a release, a purge and the sweeper give room back.
+#[tokio::test]
+async fn a_scope_past_its_share_of_the_postgres_store_is_refused_until_its_records_go() {
+    let server = PostgresServer::start();
+    let mut config = PostgresConfig::at(&server.url());
+    config.max_records_per_scope = 2;
+    let store = PostgresStore::open(&config, Duration::from_secs(2))
+        .await
+        .expect("open the postgres store");
+    let scoped = |name: &str, scope: u64| ClaimRequest {
+        scope: Some(ScopeId(scope)),
+        ..claim(&key(name), new_owner(), LONG)
+    };
+    let first = scoped("s1-a", 1);
+    store.claim(&first).await.expect("claim");
+    store.claim(&scoped("s1-b", 1)).await.expect("claim");
+    match store.claim(&scoped("s1-c", 1)).await {
+        Err(StoreError::ScopeFull { what, retry_after }) => {
+            assert_eq!(what, "store.max_records_per_scope");
+            assert!(
+                retry_after > Duration::from_secs(50),
+                "until s1-a expires: {retry_after:?}"
+            );
+        }
+        other => panic!("a third record of scope 1: {other:?}"),
+    }
+    // The scope's own records still answer; other scopes and unscoped claims go on.
+    assert!(matches!(
+        store.claim(&scoped("s1-a", 1)).await.expect("claim"),
+        ClaimOutcome::Existing(_)
+    ));
+    store.claim(&scoped("s2-a", 2)).await.expect("another scope");
+    store
+        .claim(&claim(&key("unscoped"), new_owner(), LONG))
+        .await
+        .expect("unscoped");
+    // A release gives its place back at once; so does a purge.
+    assert_eq!(
+        store.release(&first.key, first.owner).await.expect("release"),
+        Write::Applied
+    );
+    store.claim(&scoped("s1-c", 1)).await.expect("s1-a's place");
+    assert!(store.claim(&scoped("s1-d", 1)).await.is_err());
+    assert!(store.purge(&key("s1-c")).await.expect("purge"));
+    store.claim(&scoped("s1-d", 1)).await.expect("s1-c's place");
+    // An expired record counts until the sweeper deletes it; the schema's sweep does.
+    server
+        .psql("UPDATE idemproxy.records SET expires_at = clock_timestamp() - interval '1 ms' WHERE scope IS NOT NULL");
+    assert_eq!(server.psql("SELECT idemproxy.sweep(500)"), "3");
+    assert_eq!(
+        server.psql("SELECT coalesce(sum(records), 0) FROM idemproxy.shares"),
+        "0",
+        "every count back to zero"
+    );
+    store.claim(&scoped("s1-e", 1)).await.expect("after the sweep");
+}
