@@ -27,7 +27,8 @@ replays on the memory store and on the SQLite store, beside (d) and (e) on Redis
 the SQLite store's commits and fsyncs per second), --sealed (also run fresh keys and
 replays with 1 KiB and 64 KiB bodies on an idemproxy with [store.encryption], beside
 the same cases in clear), --postgres (also run fresh keys and replays on the Postgres
-store, beside (d) and (e) on Redis, with statements and Postgres CPU per request),
+store, beside (d) and (e) on Redis, with statements and Postgres CPU per request;
+--pg-connections N sets its store.connections, default 4),
 --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
@@ -395,6 +396,7 @@ def main():
     parser.add_argument("--stores", action="store_true")
     parser.add_argument("--sealed", action="store_true")
     parser.add_argument("--postgres", action="store_true")
+    parser.add_argument("--pg-connections", type=int, default=4)
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
@@ -566,7 +568,8 @@ def main():
             postgres = Postgres(disk_dir, ports["pg"], children)
             proxies["postgres"] = idemproxy_config(
                 "postgres", ports["postgres"], ports["postgres-admin"],
-                f'backend = "postgres"\n                url = "postgres://postgres@127.0.0.1:{ports["pg"]}/postgres"')
+                f'backend = "postgres"\n                url = "postgres://postgres@127.0.0.1:{ports["pg"]}/postgres"\n'
+                f'                connections = {args.pg_connections}')
             redis_ports["postgres"] = []
 
         results = {}  # (case, connections) -> list of runs
@@ -635,6 +638,8 @@ class Postgres:
         as_owner = ["setpriv", "--reuid", "postgres", "--regid", "postgres", "--init-groups", "--"] \
             if os.getuid() == 0 else []
         if os.getuid() == 0:
+            # The postgres user must reach its directory through the bench's own.
+            os.chmod(parent, 0o755)
             shutil.chown(self.dir, "postgres", "postgres")
         data = os.path.join(self.dir, "data")
         subprocess.run(as_owner + [f"{self.bin}/initdb", "-D", data, "-U", "postgres", "--auth=trust",
