@@ -1000,21 +1000,29 @@ impl std::fmt::Display for Config {
     }
 }
 
+impl std::fmt::Display for StoreTls {
+    /// What a store connection trusts and presents, as `check` prints it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "; TLS trusting {}",
+            self.ca_file
+                .as_ref()
+                .map_or_else(|| "the webpki roots".to_string(), |ca| ca.display().to_string())
+        )?;
+        if let Some(client) = &self.client {
+            write!(f, ", client certificate {}", client.cert_file.display())?;
+        }
+        Ok(())
+    }
+}
+
 impl std::fmt::Display for RedisConfig {
     /// The topology as `idemproxy check` prints it, passwords redacted.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.topology)?;
         if let Some(tls) = &self.tls {
-            write!(
-                f,
-                "; TLS trusting {}",
-                tls.ca_file
-                    .as_ref()
-                    .map_or_else(|| "the webpki roots".to_string(), |ca| ca.display().to_string())
-            )?;
-            if let Some(client) = &tls.client {
-                write!(f, ", client certificate {}", client.cert_file.display())?;
-            }
+            write!(f, "{tls}")?;
         }
         match self.min_replica_acks {
             0 => write!(f, "; claims are not replica-acknowledged"),
@@ -1051,16 +1059,7 @@ impl std::fmt::Display for PostgresConfig {
         )?;
         write!(f, "; {} connection(s) per worker", self.connections)?;
         if let Some(tls) = &self.tls {
-            write!(
-                f,
-                "; TLS trusting {}",
-                tls.ca_file
-                    .as_ref()
-                    .map_or_else(|| "the webpki roots".to_string(), |ca| ca.display().to_string())
-            )?;
-            if let Some(client) = &tls.client {
-                write!(f, ", client certificate {}", client.cert_file.display())?;
-            }
+            write!(f, "{tls}")?;
         }
         write!(f, "; at most {} live records per scope", self.max_records_per_scope)?;
         match self.min_replica_acks {

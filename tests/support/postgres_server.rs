@@ -263,21 +263,20 @@ impl PostgresServer {
         format!("postgres://{PASSWORD_ROLE}@127.0.0.1:{}/postgres", self.port)
     }
 
-    /// Runs `sql` as the superuser; what it printed, unaligned, tuples only.
-    pub fn psql(&self, sql: &str) -> String {
+    /// `psql` as the superuser on database `postgres`: unaligned, tuples only,
+    /// stopping at the first error.
+    fn psql_command(&self) -> Command {
         let mut psql = Command::new(bin_dir().join("psql"));
         psql.args(["-X", "-q", "-At", "-v", "ON_ERROR_STOP=1"])
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-            ])
-            .args(["-c", sql]);
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["-U", "postgres", "-d", "postgres"]);
+        psql
+    }
+
+    /// Runs `sql` as the superuser; what it printed.
+    pub fn psql(&self, sql: &str) -> String {
+        let mut psql = self.psql_command();
+        psql.args(["-c", sql]);
         run(psql, &format!("psql {sql:?}")).trim().to_string()
     }
 
@@ -285,18 +284,8 @@ impl PostgresServer {
     /// it is killed: e.g. a transaction that holds a lock.
     pub fn hold(&self, sql: &str) -> Child {
         use std::io::Write;
-        let mut psql = Command::new(bin_dir().join("psql"))
-            .args(["-X", "-q", "-At", "-v", "ON_ERROR_STOP=1"])
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-            ])
+        let mut psql = self
+            .psql_command()
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())

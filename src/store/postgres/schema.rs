@@ -28,14 +28,18 @@ pub fn ddl(schema: &str) -> String {
         .replace("{channel}", &channel(schema))
 }
 
+/// The statement that records this version and `identity` in a schema that has none.
+fn meta_row(schema: &str, identity: [u8; 16]) -> String {
+    format!(
+        "INSERT INTO {schema}.meta (version, identity) VALUES ({VERSION}, '\\x{}')\n    ON CONFLICT (singleton) DO NOTHING;\n",
+        const_hex::encode(identity)
+    )
+}
+
 /// The DDL as a DBA applies it by hand (`store.migrate = false`): in one transaction,
 /// recording this version and a fresh key for scope numbers.
 pub fn script(schema: &str, identity: [u8; 16]) -> String {
-    format!(
-        "BEGIN;\n{}\nINSERT INTO {schema}.meta (version, identity) VALUES ({VERSION}, '\\x{}')\n    ON CONFLICT (singleton) DO NOTHING;\nCOMMIT;\n",
-        ddl(schema),
-        const_hex::encode(identity)
-    )
+    format!("BEGIN;\n{}\n{}COMMIT;\n", ddl(schema), meta_row(schema, identity))
 }
 
 /// A fresh key for scope numbers, for a schema made by hand.
@@ -107,11 +111,7 @@ pub(crate) async fn prepare(client: &Client, schema: &str, migrate: bool) -> Res
         {
             return Err(newer(schema, found));
         }
-        let apply = format!(
-            "{}\nINSERT INTO {schema}.meta (version, identity) VALUES ({VERSION}, '\\x{}')\n    ON CONFLICT (singleton) DO NOTHING;\n",
-            ddl(schema),
-            const_hex::encode(fresh)
-        );
+        let apply = format!("{}\n{}", ddl(schema), meta_row(schema, fresh));
         client.batch_execute(&apply).await.map_err(|error| {
             refused(format!(
                 "cannot create or upgrade the schema {schema}: {}",
