@@ -313,6 +313,20 @@ def until_ready(admin, limit=30):
     raise Failed(f"/readyz did not answer 200 within {limit} s")
 
 
+def until_upstream(proxy, limit=30):
+    """Polls a GET through the proxy (not guarded, so nothing is recorded) until the
+    upstream answers rather than the proxy's 502 (bounded): the seconds it took."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        try:
+            if proxy.request("GET", "/", timeout=2)[0] != 502:
+                return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise Failed(f"the upstream did not answer through the proxy within {limit} s")
+
+
 def metric(admin, line):
     _, _, body = admin.request("GET", "/metrics")
     for text in body.decode().splitlines():
@@ -502,6 +516,10 @@ def compose_check(processes):
         admin, proxy = Http(admin_port), Http(proxy_port)
         until_ready(admin, limit=60)
         log(f"[compose] ready {time.monotonic() - started:.1f} s after up")
+        # podman-compose before podman 4.6 ignores `condition: service_healthy`, so the
+        # proxy can be ready before the upstream listens (502, nothing sent): wait for it.
+        upstream = until_upstream(proxy, limit=60)
+        log(f"[compose] the upstream answered through the proxy {upstream:.1f} s after ready")
         key = {"idempotency-key": "compose-1", "content-type": "application/json"}
         first = proxy.request("POST", "/v1/payments", key, b'{"amount":1}')
         replay = proxy.request("POST", "/v1/payments", key, b'{"amount":1}')
