@@ -13,7 +13,10 @@ mod support;
 
 use std::time::Duration;
 
+use std::path::Path;
+
 use support::client::post;
+use support::pki::{Issued, Pki};
 use support::storm::{Storm, until_progress};
 use support::{ChildProxy, Mode, PostgresServer, Relay, StoreKind, TestConfig, Upstream};
 use tokio::time::Instant;
@@ -399,6 +402,18 @@ async fn each_bad_setting_is_named_at_start_and_the_dbas_schema_serves() {
         .expect("run idemproxy store schema");
     assert!(printed.status.success(), "{}", String::from_utf8_lossy(&printed.stderr));
     server.psql(&String::from_utf8_lossy(&printed.stdout));
+    // As a role with only the grants the book lists: no superuser, no CREATE.
+    server.psql(
+        "CREATE ROLE idemproxy_app LOGIN; GRANT USAGE ON SCHEMA by_hand TO idemproxy_app; \
+         GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA by_hand TO idemproxy_app; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA by_hand TO idemproxy_app",
+    );
+    let mut by_hand = config(
+        &format!("postgres://idemproxy_app@127.0.0.1:{}/postgres", server.port),
+        &upstream.url(),
+        "300ms",
+    );
+    by_hand.store_extra = "schema = \"by_hand\"\nmigrate = false".into();
     let proxy = ChildProxy::start(&by_hand).await;
     let first = post(proxy.addr, Some("by-hand"), "{}", &[("authorization", "Bearer t")]).await;
     let again = post(proxy.addr, Some("by-hand"), "{}", &[("authorization", "Bearer t")]).await;
@@ -406,4 +421,136 @@ async fn each_bad_setting_is_named_at_start_and_the_dbas_schema_serves() {
     assert!(again.replayed());
     assert_eq!(upstream.executions("by-hand"), 1);
     assert_eq!(server.psql("SELECT count(*) FROM by_hand.records"), "1");
+}
+
+/// The role that logs in by its client certificate alone (its CN), in the TLS tests.
+const CERT_ROLE: &str = "idemproxy_cert";
+
+/// pg_hba.conf for the TLS tests: over TCP, TLS or nothing; `CERT_ROLE` by its
+/// certificate, every other role by trust.
+fn tls_hba() -> String {
+    format!(
+        "local all all trust\nhostssl all {CERT_ROLE} 127.0.0.1/32 cert\nhostssl all all 127.0.0.1/32 trust\nhostnossl all all 127.0.0.1/32 reject\n"
+    )
+}
+
+fn tls_config(url: &str, upstream: &Upstream, ca: Option<&Path>, client: Option<&Issued>) -> TestConfig {
+    let mut config = config(url, &upstream.url(), "2s");
+    if let Some(ca) = ca {
+        config
+            .store_extra
+            .push_str(&format!("tls_ca_file = {:?}\n", ca.display().to_string()));
+    }
+    if let Some(client) = client {
+        config.store_extra.push_str(&format!(
+            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
+            client.cert_file.display().to_string(),
+            client.key_file.display().to_string()
+        ));
+    }
+    config
+}
+
+/// How many of the proxy's connections to `server` are (`true`) or are not over TLS.
+fn proxy_connections(server: &PostgresServer, tls: bool) -> u32 {
+    server
+        .psql(&format!(
+            "SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) \
+             WHERE application_name = 'idemproxy' AND ssl = {tls}"
+        ))
+        .parse()
+        .expect("a count")
+}
+
+/// A Postgres with `ssl = on` and a private CA, plain text refused: with libpq's
+/// `sslmode=verify-full` and the CA in `tls_ca_file` the store serves over TLS (every
+/// connection it holds is TLS) and a retry replays; a role that logs in by client
+/// certificate serves with `tls_cert_file`/`tls_key_file`, and without them the proxy
+/// refuses to start, naming the server's reason.
+#[tokio::test]
+async fn a_postgres_over_tls_with_a_private_ca_and_a_client_certificate_serves() {
+    let pki = Pki::new("postgres CA");
+    let mut server = PostgresServer::start();
+    server.psql(&format!("CREATE ROLE {CERT_ROLE} LOGIN SUPERUSER"));
+    server.enable_tls(&pki.server(), &pki.ca_file, &tls_hba());
+    let upstream = Upstream::start().await;
+    let url = format!(
+        "postgres://postgres@localhost:{}/postgres?sslmode=verify-full",
+        server.port
+    );
+    let proxy = ChildProxy::start(&tls_config(&url, &upstream, Some(&pki.ca_file), None)).await;
+    let tenant = [("authorization", "Bearer t")];
+    let first = post(proxy.addr, Some("tls-1"), "{}", &tenant).await;
+    let again = post(proxy.addr, Some("tls-1"), "{}", &tenant).await;
+    assert_eq!((first.status.as_u16(), again.status.as_u16()), (201, 201), "{first:?}");
+    assert!(again.replayed());
+    assert_eq!(upstream.executions("tls-1"), 1);
+    assert!(
+        proxy_connections(&server, true) >= 1,
+        "the proxy holds a TLS connection"
+    );
+    assert_eq!(proxy_connections(&server, false), 0, "and no plain one");
+    drop(proxy);
+
+    let client = pki.client(CERT_ROLE, false);
+    let url = format!(
+        "postgres://{CERT_ROLE}@127.0.0.1:{}/postgres?sslmode=require",
+        server.port
+    );
+    let proxy = ChildProxy::start(&tls_config(&url, &upstream, Some(&pki.ca_file), Some(&client))).await;
+    let by_certificate = post(proxy.addr, Some("tls-2"), "{}", &tenant).await;
+    assert_eq!(by_certificate.status, 201, "{by_certificate:?}");
+    assert_eq!(upstream.executions("tls-2"), 1);
+    drop(proxy);
+
+    let stderr = refused_at_start(&tls_config(&url, &upstream, Some(&pki.ca_file), None));
+    assert!(
+        stderr.contains("connection requires a valid client certificate"),
+        "{stderr}"
+    );
+    assert_eq!(server.psql("SELECT count(*) FROM idemproxy.records"), "2");
+}
+
+/// A certificate the store does not trust (another private CA, or only the webpki
+/// roots) refuses start with a line naming it, also with `sslmode=prefer` (never a
+/// fall back to plain text); `sslmode=disable` against a server that takes TLS only is
+/// refused with the server's reason. Nothing is claimed.
+#[tokio::test]
+async fn an_untrusted_postgres_certificate_or_plain_text_is_refused_at_start() {
+    let pki = Pki::new("postgres CA");
+    let other = Pki::new("another CA");
+    let mut server = PostgresServer::start();
+    server.enable_tls(&pki.server(), &pki.ca_file, &tls_hba());
+    let upstream = Upstream::start().await;
+    let port = server.port;
+    let cases = [
+        (
+            "require",
+            Some(other.ca_file.as_path()),
+            "invalid peer certificate: UnknownIssuer",
+        ),
+        (
+            "prefer",
+            Some(other.ca_file.as_path()),
+            "invalid peer certificate: UnknownIssuer",
+        ),
+        ("require", None, "invalid peer certificate: UnknownIssuer"),
+        ("disable", None, "no encryption"),
+    ];
+    for (mode, ca, expected) in cases {
+        let url = format!("postgres://postgres@127.0.0.1:{port}/postgres?sslmode={mode}");
+        let stderr = refused_at_start(&tls_config(&url, &upstream, ca, None));
+        let errors: Vec<&str> = stderr.lines().filter(|line| line.starts_with("idemproxy: ")).collect();
+        assert_eq!(errors.len(), 1, "{mode}: one line: {stderr}");
+        assert!(
+            errors[0].contains(expected),
+            "{mode}: expected {expected:?} in {stderr}"
+        );
+        println!("sslmode={mode}: {}", errors[0]);
+    }
+    assert_eq!(
+        server.psql("SELECT count(*) FROM pg_namespace WHERE nspname = 'idemproxy'"),
+        "0",
+        "nothing was made"
+    );
 }

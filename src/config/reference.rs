@@ -178,7 +178,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.url",
         default: DefaultValue::Required,
-        meaning: "`\"redis\"`: `redis://host:6379/0` or `rediss://` (TLS). `\"postgres\"`: a libpq-style URL, `postgres://user@host:5432/database`, with `sslmode` (`disable`, `prefer`, the default, or `require`) and several hosts for failover (`postgres://user@a,b/db?target_session_attrs=read-write`). A password in it is used, never shown",
+        meaning: "`\"redis\"`: `redis://host:6379/0` or `rediss://` (TLS). `\"postgres\"`: a libpq-style URL, `postgres://user@host:5432/database`, with `sslmode` (`disable`; `prefer`, the default, TLS when the server offers it; `require`, `verify-ca` or `verify-full`, TLS or no connection; whenever TLS is used the certificate and host name are verified) and several hosts for failover (`postgres://user@a,b/db?target_session_attrs=read-write`). A password in it is used, never shown",
     },
     Setting {
         key: "store.urls",

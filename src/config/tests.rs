@@ -65,7 +65,10 @@ fn the_redis_backend_needs_a_redis_url() {
     assert!(
         error(&format!("[store]\nbackend = \"redis\"\nurl = \"http://x\"\n{ROUTE}")).contains("t.toml:3: store.url:")
     );
-    assert!(error(&format!("[store]\nurl = \"redis://x\"\n{ROUTE}")).contains("store.url: only the redis backend"));
+    assert!(
+        error(&format!("[store]\nurl = \"redis://x\"\n{ROUTE}"))
+            .contains("store.url: only the redis and postgres backends")
+    );
     assert!(
         error(&format!(
             "[store]\nbackend = \"redis\"\nurl = \"redis://x\"\nmax_records = 5\n{ROUTE}"
@@ -396,7 +399,7 @@ fn each_topology_refuses_the_fields_of_the_others() {
         ),
         (
             "min_replica_acks = 1",
-            "t.toml:2: store.min_replica_acks: only the redis backends",
+            "t.toml:2: store.min_replica_acks: only the redis and postgres backends",
         ),
         (
             "urls = [\"redis://n:6379\"]",
@@ -1118,7 +1121,7 @@ fn the_sqlite_backend_takes_a_file_and_the_embedded_bounds() {
         ),
         (
             format!("{sqlite}path = \"r.db\"\nurl = \"redis://x\"\n{ROUTE}"),
-            "store.url: only the redis backends take this",
+            "store.url: only the redis and postgres backends take this",
         ),
         (
             format!("{sqlite}path = \"r.db\"\ncache_bytes = \"512KiB\"\n{ROUTE}"),
@@ -1180,6 +1183,21 @@ fn the_postgres_backend_takes_its_settings_and_never_shows_a_password() {
         ("idemproxy", true, DEFAULT_POSTGRES_CONNECTIONS)
     );
     assert!(!format!("{defaults:?}").contains("hunter2"));
+    // libpq's verify modes are taken: over rustls every TLS connection verifies both
+    // the chain and the host name, as verify-full does.
+    for mode in ["verify-full", "verify-ca", "require"] {
+        let strict = parse(&with(&format!(
+            "url = \"postgres://app@db/orders?application_name=x&sslmode={mode}\""
+        )))
+        .expect("valid");
+        let Backend::Postgres(postgres) = &strict.store.backend else {
+            panic!("not postgres");
+        };
+        assert_eq!(
+            postgres.url,
+            "postgres://app@db/orders?application_name=x&sslmode=require"
+        );
+    }
     for (lines, expected) in [
         ("", "store.url: the postgres backend needs url"),
         (
@@ -1188,6 +1206,14 @@ fn the_postgres_backend_takes_its_settings_and_never_shows_a_password() {
         ),
         (
             "url = \"postgres://a:hunter2@db/x?sslmode=sometimes\"",
+            "store.url: sslmode must be disable, prefer",
+        ),
+        (
+            "url = \"postgres://a@db/x?sslmode=allow\"",
+            "store.url: sslmode must be disable, prefer",
+        ),
+        (
+            "url = \"postgres://a:hunter2@db/x?connect_timeout=soon\"",
             "store.url: must be a postgres://",
         ),
         (

@@ -374,6 +374,41 @@ impl PostgresServer {
         standby
     }
 
+    /// TLS on, with `server` as its certificate and `ca` the CA that client
+    /// certificates must chain to, and `hba` as its pg_hba.conf: restarted on its port.
+    /// The files are copied into its own directory, where the server may read them
+    /// (the key the postgres user's alone, as Postgres insists).
+    pub fn enable_tls(&mut self, server: &super::pki::Issued, ca: &Path, hba: &str) {
+        for (from, to) in [
+            (server.cert_file.as_path(), "server.crt"),
+            (server.key_file.as_path(), "server.key"),
+            (ca, "root.crt"),
+        ] {
+            let copy = self.dir.join(to);
+            std::fs::copy(from, &copy).expect("copy a TLS file");
+            if running_as_root() {
+                let mut chown = Command::new("chown");
+                chown.arg("postgres:postgres").arg(&copy);
+                run(chown, "chown a TLS file");
+            }
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o600)).expect("chmod a TLS file");
+        }
+        std::fs::write(self.data.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
+        let dir = self.dir.display().to_string();
+        // One statement each: ALTER SYSTEM runs outside a transaction block.
+        for (name, value) in [
+            ("ssl", "on".to_string()),
+            ("ssl_cert_file", format!("{dir}/server.crt")),
+            ("ssl_key_file", format!("{dir}/server.key")),
+            ("ssl_ca_file", format!("{dir}/root.crt")),
+        ] {
+            self.psql(&format!("ALTER SYSTEM SET {name} = '{value}'"));
+        }
+        self.stop("fast");
+        self.start_again();
+    }
+
     /// `pg_ctl promote`: a standby becomes a primary.
     pub fn promote(&self) {
         let mut promote = as_owner("pg_ctl");

@@ -194,27 +194,47 @@ impl Validator<'_> {
         })
     }
 
-    /// An embedded backend takes none of Redis's settings.
+    /// An embedded backend takes none of the networked stores' settings.
     fn refuse_redis_settings(&self, raw: &RawStore) -> Result<(), ConfigError> {
-        let redis_only = [
-            ("store.url", raw.url.as_ref().map(Spanned::span)),
-            ("store.urls", raw.urls.as_ref().map(Spanned::span)),
-            ("store.master_name", raw.master_name.as_ref().map(Spanned::span)),
+        const REDIS: &str = "only the redis backends take this";
+        const NETWORKED: &str = "only the redis and postgres backends take this";
+        let networked_only = [
+            ("store.url", raw.url.as_ref().map(Spanned::span), NETWORKED),
+            ("store.urls", raw.urls.as_ref().map(Spanned::span), REDIS),
+            ("store.master_name", raw.master_name.as_ref().map(Spanned::span), REDIS),
             (
                 "store.min_replica_acks",
                 raw.min_replica_acks.as_ref().map(Spanned::span),
+                NETWORKED,
             ),
             (
                 "store.replica_ack_timeout",
                 raw.replica_ack_timeout.as_ref().map(Spanned::span),
+                REDIS,
             ),
-            ("store.tls_ca_file", raw.tls_ca_file.as_ref().map(Spanned::span)),
-            ("store.tls_cert_file", raw.tls_cert_file.as_ref().map(Spanned::span)),
-            ("store.tls_key_file", raw.tls_key_file.as_ref().map(Spanned::span)),
-            ("store.connections", raw.connections.as_ref().map(Spanned::span)),
+            (
+                "store.tls_ca_file",
+                raw.tls_ca_file.as_ref().map(Spanned::span),
+                NETWORKED,
+            ),
+            (
+                "store.tls_cert_file",
+                raw.tls_cert_file.as_ref().map(Spanned::span),
+                NETWORKED,
+            ),
+            (
+                "store.tls_key_file",
+                raw.tls_key_file.as_ref().map(Spanned::span),
+                NETWORKED,
+            ),
+            (
+                "store.connections",
+                raw.connections.as_ref().map(Spanned::span),
+                NETWORKED,
+            ),
         ];
-        match redis_only.into_iter().find(|(_, span)| span.is_some()) {
-            Some((field, Some(span))) => Err(self.error(span, field, "only the redis backends take this")),
+        match networked_only.into_iter().find(|(_, span, _)| span.is_some()) {
+            Some((field, Some(span), reason)) => Err(self.error(span, field, reason)),
             _ => Ok(()),
         }
     }
@@ -293,7 +313,14 @@ impl Validator<'_> {
             ));
         };
         let scheme_ok = url.get_ref().starts_with("postgres://") || url.get_ref().starts_with("postgresql://");
-        let parsed = match url.get_ref().parse::<tokio_postgres::Config>() {
+        let Some(url_text) = libpq_sslmode(url.get_ref()) else {
+            return Err(self.error(
+                url.span(),
+                "store.url",
+                "sslmode must be disable, prefer (the default: TLS when the server offers it), require, verify-ca or verify-full (the last three: TLS or no connection); whenever TLS is used, the certificate and host name are verified",
+            ));
+        };
+        let parsed = match url_text.parse::<tokio_postgres::Config>() {
             Ok(parsed) if scheme_ok => parsed,
             // The parser's message may quote the URL, and with it a password.
             _ => {
@@ -381,7 +408,7 @@ impl Validator<'_> {
             "TLS settings with sslmode=disable in store.url would never be used",
         )?;
         Ok(PostgresConfig {
-            url: url.get_ref().clone(),
+            url: url_text,
             password,
             password_env: raw.password_env.as_ref().map(|variable| variable.get_ref().clone()),
             schema,
@@ -606,4 +633,23 @@ impl Validator<'_> {
         }
         Ok(())
     }
+}
+
+/// `url` with libpq's `sslmode=verify-ca` or `verify-full` written as tokio-postgres
+/// takes it, `require`: over rustls the server's certificate and host name are always
+/// verified, so each is as strict as verify-full. `None` for an sslmode libpq does not
+/// have, or `allow` (plain text first), which tokio-postgres does not do.
+fn libpq_sslmode(url: &str) -> Option<String> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Some(url.to_string());
+    };
+    let mut pairs = Vec::new();
+    for pair in query.split('&') {
+        pairs.push(match pair.strip_prefix("sslmode=") {
+            None | Some("disable" | "prefer" | "require") => pair,
+            Some("verify-ca" | "verify-full") => "sslmode=require",
+            Some(_) => return None,
+        });
+    }
+    Some(format!("{base}?{}", pairs.join("&")))
 }

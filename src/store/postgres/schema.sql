@@ -75,10 +75,21 @@ BEGIN
     RETURN NULL;
 END $$;
 
+-- Only records with a scope fire it: a route without one pays nothing for shares (on
+-- this machine the trigger cost a fifth of a claim and complete's throughput).
 DROP TRIGGER IF EXISTS records_share ON {schema}.records;
-CREATE TRIGGER records_share
-    AFTER INSERT OR DELETE OR UPDATE OF scope ON {schema}.records
-    FOR EACH ROW EXECUTE FUNCTION {schema}.count_share();
+DROP TRIGGER IF EXISTS records_share_insert ON {schema}.records;
+CREATE TRIGGER records_share_insert
+    AFTER INSERT ON {schema}.records
+    FOR EACH ROW WHEN (NEW.scope IS NOT NULL) EXECUTE FUNCTION {schema}.count_share();
+DROP TRIGGER IF EXISTS records_share_delete ON {schema}.records;
+CREATE TRIGGER records_share_delete
+    AFTER DELETE ON {schema}.records
+    FOR EACH ROW WHEN (OLD.scope IS NOT NULL) EXECUTE FUNCTION {schema}.count_share();
+DROP TRIGGER IF EXISTS records_share_update ON {schema}.records;
+CREATE TRIGGER records_share_update
+    AFTER UPDATE OF scope ON {schema}.records
+    FOR EACH ROW WHEN (OLD.scope IS DISTINCT FROM NEW.scope) EXECUTE FUNCTION {schema}.count_share();
 
 -- Milliseconds from now_ until then (negative once it has passed).
 CREATE OR REPLACE FUNCTION {schema}.ms(then_ timestamptz, now_ timestamptz) RETURNS bigint
