@@ -436,18 +436,7 @@ fn tls_hba() -> String {
 
 fn tls_config(url: &str, upstream: &Upstream, ca: Option<&Path>, client: Option<&Issued>) -> TestConfig {
     let mut config = config(url, &upstream.url(), "2s");
-    if let Some(ca) = ca {
-        config
-            .store_extra
-            .push_str(&format!("tls_ca_file = {:?}\n", ca.display().to_string()));
-    }
-    if let Some(client) = client {
-        config.store_extra.push_str(&format!(
-            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
-            client.cert_file.display().to_string(),
-            client.key_file.display().to_string()
-        ));
-    }
+    config.store_extra.push_str(&support::pki::store_tls_lines(ca, client));
     config
 }
 

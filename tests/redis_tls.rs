@@ -39,18 +39,7 @@ fn config(upstream: &Upstream, redis: &RedisServer, ca: Option<&Path>, client: O
 
 fn store_config(store: StoreKind, upstream: &Upstream, ca: Option<&Path>, client: Option<&Issued>) -> TestConfig {
     let mut config = TestConfig::new(store, &upstream.url());
-    if let Some(ca) = ca {
-        config
-            .store_extra
-            .push_str(&format!("tls_ca_file = {:?}\n", ca.display().to_string()));
-    }
-    if let Some(client) = client {
-        config.store_extra.push_str(&format!(
-            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
-            client.cert_file.display().to_string(),
-            client.key_file.display().to_string()
-        ));
-    }
+    config.store_extra.push_str(&support::pki::store_tls_lines(ca, client));
     config
 }
 

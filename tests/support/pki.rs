@@ -151,3 +151,19 @@ pub fn acceptor(issued: &Issued) -> tokio_rustls::TlsAcceptor {
         .expect("a server certificate");
     tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
+
+/// The `[store]` lines that trust `ca` and present `client`, as every store takes them.
+pub fn store_tls_lines(ca: Option<&std::path::Path>, client: Option<&Issued>) -> String {
+    let mut lines = String::new();
+    if let Some(ca) = ca {
+        lines.push_str(&format!("tls_ca_file = {:?}\n", ca.display().to_string()));
+    }
+    if let Some(client) = client {
+        lines.push_str(&format!(
+            "tls_cert_file = {:?}\ntls_key_file = {:?}\n",
+            client.cert_file.display().to_string(),
+            client.key_file.display().to_string()
+        ));
+    }
+    lines
+}
