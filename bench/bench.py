@@ -28,7 +28,9 @@ the SQLite store's commits and fsyncs per second), --sealed (also run fresh keys
 replays with 1 KiB and 64 KiB bodies on an idemproxy with [store.encryption], beside
 the same cases in clear), --postgres (also run fresh keys and replays on the Postgres
 store, beside (d) and (e) on Redis, with statements and Postgres CPU per request;
---pg-connections N sets its store.connections, default 4),
+--pg-connections N sets its store.connections, default 4), --keys (also run cases (kh)
+and (kj): fresh keys with a 1 KiB request body, the key in the header beside the key in
+a JSON field of the body),
 --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
@@ -127,6 +129,34 @@ POSTGRES_CASES = [
 ]
 ON_POSTGRES = {"pf": "d", "pr": "e"}
 
+# With --keys: a fresh key per POST with a 1 KiB JSON request body, the key in the
+# Idempotency-Key header (the "payments" route) beside the same key in a JSON field of
+# the same body (the "refs" route, key = ["json:/client_reference"]), on one idemproxy,
+# from the same run: what reading the key from the body costs.
+KEY_CASES = [
+    ("kh", "idemproxy POST, fresh key in the header, 1 KiB request", "idemproxy", "freshheader1k.lua", "/v1/payments"),
+    ("kj", "idemproxy POST, fresh key in a JSON field, 1 KiB request", "idemproxy", "freshjson1k.lua", "/v1/refs"),
+]
+IN_HEADER = {"kj": "kh"}
+
+# A 1 KiB request body with the key in its client_reference field: the same bytes in
+# both key cases, so that only where the proxy finds the key differs.
+FRESH_1K = textwrap.dedent("""
+    math.randomseed(os.time() + math.floor(os.clock() * 1000000))
+    local prefix = string.format("%x%x", math.random(0, 0x7fffffff), math.random(0, 0x7fffffff))
+    local counter = 0
+    local memo = string.rep("x", 960)
+    wrk.method = "POST"
+    wrk.headers["Content-Type"] = "application/json"
+    request = function()
+      counter = counter + 1
+      local key = prefix .. "-" .. counter
+      local body = '{"client_reference":"' .. key .. '","amount":1000,"memo":"' .. memo .. '"}'
+      HEADER
+      return wrk.format(nil, nil, nil, body)
+    end
+""")
+
 # wrk prints one machine-readable line at the end of each run.
 DONE = """
 done = function(summary, latency, requests)
@@ -171,6 +201,8 @@ SCRIPTS = {
         wrk.headers["Content-Type"] = "application/json"
         wrk.headers["Idempotency-Key"] = "bench-replay-64k"
     """),
+    "freshheader1k.lua": FRESH_1K.replace("HEADER", 'wrk.headers["Idempotency-Key"] = key'),
+    "freshjson1k.lua": FRESH_1K.replace("HEADER", "-- the key is in the body only"),
     "nokey.lua": textwrap.dedent("""
         wrk.method = "POST"
         wrk.body = '{"amount":1000}'
@@ -396,12 +428,14 @@ def main():
     parser.add_argument("--stores", action="store_true")
     parser.add_argument("--sealed", action="store_true")
     parser.add_argument("--postgres", action="store_true")
+    parser.add_argument("--keys", action="store_true")
     parser.add_argument("--pg-connections", type=int, default=4)
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
     connection_counts = [int(c) for c in args.connections.split(",")]
     cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
-             + (STORE_CASES if args.stores else []) + (POSTGRES_CASES if args.postgres else []))
+             + (STORE_CASES if args.stores else []) + (POSTGRES_CASES if args.postgres else [])
+             + (KEY_CASES if args.keys else []))
     if args.sealed:
         # (k) and (p) are already among CASES: each case runs once.
         known = {case[0] for case in cases}
@@ -413,6 +447,7 @@ def main():
         wanted |= {other for c in wanted if c in ON_SQLITE for other in ON_SQLITE[c]}
         wanted |= {UNSEALED[c] for c in wanted if c in UNSEALED}
         wanted |= {ON_POSTGRES[c] for c in wanted if c in ON_POSTGRES}
+        wanted |= {IN_HEADER[c] for c in wanted if c in IN_HEADER}
         wanted |= {BASELINE.get(case, "b") for case in wanted}
         cases = [case for case in cases if case[0] in wanted]
 
@@ -504,6 +539,12 @@ def main():
                 path_prefix = "/v1/payments"
                 upstream = "http://127.0.0.1:{ports["upstream"]}"
                 [route.idempotency]
+                [[route]]
+                name = "refs"
+                path_prefix = "/v1/refs"
+                upstream = "http://127.0.0.1:{ports["upstream"]}"
+                [route.idempotency]
+                key = ["json:/client_reference"]
                 [[route]]
                 name = "orders"
                 path_prefix = "/v1/orders"
@@ -780,6 +821,7 @@ def print_table(results, connection_counts, args, cases):
                   f"{trips} | {commands} | {cpu} | {rss} |")
     ratio_table(results, connection_counts, cases, UNTRACED, "traced", "untraced")
     ratio_table(results, connection_counts, cases, UNSEALED, "sealed", "in clear")
+    ratio_table(results, connection_counts, cases, IN_HEADER, "key in the body", "key in the header")
     on_sqlite = [case for case in cases if case[0] in ON_SQLITE]
     if on_sqlite:
         print()

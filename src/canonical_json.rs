@@ -71,23 +71,106 @@ impl std::fmt::Display for JsonPointer {
     }
 }
 
+impl JsonPointer {
+    /// The reference tokens, unescaped: `/a~1b/c` is `["a/b", "c"]`.
+    pub fn tokens(&self) -> &[String] {
+        &self.0
+    }
+
+    /// Whether `self` points at `other` or into it: `/a/b` is within `/a` and `/a/b`.
+    pub fn is_within(&self, other: &JsonPointer) -> bool {
+        self.0.starts_with(&other.0)
+    }
+}
+
 /// The canonical form of `body`, leaving out what `ignore` points at; `None` when the
 /// body is not canonical JSON (see the module's rules).
 pub fn canonical(body: &[u8], ignore: &[JsonPointer]) -> Option<Vec<u8>> {
-    let mut parser = Parser { input: body, at: 0 };
+    let mut parser = Parser::new(body, 0);
     let pointers: Vec<&[String]> = ignore.iter().map(|pointer| pointer.0.as_slice()).collect();
     let mut out = Vec::with_capacity(body.len());
-    parser.value(&mut out, &pointers, 0)?;
+    parser.value(&mut out, &pointers, &[], 0)?;
     parser.whitespace();
     (parser.at == body.len()).then_some(out)
+}
+
+/// A value a pointer found in a body: a string, as the characters it holds, or any
+/// other value in its canonical form (`12345` is `12345e0`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Found {
+    String(String),
+    Other(Vec<u8>),
+}
+
+/// What each of `pointers` finds in `body`: `None` where it finds nothing or `null`.
+/// `None` as a whole when the body is not canonical JSON, so that a key is never
+/// taken from a body the fingerprint reads as bytes.
+pub fn find(body: &[u8], pointers: &[JsonPointer]) -> Option<Vec<Option<Found>>> {
+    let mut parser = Parser::new(body, pointers.len());
+    let wanted: Vec<(usize, &[String])> = pointers
+        .iter()
+        .enumerate()
+        .map(|(index, pointer)| (index, pointer.0.as_slice()))
+        .collect();
+    let mut out = Vec::with_capacity(body.len());
+    parser.value(&mut out, &[], &wanted, 0)?;
+    parser.whitespace();
+    if parser.at != body.len() {
+        return None;
+    }
+    let found = parser.found.into_iter().map(|value| {
+        let value = value.filter(|value| value != b"null")?;
+        if value.first() == Some(&b'"') {
+            return Parser::new(&value, 0).string().map(Found::String);
+        }
+        Some(Found::Other(value))
+    });
+    Some(found.collect())
+}
+
+/// A string in canonical form: quoted, `"` and `\\` and control characters escaped.
+pub fn quoted(text: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(text.len() + 2);
+    write_string(&mut out, text);
+    out
 }
 
 struct Parser<'a> {
     input: &'a [u8],
     at: usize,
+    /// The canonical form of each wanted pointer's value, once the parser has met it.
+    found: Vec<Option<Vec<u8>>>,
 }
 
 impl<'a> Parser<'a> {
+    fn new(input: &'a [u8], wanted: usize) -> Parser<'a> {
+        Parser {
+            input,
+            at: 0,
+            found: vec![None; wanted],
+        }
+    }
+
+    /// A value (see `value`), kept for each wanted pointer that ends at it.
+    fn wanted_value(
+        &mut self,
+        out: &mut Vec<u8>,
+        ignore: &[&[String]],
+        token: &str,
+        wanted: &[(usize, &[String])],
+        depth: usize,
+    ) -> Option<()> {
+        let (ends, inner) = descend_wanted(wanted, token);
+        let start = out.len();
+        self.value(out, ignore, &inner, depth)?;
+        for index in ends {
+            if let (Some(slot), Some(value)) = (self.found.get_mut(index), out.get(start..)) {
+                *slot = Some(value.to_vec());
+            }
+        }
+        Some(())
+    }
+
     fn peek(&self) -> Option<u8> {
         self.input.get(self.at).copied()
     }
@@ -109,12 +192,18 @@ impl<'a> Parser<'a> {
     }
 
     /// One value, written to `out`. `ignore` holds what is left of the pointers that
-    /// lead into this value.
-    fn value(&mut self, out: &mut Vec<u8>, ignore: &[&[String]], depth: usize) -> Option<()> {
+    /// lead into this value, and `wanted` what is left of those `find` looks for.
+    fn value(
+        &mut self,
+        out: &mut Vec<u8>,
+        ignore: &[&[String]],
+        wanted: &[(usize, &[String])],
+        depth: usize,
+    ) -> Option<()> {
         self.whitespace();
         match self.peek()? {
-            b'{' => self.object(out, ignore, depth + 1),
-            b'[' => self.array(out, ignore, depth + 1),
+            b'{' => self.object(out, ignore, wanted, depth + 1),
+            b'[' => self.array(out, ignore, wanted, depth + 1),
             b'"' => {
                 let text = self.string()?;
                 write_string(out, &text);
@@ -135,7 +224,13 @@ impl<'a> Parser<'a> {
         Some(())
     }
 
-    fn object(&mut self, out: &mut Vec<u8>, ignore: &[&[String]], depth: usize) -> Option<()> {
+    fn object(
+        &mut self,
+        out: &mut Vec<u8>,
+        ignore: &[&[String]],
+        wanted: &[(usize, &[String])],
+        depth: usize,
+    ) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -154,7 +249,7 @@ impl<'a> Parser<'a> {
                 self.expect(b':')?;
                 let (dropped, inner) = descend(ignore, &key);
                 let mut value = Vec::new();
-                self.value(&mut value, &inner, depth)?;
+                self.wanted_value(&mut value, &inner, &key, wanted, depth)?;
                 members.push((key, (!dropped).then_some(value)));
                 self.whitespace();
                 match self.next()? {
@@ -183,7 +278,13 @@ impl<'a> Parser<'a> {
         Some(())
     }
 
-    fn array(&mut self, out: &mut Vec<u8>, ignore: &[&[String]], depth: usize) -> Option<()> {
+    fn array(
+        &mut self,
+        out: &mut Vec<u8>,
+        ignore: &[&[String]],
+        wanted: &[(usize, &[String])],
+        depth: usize,
+    ) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -200,13 +301,14 @@ impl<'a> Parser<'a> {
             if index > 0 {
                 out.push(b',');
             }
-            let (dropped, inner) = descend(ignore, &index.to_string());
+            let token = index.to_string();
+            let (dropped, inner) = descend(ignore, &token);
             if dropped {
                 let mut skipped = Vec::new();
-                self.value(&mut skipped, &[], depth)?;
+                self.value(&mut skipped, &[], &[], depth)?;
                 out.extend_from_slice(b"null");
             } else {
-                self.value(out, &inner, depth)?;
+                self.wanted_value(out, &inner, &token, wanted, depth)?;
             }
             index += 1;
             self.whitespace();
@@ -366,6 +468,25 @@ fn descend<'a>(ignore: &[&'a [String]], token: &str) -> (bool, Vec<&'a [String]>
     (dropped, inner)
 }
 
+/// `descend` for the pointers `find` looks for: the indexes of those that end here,
+/// and what is left of the others.
+fn descend_wanted<'a>(wanted: &[(usize, &'a [String])], token: &str) -> (Vec<usize>, Vec<(usize, &'a [String])>) {
+    let mut ends = Vec::new();
+    let mut inner = Vec::new();
+    for &(index, pointer) in wanted {
+        if let Some((first, rest)) = pointer.split_first()
+            && first == token
+        {
+            if rest.is_empty() {
+                ends.push(index);
+            } else {
+                inner.push((index, rest));
+            }
+        }
+    }
+    (ends, inner)
+}
+
 fn write_string(out: &mut Vec<u8>, text: &str) {
     out.push(b'"');
     for c in text.chars() {
@@ -428,6 +549,33 @@ mod tests {
             assert!(canonical.is_some(), "{escape}");
             assert_eq!(canonical, canon(named, &[]), "{escape}");
         }
+    }
+
+    #[test]
+    fn find_takes_strings_as_they_are_and_other_values_in_canonical_form() {
+        let pointers: Vec<JsonPointer> = ["/ref", "/n", "/o", "/list/1", "/none", "/null", "/a~1b"]
+            .iter()
+            .map(|pointer| JsonPointer::parse(pointer).expect("a pointer"))
+            .collect();
+        let body = br#"{"ref":"r-1","n":12345,"o":{"b":1.0,"a":true},"list":[1,"x"],"null":null,"a/b":"s"}"#;
+        let found = find(body, &pointers).expect("JSON");
+        assert_eq!(
+            found,
+            vec![
+                Some(Found::String("r-1".into())),
+                Some(Found::Other(b"12345e0".to_vec())),
+                Some(Found::Other(br#"{"a":true,"b":1e0}"#.to_vec())),
+                Some(Found::String("x".into())),
+                None,
+                None,
+                Some(Found::String("s".into())),
+            ]
+        );
+        // Not canonical JSON: nothing is taken from it.
+        assert_eq!(find(br#"{"ref":"a","ref":"b"}"#, &pointers), None);
+        assert_eq!(find(b"ref=a", &pointers), None);
+        assert!(pointers[3].is_within(&JsonPointer::parse("/list").expect("a pointer")));
+        assert!(!pointers[0].is_within(&pointers[1]));
     }
 
     #[test]

@@ -20,11 +20,13 @@ use crate::jwt::JwtVerifier;
 pub use crate::problem::Profile;
 pub use crate::request_target::{PathPolicy, Spelling};
 
+pub mod key;
 mod raw;
 pub mod reference;
 mod upstream;
 mod validate;
 
+pub use self::key::KeySource;
 pub use self::upstream::Upstream;
 
 /// One second beyond the upstream timeout: how long an owner may hold a claim.
@@ -458,7 +460,13 @@ pub struct Route {
 #[derive(Debug, Clone)]
 pub struct IdempotencyPolicy {
     pub methods: Vec<Method>,
+    /// The first header source of `key`, or `header` when `key` has none: the header
+    /// a derived upstream key replaces.
     pub header: HeaderName,
+    /// Where the key is found, the first source present winning (docs/design.md §23).
+    pub key: Vec<KeySource>,
+    /// With the `body` source: how long two identical requests are one operation.
+    pub dedup_window: Option<Duration>,
     pub required: bool,
     pub retention: Duration,
     /// How long a duplicate waits for the first request in flight before 409.
@@ -496,6 +504,33 @@ pub struct IdempotencyPolicy {
 }
 
 impl IdempotencyPolicy {
+    /// Whether the key may be in the body, so that the body is read before the claim.
+    pub fn key_needs_body(&self) -> bool {
+        self.key.iter().any(KeySource::needs_body)
+    }
+
+    /// Whether the key is in one header only, as it is by default: the route answers a
+    /// missing or bad key as it always has.
+    pub fn key_is_one_header(&self) -> bool {
+        matches!(self.key.as_slice(), [KeySource::Header(_)])
+    }
+
+    /// The key's sources as `check` says them: the header alone by default.
+    pub fn describe_key(&self) -> String {
+        let window = self.dedup_window.map(humantime::format_duration);
+        let sources = key::describe(&self.key);
+        match (self.key.as_slice(), window) {
+            ([KeySource::Header(name)], _) => name.to_string(),
+            (_, Some(window)) => format!(
+                "the key from the first of {sources} (the body read before the claim; body: two identical requests within {window} are one operation, the second replayed)"
+            ),
+            _ if self.key_needs_body() => {
+                format!("the key from the first of {sources} (the body read before the claim)")
+            }
+            _ => format!("the key from the first of {sources}"),
+        }
+    }
+
     /// How a retry is answered, as `check` says it: nothing for `"stored"`.
     pub fn describe_replay(&self) -> String {
         let kept = || {
@@ -941,7 +976,7 @@ impl std::fmt::Display for Config {
                         Mode::Shadow => "shadows",
                     },
                     policy.methods.iter().map(Method::as_str).collect::<Vec<_>>().join(","),
-                    policy.header,
+                    policy.describe_key(),
                     humantime::format_duration(policy.retention),
                     policy
                         .scope_jwt
@@ -959,7 +994,9 @@ impl std::fmt::Display for Config {
                             humantime::format_duration(policy.wait_for_in_flight)
                         )
                     } + &match policy.upstream_key {
-                        UpstreamKey::Client if policy.upstream_key_header == policy.header => String::new(),
+                        UpstreamKey::Client
+                            if policy.key_is_one_header() && policy.upstream_key_header == policy.header =>
+                            String::new(),
                         UpstreamKey::Client =>
                             format!(", the client's key sent upstream as {}", policy.upstream_key_header),
                         UpstreamKey::Derived =>

@@ -12,6 +12,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri}
 use http_body_util::BodyExt;
 
 use crate::body::full;
+use crate::config::KeySource;
 use crate::upstream::{self, HttpClient};
 
 /// What to run the cases against.
@@ -27,8 +28,10 @@ pub struct Endpoint {
     pub headers: Vec<(HeaderName, HeaderValue)>,
     /// The request body (`{}` by default).
     pub body: String,
-    /// The idempotency key's header.
-    pub key_header: HeaderName,
+    /// Where the cases send their key: a header (`header:Idempotency-Key` by default),
+    /// a JSON field of the body, a form field or a query parameter, as the route's
+    /// `key` says (docs/design.md §23).
+    pub key_from: KeySource,
     /// How long one request may take.
     pub timeout: Duration,
 }
@@ -117,11 +120,12 @@ impl Runner {
     }
 
     async fn send(&self, path: &str, keys: &[&str], body: &str) -> Result<Seen, String> {
+        let (path, body) = place(&self.endpoint.key_from, path, keys, body)?;
         let base = self.endpoint.base.trim_end_matches('/');
         let uri: Uri = format!("{base}{path}")
             .parse()
             .map_err(|_| format!("{base}{path} is not a URL"))?;
-        let mut request = Request::new(full(Bytes::from(body.to_string())));
+        let mut request = Request::new(full(Bytes::from(body)));
         *request.method_mut() = Method::POST;
         *request.uri_mut() = uri;
         let headers = request.headers_mut();
@@ -130,13 +134,19 @@ impl Runner {
         {
             headers.insert(http::header::HOST, host);
         }
-        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        let media = match self.endpoint.key_from {
+            KeySource::Form(_) => "application/x-www-form-urlencoded",
+            _ => "application/json",
+        };
+        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(media));
         for (name, value) in &self.endpoint.headers {
             headers.insert(name.clone(), value.clone());
         }
-        for key in keys {
-            let value = HeaderValue::try_from(*key).map_err(|_| "a key that is not a header value".to_string())?;
-            headers.append(self.endpoint.key_header.clone(), value);
+        if let KeySource::Header(name) = &self.endpoint.key_from {
+            for key in keys {
+                let value = HeaderValue::try_from(*key).map_err(|_| "a key that is not a header value".to_string())?;
+                headers.append(name.clone(), value);
+            }
         }
         let exchange = async {
             let response = self
@@ -294,6 +304,76 @@ impl Runner {
             finding,
             saw,
         }
+    }
+}
+
+/// The path and body of a request that carries `keys` (none, one, or the same field
+/// twice) in `source`; a header source leaves both as they are (`send` adds the
+/// header lines).
+fn place(source: &KeySource, path: &str, keys: &[&str], body: &str) -> Result<(String, String), String> {
+    let pairs = |name: &str| {
+        let mut pairs = form_urlencoded::Serializer::new(String::new());
+        for key in keys {
+            pairs.append_pair(name, key);
+        }
+        pairs.finish()
+    };
+    let join = |text: &str, separator: char, more: String| match (text.is_empty(), more.is_empty()) {
+        (_, true) => text.to_string(),
+        (true, false) => more,
+        (false, false) => format!("{text}{separator}{more}"),
+    };
+    match source {
+        KeySource::Header(_) => Ok((path.to_string(), body.to_string())),
+        KeySource::Query(name) => {
+            let (path, query) = path.split_once('?').unwrap_or((path, ""));
+            Ok((format!("{path}?{}", join(query, '&', pairs(name))), body.to_string()))
+        }
+        KeySource::Form(name) => Ok((path.to_string(), join(body, '&', pairs(name)))),
+        KeySource::Json(pointers) => Ok((path.to_string(), json_with_keys(pointers, keys, body)?)),
+        KeySource::Body => {
+            Err("the body source has no key to send: give --key-from header:, json:, form: or query:".into())
+        }
+    }
+}
+
+/// `body` (a JSON object) with each pointer's field set to the key; with two keys, the
+/// first pointer's member written twice, as a client that sends the field twice does.
+fn json_with_keys(
+    pointers: &[crate::canonical_json::JsonPointer],
+    keys: &[&str],
+    body: &str,
+) -> Result<String, String> {
+    use serde_json::Value;
+    let mut document: Value =
+        serde_json::from_str(body).map_err(|_| "--body is not JSON, so it cannot carry a json: key".to_string())?;
+    let Some(first) = keys.first() else {
+        return Ok(body.to_string());
+    };
+    // A stand-in for the first pointer's value when the field is sent twice.
+    const TWICE: &str = "idemproxy-conformance-twice";
+    for (index, pointer) in pointers.iter().enumerate() {
+        let value = if index == 0 && keys.len() > 1 { TWICE } else { first };
+        let mut at = &mut document;
+        for token in pointer.tokens() {
+            if at.is_null() {
+                *at = Value::Object(serde_json::Map::new());
+            }
+            if !at.is_object() {
+                return Err(format!("--body has no object at {pointer} to hold the key"));
+            }
+            at = &mut at[token.as_str()];
+        }
+        *at = Value::String(value.to_string());
+    }
+    let text = document.to_string();
+    match (keys, pointers.first().and_then(|pointer| pointer.tokens().last())) {
+        ([one, two], Some(name)) => {
+            let quoted = |text: &str| Value::String(text.to_string()).to_string();
+            let members = format!("{},{}:{}", quoted(one), quoted(name), quoted(two));
+            Ok(text.replacen(&quoted(TWICE), &members, 1))
+        }
+        _ => Ok(text),
     }
 }
 

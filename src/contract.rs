@@ -6,7 +6,7 @@
 
 use serde_json::{Value, json};
 
-use crate::config::{FingerprintBody, IdempotencyPolicy, Mode, Profile, ReplayKind, Route, UpstreamKey};
+use crate::config::{FingerprintBody, IdempotencyPolicy, KeySource, Mode, Profile, ReplayKind, Route, UpstreamKey};
 use crate::idempotency::MAX_KEY_LEN;
 use crate::problem::{Listed, ProblemKind, problem_type};
 
@@ -46,9 +46,12 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
         "host": route.host,
         "path_prefix": route.path_prefix,
         "methods": policy.methods.iter().map(|method| method.as_str()).collect::<Vec<_>>(),
-        "header": header_name(policy),
+        "header": has_header_source(policy).then(|| header_name(policy)),
         "required": policy.required,
         "key": {
+            "sources": policy.key.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "sources_meaning": "the first source the request carries gives its key; header:NAME a header field, json:/pointer a value in the JSON body (a string as it is, any other value by its canonical form; json:/a&/b several values as one key), form:NAME a field of a form body, query:NAME a query parameter, body no key at all (the request itself, within dedup_window_seconds)",
+            "dedup_window_seconds": policy.dedup_window.map(|window| window.as_secs()),
             "min_length": 1,
             "max_length": MAX_KEY_LEN,
             "characters": "visible ASCII (0x21 to 0x7E)",
@@ -130,12 +133,19 @@ fn covers(policy: &IdempotencyPolicy) -> Vec<String> {
     covers
 }
 
+/// Whether a client may send its key in a header on the route.
+fn has_header_source(policy: &IdempotencyPolicy) -> bool {
+    policy.key.iter().any(|source| matches!(source, KeySource::Header(_)))
+}
+
 /// The header's name as the config spells it canonically (`Idempotency-Key`).
 fn header_name(policy: &IdempotencyPolicy) -> String {
-    policy
-        .header
-        .as_str()
-        .split('-')
+    canonical_header(policy.header.as_str())
+}
+
+/// A header name with each part capitalised, as specs write it.
+fn canonical_header(name: &str) -> String {
+    name.split('-')
         .map(|part| {
             let mut chars = part.chars();
             chars.next().map_or_else(String::new, |first| {
@@ -174,20 +184,13 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
         let Some(policy) = route.idempotency.as_deref() else {
             continue;
         };
-        let parameter = format!("{}IdempotencyKey", component_name(&route.name));
-        parameters.insert(
-            parameter.clone(),
-            json!({
-                "name": header_name(policy),
-                "in": "header",
-                "required": policy.required,
-                "description": format!(
-                    "A unique key per operation: a retry with the same key and the same request gets the first answer again (with Idempotent-Replayed: true) for {} seconds.",
-                    policy.retention.as_secs()
-                ),
-                "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LEN, "pattern": "^[\\x21-\\x7E]+$"},
-            }),
-        );
+        let inputs = key_inputs(route, policy);
+        let references: Vec<Value> = inputs
+            .parameters
+            .iter()
+            .map(|(name, _)| json!({"$ref": format!("#/components/parameters/{name}")}))
+            .collect();
+        parameters.extend(inputs.parameters);
         let schema = match policy.profile {
             Profile::Ietf => "#/components/schemas/IdempotencyProblem",
             Profile::Stripe => "#/components/schemas/StripeError",
@@ -233,14 +236,16 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
         );
         let mut operations = serde_json::Map::new();
         for method in &policy.methods {
-            operations.insert(
-                method.as_str().to_ascii_lowercase(),
-                json!({
-                    "summary": format!("Guarded by idemproxy (route {})", route.name),
-                    "parameters": [{"$ref": format!("#/components/parameters/{parameter}")}],
-                    "responses": responses,
-                }),
-            );
+            let mut operation = json!({
+                "summary": format!("Guarded by idemproxy (route {})", route.name),
+                "description": inputs.description,
+                "parameters": references,
+                "responses": responses,
+            });
+            if let Some(body) = &inputs.request_body {
+                operation["requestBody"] = body.clone();
+            }
+            operations.insert(method.as_str().to_ascii_lowercase(), operation);
         }
         paths.insert(route.path_prefix.clone(), Value::Object(operations));
     }
@@ -290,6 +295,121 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
     })
 }
 
+/// Where a client sends its key on one route, as OpenAPI says it.
+struct KeyInputs {
+    /// A component parameter for each `header:` and `query:` source, by its name.
+    parameters: Vec<(String, Value)>,
+    /// The fields of the `json:` and `form:` sources, as the request body's schema.
+    request_body: Option<Value>,
+    /// The sources in words, `body` included, which has no field at all.
+    description: String,
+}
+
+/// The route's key sources as OpenAPI inputs. A key the route requires is marked
+/// required only where it has one source: OpenAPI cannot say "one of these".
+fn key_inputs(route: &Route, policy: &IdempotencyPolicy) -> KeyInputs {
+    let required = policy.required && policy.key.len() == 1;
+    let retention = policy.retention.as_secs();
+    let meaning = format!(
+        "A unique key per operation: a retry with the same key and the same request gets the first answer again (with Idempotent-Replayed: true) for {retention} seconds."
+    );
+    let token = json!({"type": "string", "minLength": 1, "maxLength": MAX_KEY_LEN, "pattern": "^[\\x21-\\x7E]+$"});
+    let mut parameters = Vec::new();
+    let mut json_body = json!({"type": "object"});
+    let mut form_body = json!({"type": "object"});
+    let (mut json_fields, mut form_fields) = (false, false);
+    for source in &policy.key {
+        let (name, place) = match source {
+            KeySource::Header(name) => (canonical_header(name.as_str()), "header"),
+            KeySource::Query(name) => (name.clone(), "query"),
+            KeySource::Json(pointers) => {
+                let value = json!({
+                    "description": format!("{meaning} A string is the key as it is; any other JSON value is the key by its canonical form."),
+                    "anyOf": [token, {"type": ["number", "boolean", "object", "array"]}],
+                });
+                for pointer in pointers {
+                    json_fields |= add_property(&mut json_body, pointer.tokens(), &value, required);
+                }
+                continue;
+            }
+            KeySource::Form(name) => {
+                let value = json!({"description": meaning, "allOf": [token]});
+                form_fields |= add_property(&mut form_body, std::slice::from_ref(name), &value, required);
+                continue;
+            }
+            KeySource::Body => continue,
+        };
+        let suffix = match parameters.len() {
+            0 => String::new(),
+            count => (count + 1).to_string(),
+        };
+        parameters.push((
+            format!("{}IdempotencyKey{suffix}", component_name(&route.name)),
+            json!({
+                "name": name,
+                "in": place,
+                "required": required,
+                "description": meaning,
+                "schema": token,
+            }),
+        ));
+    }
+    let mut content = serde_json::Map::new();
+    if json_fields {
+        content.insert("application/json".into(), json!({"schema": json_body}));
+    }
+    if form_fields {
+        content.insert("application/x-www-form-urlencoded".into(), json!({"schema": form_body}));
+    }
+    let mut description = format!(
+        "The idempotency key is taken from the first of {} that the request carries{}.",
+        crate::config::key::describe(&policy.key),
+        if policy.required { "; one is required" } else { "" },
+    );
+    if let Some(window) = policy.dedup_window {
+        description.push_str(&format!(
+            " A request with none of them is keyed by itself: an identical request within {} seconds is the same operation and gets the first answer again.",
+            window.as_secs()
+        ));
+    }
+    KeyInputs {
+        parameters,
+        request_body: (!content.is_empty()).then(|| json!({"required": required, "content": content})),
+        description,
+    }
+}
+
+/// Adds the field at `tokens` (a JSON pointer's) to an object schema, nesting objects
+/// on the way. A pointer through an array index is left to the description: the schema
+/// cannot tell an index from a name. Returns whether the field was added.
+fn add_property(schema: &mut Value, tokens: &[String], leaf: &Value, required: bool) -> bool {
+    let Some((first, rest)) = tokens.split_first() else {
+        return false;
+    };
+    if first == "-" || (!first.is_empty() && first.bytes().all(|byte| byte.is_ascii_digit())) {
+        return false;
+    }
+    if required {
+        let mut names = schema["required"]
+            .as_array_mut()
+            .map(std::mem::take)
+            .unwrap_or_default();
+        if !names.iter().any(|name| name == first) {
+            names.push(Value::String(first.clone()));
+        }
+        schema["required"] = Value::Array(names);
+    }
+    let property = &mut schema["properties"][first.as_str()];
+    if rest.is_empty() {
+        *property = leaf.clone();
+        return true;
+    }
+    if property.is_null() {
+        *property = json!({"type": "object"});
+    }
+    add_property(property, rest, leaf, required)
+}
+
 /// A route name as an OpenAPI component name: its letters and digits, capitalised
 /// at each break.
 fn component_name(route: &str) -> String {
@@ -312,12 +432,30 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
         };
         let methods: Vec<&str> = policy.methods.iter().map(|method| method.as_str()).collect();
         page.push_str(&format!("\n## `{}` {}\n\n", methods.join(", "), route.path_prefix));
+        let required = match (policy.required, policy.dedup_window) {
+            (_, Some(_)) => "or without one, the request itself (below)",
+            (true, None) => "required",
+            (false, None) => "optional (without it, the request is not guarded)",
+        };
+        if policy.key_is_one_header() {
+            page.push_str(&format!("- Header: `{}`, {required}.\n", header_name(policy)));
+        } else {
+            let sources: Vec<String> = policy.key.iter().map(|source| format!("`{source}`")).collect();
+            page.push_str(&format!(
+                "- Key: the first of {} the request carries, {required}. A JSON value that is not a string is the key by its canonical form.\n",
+                sources.join(", ")
+            ));
+        }
         page.push_str(&format!(
-            "- Header: `{}`, {}.\n- A key is 1 to {MAX_KEY_LEN} visible ASCII characters, bare (`abc`) or quoted (`\"abc\"`, the same key); one field line.\n- A key lives {} from its first request; after that it is free again.\n",
-            header_name(policy),
-            if policy.required { "required" } else { "optional (without it, the request is not guarded)" },
+            "- A key is 1 to {MAX_KEY_LEN} visible ASCII characters; in a header, bare (`abc`) or quoted (`\"abc\"`, the same key), one field line.\n- A key lives {} from its first request; after that it is free again.\n",
             humantime::format_duration(policy.retention),
         ));
+        if let Some(window) = policy.dedup_window {
+            page.push_str(&format!(
+                "- A request with no key is keyed by itself: an identical request within {} is the same operation and gets the first answer again (a second identical payment in that time is not made).\n",
+                humantime::format_duration(window)
+            ));
+        }
         page.push_str(&format!(
             "- The same key with a different request ({}) is refused.\n",
             covers(policy).join(", ")
@@ -437,5 +575,85 @@ mod tests {
         let page = markdown(&config.routes);
         assert!(page.contains("with an empty body"), "{page}");
         assert!(page.contains("asking the API again"), "{page}");
+    }
+
+    /// Each route's key sources are published: in the document, as OpenAPI inputs (a
+    /// header or query parameter, a request-body property, nested for a deep pointer),
+    /// and on the page; a route that takes no header has no `header`.
+    #[test]
+    fn the_contract_names_each_routes_key_sources() {
+        let route = |name: &str, policy: &str| {
+            format!(
+                "[[route]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"http://127.0.0.1:9\"\n[route.idempotency]\n{policy}\n"
+            )
+        };
+        let source = [
+            route("plain", ""),
+            route(
+                "mixed",
+                "key = [\"header:X-Request-Id\", \"query:request_id\", \"form:ref\", \"body\"]\ndedup_window = \"10m\"",
+            ),
+            route("orders", "key = [\"json:/tenant&/order/id\"]\nrequired = true"),
+        ]
+        .concat();
+        let config = crate::Config::parse(&source, std::path::Path::new("t.toml")).expect("a valid config");
+        let document = document(&config.routes);
+        let key = |index: usize| document["routes"][index]["key"].clone();
+        assert_eq!(key(0)["sources"], json!(["header:idempotency-key"]));
+        assert_eq!(document["routes"][0]["header"], "Idempotency-Key");
+        assert_eq!(
+            key(1)["sources"],
+            json!(["header:x-request-id", "query:request_id", "form:ref", "body"])
+        );
+        assert_eq!(key(1)["dedup_window_seconds"], 600);
+        assert_eq!(document["routes"][1]["header"], "X-Request-Id");
+        assert_eq!(key(2)["sources"], json!(["json:/tenant&/order/id"]));
+        assert_eq!(document["routes"][2]["header"], Value::Null, "no header source");
+
+        let openapi = openapi(&config.routes, "1");
+        let component = |name: &str| openapi["components"]["parameters"][name].clone();
+        assert_eq!(component("PlainIdempotencyKey")["in"], "header");
+        assert_eq!(component("PlainIdempotencyKey")["required"], true);
+        assert_eq!(component("MixedIdempotencyKey")["name"], "X-Request-Id");
+        assert_eq!(component("MixedIdempotencyKey2")["in"], "query");
+        assert_eq!(component("MixedIdempotencyKey2")["name"], "request_id");
+        assert_eq!(
+            component("MixedIdempotencyKey")["required"],
+            false,
+            "one of several sources: none alone is required"
+        );
+        let mixed = &openapi["paths"]["/mixed"]["post"];
+        assert_eq!(mixed["parameters"].as_array().map(Vec::len), Some(2));
+        let form = &mixed["requestBody"]["content"]["application/x-www-form-urlencoded"]["schema"];
+        assert_eq!(form["properties"]["ref"]["allOf"][0]["maxLength"], MAX_KEY_LEN);
+        assert!(
+            mixed["description"]
+                .as_str()
+                .is_some_and(|text| text.contains("within 600 seconds")),
+            "{mixed}"
+        );
+        let orders = &openapi["paths"]["/orders"]["post"];
+        assert_eq!(orders["parameters"], json!([]), "no header parameter");
+        assert_eq!(orders["requestBody"]["required"], true);
+        let body = &orders["requestBody"]["content"]["application/json"]["schema"];
+        assert_eq!(body["required"], json!(["tenant", "order"]));
+        assert_eq!(body["properties"]["order"]["required"], json!(["id"]));
+        assert!(
+            body["properties"]["order"]["properties"]["id"]["anyOf"].is_array(),
+            "{body}"
+        );
+        assert!(body["properties"]["tenant"]["anyOf"].is_array(), "{body}");
+
+        let page = markdown(&config.routes);
+        assert!(page.contains("- Header: `Idempotency-Key`, required."), "{page}");
+        assert!(
+            page.contains("- Key: the first of `header:x-request-id`, `query:request_id`, `form:ref`, `body`"),
+            "{page}"
+        );
+        assert!(page.contains("within 10m is the same operation"), "{page}");
+        assert!(
+            page.contains("- Key: the first of `json:/tenant&/order/id` the request carries, required."),
+            "{page}"
+        );
     }
 }

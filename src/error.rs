@@ -54,6 +54,18 @@ pub enum KeyError {
     OnlyDots,
 }
 
+/// A key from a route's `key` sources (other than one header) that cannot be used.
+/// It names the source as the config spells it, never the value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    #[error("the idempotency key in {from} cannot be used: {error}")]
+    Invalid { from: String, error: KeyError },
+    #[error("the request body is not JSON, and this route takes its idempotency key from it ({sources})")]
+    NotJson { sources: String },
+    #[error("the request carries no idempotency key: this route takes it from {sources}")]
+    Missing { sources: String },
+}
+
 /// The store did not answer as it should.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -289,6 +301,8 @@ pub(crate) enum Rejection {
     RequestTarget(#[from] RequestTargetError),
     #[error(transparent)]
     Key(#[from] KeyError),
+    #[error(transparent)]
+    KeySource(#[from] SourceError),
     #[error("the request body is larger than {0} bytes")]
     BodyTooLarge(u64),
     #[error("the request body did not arrive within {0:?}")]
@@ -370,6 +384,8 @@ impl Rejection {
                 | KeyError::MalformedString
                 | KeyError::OnlyDots,
             ) => ProblemKind::InvalidKey,
+            Rejection::KeySource(SourceError::Missing { .. }) => ProblemKind::MissingKey,
+            Rejection::KeySource(SourceError::Invalid { .. } | SourceError::NotJson { .. }) => ProblemKind::InvalidKey,
             Rejection::BodyTooLarge(_) => ProblemKind::BodyTooLarge,
             Rejection::BodyTimeout(_) | Rejection::BodyIdle(_) => ProblemKind::BodyTimeout,
             Rejection::BodyIncomplete(_) => ProblemKind::BodyIncomplete,

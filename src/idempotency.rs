@@ -15,6 +15,8 @@ use crate::store::{
     ClaimOutcome, ClientId, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse, UnknownReason,
 };
 
+pub mod source;
+
 /// The `Retry-After` of a 409 `request-in-progress`, at most.
 pub const IN_PROGRESS_RETRY_AFTER: Duration = Duration::from_secs(1);
 

@@ -65,12 +65,17 @@ enum Command {
         /// Sent with every request, NAME:VALUE; repeat for each.
         #[arg(long = "header", value_name = "NAME:VALUE")]
         headers: Vec<String>,
-        /// The request body.
-        #[arg(long, default_value = "{}")]
-        body: String,
-        /// The idempotency key's header.
-        #[arg(long, default_value = "Idempotency-Key")]
-        key_header: String,
+        /// The request body: `{}` by default, empty with a form: key.
+        #[arg(long)]
+        body: Option<String>,
+        /// The idempotency key's header (the same as --key-from header:NAME).
+        #[arg(long, value_name = "NAME", conflicts_with = "key_from")]
+        key_header: Option<String>,
+        /// Where to send the key, as the route's `key` names it: header:NAME,
+        /// json:/pointer (set in the JSON body), form:NAME (a field of a form body) or
+        /// query:NAME.
+        #[arg(long, value_name = "SOURCE", default_value = "header:Idempotency-Key")]
+        key_from: String,
     },
     /// About the store itself.
     Store {
@@ -244,7 +249,10 @@ fn main() -> ExitCode {
             headers,
             body,
             key_header,
-        } => match conformance(url, path, slow_path, &headers, body, &key_header) {
+            key_from,
+        } => match key_source(key_header.as_deref(), &key_from)
+            .and_then(|source| conformance(url, path, slow_path, &headers, body, source))
+        {
             Ok(code) => return code,
             Err(error) => Err(error),
         },
@@ -367,14 +375,32 @@ fn contract(path: &std::path::Path, format: ContractFormat) -> anyhow::Result<()
     Ok(())
 }
 
+/// Where the conformance cases send their key: `--key-header NAME`, or `--key-from`
+/// as a route's `key` writes a source.
+fn key_source(key_header: Option<&str>, key_from: &str) -> anyhow::Result<idemproxy::config::KeySource> {
+    use idemproxy::config::KeySource;
+    if let Some(name) = key_header {
+        let name = http::HeaderName::from_bytes(name.as_bytes())
+            .with_context(|| format!("--key-header {name:?}: not a field name"))?;
+        return Ok(KeySource::Header(name));
+    }
+    match KeySource::parse(key_from) {
+        Ok(KeySource::Body) => anyhow::bail!(
+            "--key-from body: a key-less route has no key to send; give header:NAME, json:/pointer, form:NAME or query:NAME"
+        ),
+        Ok(source) => Ok(source),
+        Err(error) => Err(anyhow::anyhow!("--key-from: {error}")),
+    }
+}
+
 /// Runs the conformance cases and prints them; exit 1 when one failed.
 fn conformance(
     url: String,
     path: String,
     slow_path: Option<String>,
     headers: &[String],
-    body: String,
-    key_header: &str,
+    body: Option<String>,
+    key_from: idemproxy::config::KeySource,
 ) -> anyhow::Result<ExitCode> {
     use idemproxy::conformance::{Endpoint, Finding};
     let mut parsed = Vec::with_capacity(headers.len());
@@ -394,9 +420,11 @@ fn conformance(
         path,
         slow_path,
         headers: parsed,
-        body,
-        key_header: http::HeaderName::from_bytes(key_header.as_bytes())
-            .with_context(|| format!("--key-header {key_header:?}: not a field name"))?,
+        body: body.unwrap_or_else(|| match key_from {
+            idemproxy::config::KeySource::Form(_) => String::new(),
+            _ => "{}".into(),
+        }),
+        key_from,
         timeout: std::time::Duration::from_secs(30),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()

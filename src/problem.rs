@@ -571,6 +571,9 @@ label_values! {
         Forward => "forward",
         /// Replayed the recorded response.
         Replay => "replay",
+        /// Replayed the recorded response of the first of two identical requests (the
+        /// `body` key source).
+        Deduplicate => "deduplicate",
         /// 409: in progress, or outcome unknown.
         Conflict => "conflict",
         /// 422: the key was used with another request.

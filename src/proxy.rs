@@ -46,7 +46,7 @@ mod shadow;
 mod wait;
 mod well_known;
 
-use self::context::{Guarded, Named, Prepared};
+use self::context::{Arrival, Guarded, Named, Prepared};
 pub(crate) use self::reconcile::Probes;
 pub(crate) use self::wait::Waiting;
 
@@ -309,30 +309,67 @@ impl Proxy {
         request: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<ProxyBody> {
-        let identified = self.identify(&route, &policy, request.headers());
-        let record = identified.as_ref().ok().map(|named| named.record.short_hash());
         let span = match policy.mode {
-            Mode::Enforce => tracing::info_span!("guarded", route = %route.name, record),
-            Mode::Shadow => tracing::info_span!("shadow", route = %route.name, record),
+            Mode::Enforce => tracing::info_span!("guarded", route = %route.name, record = tracing::field::Empty),
+            Mode::Shadow => tracing::info_span!("shadow", route = %route.name, record = tracing::field::Empty),
         };
-        let note = record.filter(|_| self.noted()).map(str::to_string);
         // The request's span (`handle`'s), whose trace and id a record keeps.
         let execution = self.shared.spans.reference(&Span::current());
         async move {
-            let ended = match policy.mode {
-                Mode::Enforce => {
-                    self.enforce(&route, &policy, identified, request, client, execution)
-                        .await
-                }
-                Mode::Shadow => {
-                    self.shadow(&route, &policy, identified, request, client, execution)
-                        .await
-                }
-            };
-            self.finish(Some(&route), note, ended)
+            let (ended, record) = self.arrive(&route, &policy, request, client, execution).await;
+            self.finish(Some(&route), record, ended)
         }
         .instrument(span)
         .await
+    }
+
+    /// A guarded request in its span: named from its head, or on a route whose key may
+    /// be in the body, from its head and its body read first; then handled in its
+    /// route's mode. A request with no key on a route that does not require one is
+    /// forwarded as it was sent. Also returns the record's short hash, for the access log.
+    async fn arrive(
+        &self,
+        route: &Arc<RouteState>,
+        policy: &Arc<IdempotencyPolicy>,
+        request: Request<Incoming>,
+        client: ClientInfo,
+        execution: Option<ExecutionTrace>,
+    ) -> (Handled, Option<String>) {
+        let (arrival, identified, share) = if policy.key_needs_body() {
+            let read = match policy.mode {
+                Mode::Enforce => self
+                    .read_first(route, request, &client)
+                    .await
+                    .map_err(|rejection| Err(rejection.into())),
+                Mode::Shadow => self.shadow_read_first(route, request, &client).await,
+            };
+            match read {
+                Ok((read, share)) => {
+                    let identified = self.identify(route, policy, &read.parts, Some(&read.body));
+                    (Arrival::Read(read), identified, Some(share))
+                }
+                Err(handled) => return (handled, None),
+            }
+        } else {
+            let (parts, body) = request.into_parts();
+            let identified = self.identify(route, policy, &parts, None);
+            (Arrival::Unread(Request::from_parts(parts, body)), identified, None)
+        };
+        let named = match identified {
+            Ok(Some(named)) => Ok(named),
+            Ok(None) => return (self.pass(route, arrival.into_request(), &client).await, None),
+            Err(rejection) => Err(rejection),
+        };
+        let record = named.as_ref().ok().map(|named| named.record.short_hash().to_string());
+        if let Some(record) = &record {
+            Span::current().record("record", record.as_str());
+        }
+        let arrived = (arrival, share);
+        let ended = match policy.mode {
+            Mode::Enforce => self.enforce(route, policy, named, arrived, client, execution).await,
+            Mode::Shadow => self.shadow(route, policy, named, arrived, client, execution).await,
+        };
+        (ended, record.filter(|_| self.noted()))
     }
 
     /// A guarded request in enforce mode: claimed, then forwarded, replayed, refused or
@@ -342,14 +379,14 @@ impl Proxy {
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
         identified: Result<Named, Rejection>,
-        request: Request<Incoming>,
+        (arrival, share): (Arrival, Option<Share>),
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
     ) -> Handled {
-        // Refused at once rather than queued: nothing is read, claimed or forwarded, and
-        // the client may retry with the same key.
-        let mut guarded = self.enter(route, policy, &client, identified?, execution)?;
-        let prepared = self.prepare(&mut guarded, request).await?;
+        // Refused at once rather than queued: nothing more is read, claimed or
+        // forwarded, and the client may retry with the same key.
+        let mut guarded = self.enter(route, policy, &client, identified?, execution, share)?;
+        let prepared = self.prepare(&mut guarded, arrival).await?;
         let decision = match self.claimed(&prepared).await {
             Ok(decision) => decision,
             Err(error) if policy.on_store_error == OnStoreError::Forward => {

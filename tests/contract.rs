@@ -410,6 +410,19 @@ fn the_contract_command_prints_a_valid_openapi_fragment_the_document_and_a_page(
     let upstream_url = "http://127.0.0.1:9";
     let mut config = TestConfig::new(StoreKind::Memory, upstream_url);
     config.upstream_extra = format!("docs_url = {DOCS:?}");
+    // Keys in the body, a form and the query as well: each an input of its own kind.
+    config.extra_routes = format!(
+        r#"
+[[route]]
+name = "transfers"
+path_prefix = "/v1/transfers"
+upstream = "{upstream_url}"
+
+[route.idempotency]
+key = ["json:/tenant&/order/id", "form:ref", "query:request_id", "header:Idempotency-Key", "body"]
+dedup_window = "1m"
+"#
+    );
     let file = config.write_temp();
     let run = |format: &str| {
         let output = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
@@ -434,6 +447,14 @@ fn the_contract_command_prints_a_valid_openapi_fragment_the_document_and_a_page(
         post["parameters"][0]["$ref"],
         "#/components/parameters/PaymentsIdempotencyKey"
     );
+    let transfers = &fragment["paths"]["/v1/transfers"]["post"];
+    assert_eq!(transfers["parameters"].as_array().map(Vec::len), Some(2), "{transfers}");
+    let content = &transfers["requestBody"]["content"];
+    assert!(
+        content["application/json"]["schema"]["properties"]["order"]["properties"]["id"].is_object(),
+        "{transfers}"
+    );
+    assert!(content["application/x-www-form-urlencoded"]["schema"]["properties"]["ref"].is_object());
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("fragment.json");
     std::fs::write(&path, &openapi).expect("write the fragment");
@@ -455,11 +476,16 @@ fn the_contract_command_prints_a_valid_openapi_fragment_the_document_and_a_page(
     assert!(!refused.status.success(), "a broken fragment validated");
 
     let document: serde_json::Value = serde_json::from_str(&run("json")).expect("JSON");
-    assert_eq!(names(&document), ["payments", "orders"]);
+    assert_eq!(names(&document), ["payments", "orders", "transfers"]);
+    assert_eq!(document["routes"][2]["key"]["sources"][0], "json:/tenant&/order/id");
     let page = run("markdown");
     assert!(page.starts_with("# Idempotency"), "{page}");
     assert!(page.contains("| 409 | `request-in-progress` |"), "{page}");
     assert!(page.contains(&format!("<{DOCS}>")), "{page}");
+    assert!(
+        page.contains("- Key: the first of `json:/tenant&/order/id`, `form:ref`"),
+        "{page}"
+    );
 }
 
 /// A third party's reading of the contract: schemathesis (PyPI) generates requests
@@ -572,4 +598,77 @@ async fn conformance_passes_against_the_proxy_and_fails_against_a_bare_upstream(
         );
     }
     assert!(out.contains("the operation ran again"), "it says why:\n{out}");
+}
+
+/// `--key-from`: the cases send their key where the route takes it, a JSON field (the
+/// key sent twice is the member written twice) or a query parameter, and all pass
+/// through the proxy; a key in the header instead is not the route's key, so the first
+/// use is refused and nothing can be told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_sends_its_key_where_the_route_takes_it() {
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = r#"key = ["json:/payment/ref"]"#.into();
+    config.extra_routes = format!(
+        "[[route]]\nname = \"refs\"\npath_prefix = \"/v1/refs\"\nupstream = \"{}\"\n[route.idempotency]\nkey = [\"query:request_id\"]\n",
+        upstream.url()
+    );
+    let proxy = config.start().await;
+    let url = format!("http://{}", proxy.addr());
+    let run = |args: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+                .arg("conformance")
+                .args(args)
+                .output()
+                .expect("run idemproxy conformance")
+        })
+    };
+    for (path, source, body) in [
+        ("/v1/payments", "json:/payment/ref", r#"{"amount":5}"#),
+        ("/v1/refs", "query:request_id", "{}"),
+    ] {
+        let args = [
+            url.as_str(),
+            "--path",
+            path,
+            "--slow-path",
+            &format!("{path}/slow"),
+            "--key-from",
+            source,
+            "--body",
+            body,
+        ];
+        let output = run(args.iter().map(ToString::to_string).collect())
+            .await
+            .expect("the run");
+        let out = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{source}: {out}");
+        assert!(out.contains("7 passed, 0 failed, 0 could not tell"), "{source}: {out}");
+    }
+    assert_eq!(
+        upstream.total(),
+        4,
+        "per source, the first use and the first in-flight request ran, nothing else"
+    );
+
+    let header = run(vec![url.clone(), "--path".into(), "/v1/payments".into()])
+        .await
+        .expect("the run");
+    let out = String::from_utf8_lossy(&header.stdout);
+    assert!(
+        out.lines()
+            .any(|line| line.contains("could not tell") && line.contains("first use")),
+        "a header key on a json: route: {out}"
+    );
+
+    let refused = run(vec![url, "--key-from".into(), "body".into()])
+        .await
+        .expect("the run");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("no key to send"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
 }

@@ -491,7 +491,7 @@ async fn claim_fences(store: StoreKind) {
     let shown = json(&admin(at, "GET", &format!("/records/payments?key=fenced&{scope}"), Some(TOKEN)).await);
     let own = shown["claim"]
         .as_str()
-        .expect("an unknown record shows its claim")
+        .unwrap_or_else(|| panic!("an unknown record shows its claim: {shown}"))
         .to_string();
     let other = "0123456789abcdef0123456789abcdef";
     assert_ne!(own, other);

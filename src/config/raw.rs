@@ -209,6 +209,8 @@ fn default_upstream_timeout() -> Spanned<HumanDuration> {
 pub(super) struct RawIdempotency {
     pub(super) methods: Spanned<Vec<String>>,
     pub(super) header: Spanned<String>,
+    pub(super) key: Option<Spanned<Vec<String>>>,
+    pub(super) dedup_window: Option<Spanned<HumanDuration>>,
     pub(super) required: bool,
     pub(super) retention: Spanned<HumanDuration>,
     pub(super) wait_for_in_flight: Spanned<HumanDuration>,
@@ -304,6 +306,8 @@ impl Default for RawIdempotency {
         RawIdempotency {
             methods: Spanned::new(0..0, vec!["POST".into(), "PATCH".into()]),
             header: Spanned::new(0..0, "Idempotency-Key".into()),
+            key: None,
+            dedup_window: None,
             required: true,
             retention: Spanned::new(0..0, HumanDuration(Duration::from_secs(24 * 3600))),
             wait_for_in_flight: Spanned::new(0..0, HumanDuration(Duration::ZERO)),

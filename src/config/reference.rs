@@ -328,7 +328,17 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "route.idempotency.header",
         default: DefaultValue::Toml("\"Idempotency-Key\""),
-        meaning: "where the key is read",
+        meaning: "where the key is read (the same as `key = [\"header:NAME\"]`; give one of `header` and `key`)",
+    },
+    Setting {
+        key: "route.idempotency.key",
+        default: DefaultValue::Text("`[\"header:<header>\"]`"),
+        meaning: "where the key is found, the first source a request carries winning: `\"header:NAME\"`, `\"json:/pointer\"` (RFC 6901 into a JSON body; a string as it is, another value in canonical form; `\"json:/a&/b\"` makes one key of several values, all of them present), `\"form:NAME\"` (an `application/x-www-form-urlencoded` body), `\"query:NAME\"`, and last `\"body\"`: no key, the request itself is one, kept for `dedup_window`. A source in the body has the body read before the claim. See [Keys](keys.md)",
+    },
+    Setting {
+        key: "route.idempotency.dedup_window",
+        default: DefaultValue::Text("none; required by the `body` key source"),
+        meaning: "with `key = [..., \"body\"]`: how long two identical requests (as the fingerprint sees them, in one scope) are one operation, the second answered with the first's response; must exceed `upstream_timeout + 1s`",
     },
     Setting {
         key: "route.idempotency.required",

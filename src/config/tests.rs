@@ -506,6 +506,73 @@ fn fingerprint_body_and_its_ignore_pointers_are_validated() {
 }
 
 #[test]
+fn key_sources_parse_and_each_bad_one_is_named() {
+    let with = |lines: &str| format!("{ROUTE}[route.idempotency]\n{lines}\n");
+    let policy = |config: &Config| config.routes[0].idempotency.clone().expect("guarded");
+    let default = policy(&parse(&with("")).expect("valid"));
+    assert_eq!(
+        default.key,
+        vec![KeySource::Header(HeaderName::from_static("idempotency-key"))]
+    );
+    assert!(!default.key_needs_body() && default.key_is_one_header());
+    let header = policy(&parse(&with("header = \"X-Request-Id\"")).expect("valid"));
+    assert_eq!(
+        header.key,
+        vec![KeySource::Header(HeaderName::from_static("x-request-id"))]
+    );
+    let all = parse(&with(
+        "key = [\"header:X-Key\", \"json:/ref\", \"json:/tenant&/order\", \"form:ref\", \"query:ref\", \"body\"]\ndedup_window = \"5m\"",
+    ))
+    .expect("valid");
+    let sources = policy(&all).key.clone();
+    assert_eq!(sources.len(), 6);
+    assert_eq!(
+        key::describe(&sources),
+        "header:x-key, json:/ref, json:/tenant&/order, form:ref, query:ref, body"
+    );
+    assert_eq!(policy(&all).header, HeaderName::from_static("x-key"));
+    assert_eq!(policy(&all).dedup_window, Some(Duration::from_secs(300)));
+    let check = all.to_string();
+    assert!(
+        check.contains("guards POST,PATCH by the key from the first of header:x-key, json:/ref")
+            && check.contains("two identical requests within 5m are one operation"),
+        "{check}"
+    );
+    for (lines, said) in [
+        ("key = []", "key: must name at least one source"),
+        ("key = [\"cookie:a\"]", "\"cookie\" is not a kind of key source"),
+        ("key = [\"json:\"]", "names no json"),
+        ("key = [\"header:\"]", "names no header"),
+        ("key = [\"header:a b\"]", "is not a header name"),
+        ("key = [\"json:ref\"]", "must start with '/'"),
+        ("key = [\"query:a b\"]", "a field name is visible ASCII"),
+        ("key = [\"ref\"]", "is not a key source"),
+        ("header = \"X\"\nkey = [\"json:/ref\"]", "give key or header, not both"),
+        ("key = [\"body\", \"json:/ref\"]", "json:/ref comes after body"),
+        (
+            "key = [\"body\"]",
+            "dedup_window: the body source (body) needs dedup_window",
+        ),
+        (
+            "key = [\"json:/ref\"]\ndedup_window = \"5m\"",
+            "dedup_window: only the body source takes it",
+        ),
+        (
+            "key = [\"body\"]\ndedup_window = \"10s\"",
+            "dedup_window: 10s does not exceed the lease",
+        ),
+        (
+            "key = [\"json:/meta/ref\"]\nfingerprint_body = \"json\"\nfingerprint_ignore = [\"/meta\"]",
+            "json:/meta/ref: fingerprint_ignore drops /meta",
+        ),
+    ] {
+        let refused = error(&with(lines));
+        assert!(refused.contains("route[0].idempotency."), "{lines}: {refused}");
+        assert!(refused.contains(said), "{lines}: {refused}");
+    }
+}
+
+#[test]
 fn mode_is_enforce_unless_shadow_is_asked_for() {
     let with = |lines: &str| format!("{ROUTE}[route.idempotency]\n{lines}\n");
     let mode = |config: &Config| config.routes[0].idempotency.as_ref().expect("guarded").mode;

@@ -12,7 +12,7 @@ use http::{Request, header};
 use hyper::body::Incoming;
 
 use super::Proxy;
-use crate::config::IdempotencyPolicy;
+use crate::config::{IdempotencyPolicy, KeySource};
 use crate::error::{ProxyError, Rejection};
 use crate::request_target::{self, RequestTargetError};
 use crate::router::{RouteState, Router};
@@ -99,14 +99,23 @@ impl Proxy {
     }
 }
 
-/// The route's policy, when it guards `request`: its method is guarded, and it carries
-/// a key or the route requires one (a keyless request on a `required = false` route
-/// passes unguarded).
+/// The route's policy, when it guards `request`: its method is guarded, and it may
+/// carry a key or the route requires one (a keyless request on a `required = false`
+/// route passes unguarded; one whose key may be in its body or query is looked at).
 fn guard(route: &RouteState, request: &Request<Incoming>) -> Option<Arc<IdempotencyPolicy>> {
     let policy = route.config.idempotency.as_ref()?;
-    let guarded = policy.methods.contains(request.method())
-        && (policy.required || request.headers().contains_key(&policy.header));
+    let guarded = policy.methods.contains(request.method()) && (policy.required || may_carry_key(policy, request));
     guarded.then(|| policy.clone())
+}
+
+/// Whether `request` may carry a key from one of the route's sources: one of its
+/// headers is present, it has a query, or a source is in the body.
+fn may_carry_key(policy: &IdempotencyPolicy, request: &Request<Incoming>) -> bool {
+    policy.key.iter().any(|source| match source {
+        KeySource::Header(name) => request.headers().contains_key(name),
+        KeySource::Query(_) => request.uri().query().is_some(),
+        KeySource::Json(_) | KeySource::Form(_) | KeySource::Body => true,
+    })
 }
 
 /// Whether a route other than `route` would guard `request` if its path's letter case

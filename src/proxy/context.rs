@@ -4,7 +4,7 @@
 //! Nothing here touches the store or the upstream.
 
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::{Request, request};
@@ -15,6 +15,7 @@ use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::bounds::Share;
 use crate::config::{IdempotencyPolicy, UpstreamKey};
 use crate::error::{KeyError, ProxyError, Rejection};
+use crate::idempotency::source::{self, KeyInput, Keyed};
 use crate::idempotency::{self, IdempotencyKey};
 use crate::record::ExecutionTrace;
 use crate::router::RouteState;
@@ -32,6 +33,12 @@ pub(super) struct Guarded {
     pub(super) scope: Option<ScopeId>,
     /// The client's key: what a probe's `{key}` is, with `upstream_key = "client"`.
     pub(super) key: IdempotencyKey,
+    /// How long its record is kept: the route's `retention`, or `dedup_window` for a
+    /// key made from the request itself.
+    pub(super) retention: Duration,
+    /// Whether the key is the request itself (the `body` source): a replay is then a
+    /// deduplicated request.
+    pub(super) by_body: bool,
     pub(super) share: Share,
     /// The trace of this request's span, which the record keeps, with tracing on.
     pub(super) execution: Option<ExecutionTrace>,
@@ -55,6 +62,33 @@ pub(super) struct Named {
     pub(super) record: StoreKey,
     pub(super) scope: Option<ScopeId>,
     pub(super) key: IdempotencyKey,
+    pub(super) retention: Duration,
+    /// Whether the key is the request itself (the `body` source).
+    pub(super) by_body: bool,
+}
+
+/// A guarded request as it arrived: its body unread (a route whose key sources are all
+/// in the head), or read first, within its share of the bounds, because the key may
+/// be in it.
+pub(super) enum Arrival {
+    Unread(Request<Incoming>),
+    Read(Read),
+}
+
+/// A request whose body was read before its key was looked for.
+pub(super) struct Read {
+    pub(super) parts: request::Parts,
+    pub(super) body: Bytes,
+}
+
+impl Arrival {
+    /// The request again, to forward as it was sent: its body streamed, or whole.
+    pub(super) fn into_request(self) -> Request<ProxyBody> {
+        match self {
+            Arrival::Unread(request) => body::streamed(request),
+            Arrival::Read(read) => Request::from_parts(read.parts, full(read.body)),
+        }
+    }
 }
 
 /// A guarded request, read and fingerprinted, and the claim it asks for.
@@ -83,7 +117,7 @@ impl Prepared {
             client: Some(idempotency::client_id(guarded.client.addr)),
             owner: OwnerToken::generate().map_err(|_| ProxyError::Random)?,
             fingerprint,
-            retention: policy.retention,
+            retention: guarded.retention,
             lease: guarded.route.config.lease(),
             // Only a key the probe cannot derive from the record is kept with it.
             probe_key: guarded
@@ -113,15 +147,40 @@ impl Prepared {
 }
 
 impl Proxy {
-    /// The record a guarded request names: its key, within its scope (the
-    /// `scope_headers` and the verified `scope_jwt` claim).
+    /// The record a guarded request names: its key from the route's sources, within
+    /// its scope (the `scope_headers` and the verified `scope_jwt` claim). `body` is
+    /// the body, read first on a route whose key may be in it. `Ok(None)`: no key, on a
+    /// route that does not require one.
     pub(super) fn identify(
         &self,
         route: &RouteState,
         policy: &IdempotencyPolicy,
-        headers: &http::HeaderMap,
-    ) -> Result<Named, Rejection> {
-        let key = idempotency::parse_key(headers.get_all(&policy.header))?.ok_or(KeyError::Missing)?;
+        head: &request::Parts,
+        body: Option<&[u8]>,
+    ) -> Result<Option<Named>, Rejection> {
+        let headers = &head.headers;
+        let input = KeyInput {
+            headers,
+            query: head.uri.query(),
+            body,
+        };
+        let (key, retention, by_body) = match source::find_key(&policy.key, &input)? {
+            Some(Keyed::Key(key)) => (key, policy.retention, false),
+            Some(Keyed::Body) => {
+                let fingerprint = idempotency::fingerprint(
+                    &head.method,
+                    &head.uri,
+                    headers,
+                    &policy.fingerprint_headers,
+                    &policy.fingerprint_body,
+                    body.unwrap_or_default(),
+                );
+                let window = policy.dedup_window.unwrap_or(policy.retention);
+                (source::body_key(fingerprint), window, true)
+            }
+            None if policy.required => return Err(source::missing(&policy.key)),
+            None => return Ok(None),
+        };
         if route
             .config
             .reconcile()
@@ -136,15 +195,17 @@ impl Proxy {
             Some(verifier) => Some(verifier.verify(headers, SystemTime::now())?),
         };
         let scope = scope::values(headers, &policy.scope_headers, scope_claim.as_ref());
-        Ok(Named {
+        Ok(Some(Named {
             record: idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key),
             scope: idempotency::scope_id(&route.name, &scope),
             key,
-        })
+            retention,
+            by_body,
+        }))
     }
 
     /// The context of a guarded request that names `record`, once it has its place
-    /// among the guarded requests in flight.
+    /// among the guarded requests in flight: `share`, when its body was read first.
     pub(super) fn enter(
         &self,
         route: &Arc<RouteState>,
@@ -152,26 +213,51 @@ impl Proxy {
         client: &ClientInfo,
         named: Named,
         execution: Option<ExecutionTrace>,
+        share: Option<Share>,
     ) -> Result<Guarded, Rejection> {
+        let share = match share {
+            Some(share) => share,
+            None => self.shared.guarded.try_enter()?,
+        };
         Ok(Guarded {
-            share: self.shared.guarded.try_enter()?,
+            share,
             route: route.clone(),
             policy: policy.clone(),
             client: client.clone(),
             record: named.record,
             scope: named.scope,
             key: named.key,
+            retention: named.retention,
+            by_body: named.by_body,
             execution,
         })
     }
 
+    /// A request on a route whose key may be in its body: its place among the guarded
+    /// requests, and its body read within its limits and that share of the byte budget,
+    /// before its key is looked for.
+    pub(super) async fn read_first(
+        &self,
+        route: &RouteState,
+        request: Request<Incoming>,
+        client: &ClientInfo,
+    ) -> Result<(Read, Share), Rejection> {
+        let mut share = self.shared.guarded.try_enter()?;
+        let (parts, body) = request.into_parts();
+        let body = body::read_request_body(body, &parts.headers, route.body, Some(&client.allowance), |bytes| {
+            share.take_for_request(bytes)
+        })
+        .await?;
+        Ok((Read { parts, body }, share))
+    }
+
     /// Reads the body within its limits and its share of the byte budget, and works
     /// out what the claim asks for.
-    pub(super) async fn prepare(
-        &self,
-        guarded: &mut Guarded,
-        request: Request<Incoming>,
-    ) -> Result<Prepared, Rejection> {
+    pub(super) async fn prepare(&self, guarded: &mut Guarded, arrival: Arrival) -> Result<Prepared, Rejection> {
+        let request = match arrival {
+            Arrival::Unread(request) => request,
+            Arrival::Read(read) => return Prepared::new(guarded, read.parts, read.body),
+        };
         let (parts, body) = request.into_parts();
         let (limits, allowance) = (guarded.route.body, guarded.client.allowance.clone());
         let share = &mut guarded.share;

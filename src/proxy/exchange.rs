@@ -167,13 +167,24 @@ pub(super) fn upstream_key(
         UpstreamKey::Derived => {
             let id = http::HeaderValue::try_from(record.operation_id())
                 .map_err(|error| ProxyError::Rewrite(error.into()))?;
-            headers.remove(&policy.header);
+            strip_key_headers(headers, policy);
             headers.insert(target.clone(), id);
         }
         UpstreamKey::None => {
-            headers.remove(&policy.header);
+            strip_key_headers(headers, policy);
             headers.remove(target);
         }
     }
     Ok(())
+}
+
+/// Removes every header the route takes a key from, so that no client key reaches an
+/// upstream that is sent the operation id or no key at all.
+fn strip_key_headers(headers: &mut http::HeaderMap, policy: &IdempotencyPolicy) {
+    headers.remove(&policy.header);
+    for source in &policy.key {
+        if let crate::config::KeySource::Header(name) = source {
+            headers.remove(name);
+        }
+    }
 }

@@ -13,8 +13,10 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::time::Instant;
 
-use super::{Handled, Named, Prepared, Proxy};
+use super::context::Read;
+use super::{Arrival, Handled, Named, Prepared, Proxy};
 use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, streamed};
+use crate::bounds::Share;
 use crate::config::IdempotencyPolicy;
 use crate::error::Rejection;
 use crate::idempotency::Decision;
@@ -31,33 +33,35 @@ impl Proxy {
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
         identified: Result<Named, Rejection>,
-        request: Request<Incoming>,
+        (arrival, share): (Arrival, Option<Share>),
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
     ) -> Handled {
-        let entered = identified.and_then(|named| self.enter(route, policy, &client, named, execution));
+        let entered = identified.and_then(|named| self.enter(route, policy, &client, named, execution, share));
         let mut guarded = match entered {
             Ok(guarded) => guarded,
             Err(rejection) => {
                 return self
-                    .unguarded(route, would(&rejection), streamed(request), &client)
+                    .unguarded(route, would(&rejection), arrival.into_request(), &client)
                     .await;
             }
         };
-        let (parts, body) = request.into_parts();
-        let allowance = client.allowance.clone();
-        let share = &mut guarded.share;
-        let peeked = body::peek_request_body(body, &parts.headers, route.body, Some(&allowance), |bytes| {
-            share.take_for_request(bytes)
-        });
-        let body = match peeked.await? {
-            Peeked::Whole(body) => body,
-            Peeked::Partial { head, rest, .. } => {
-                drop(guarded);
-                let timeout = route.config.upstream_timeout;
-                let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
-                let request = Request::from_parts(parts, body.boxed_unsync());
-                return self.unguarded(route, Would::Rejected, request, &client).await;
+        let (parts, body) = match arrival {
+            Arrival::Read(read) => (read.parts, read.body),
+            Arrival::Unread(request) => {
+                let (parts, body) = request.into_parts();
+                let share = &mut guarded.share;
+                let peeked =
+                    body::peek_request_body(body, &parts.headers, route.body, Some(&client.allowance), |bytes| {
+                        share.take_for_request(bytes)
+                    });
+                match peeked.await? {
+                    Peeked::Whole(body) => (parts, body),
+                    Peeked::Partial { head, rest, .. } => {
+                        drop(guarded);
+                        return self.unguarded_partial(route, parts, head, rest, &client).await;
+                    }
+                }
             }
         };
         let prepared = Prepared::new(&guarded, parts, body)?;
@@ -66,6 +70,7 @@ impl Proxy {
                 route.metrics.shadow(Would::Forward);
                 return self.forward(guarded, claim, prepared).await;
             }
+            Ok(Decision::Replay(_)) if guarded.by_body => Would::Deduplicate,
             Ok(Decision::Replay(_)) => Would::Replay,
             Ok(Decision::Reject(rejection)) => would(&rejection),
             Ok(Decision::Unknown(..)) => Would::Conflict,
@@ -76,6 +81,53 @@ impl Proxy {
         };
         drop(guarded);
         self.unguarded(route, would, prepared.into_request(), &client).await
+    }
+
+    /// `read_first` in shadow mode, where nothing the guard refuses is refused: a
+    /// request past the bounds, or whose body is past its limits, goes on unguarded
+    /// (the body read so far, then the rest as it streams).
+    pub(super) async fn shadow_read_first(
+        &self,
+        route: &RouteState,
+        request: Request<Incoming>,
+        client: &ClientInfo,
+    ) -> Result<(Read, Share), Handled> {
+        let mut share = match self.shared.guarded.try_enter() {
+            Ok(share) => share,
+            Err(rejection) => {
+                return Err(self
+                    .unguarded(route, would(&rejection), streamed(request), client)
+                    .await);
+            }
+        };
+        let (parts, body) = request.into_parts();
+        let peeked = body::peek_request_body(body, &parts.headers, route.body, Some(&client.allowance), |bytes| {
+            share.take_for_request(bytes)
+        });
+        match peeked.await {
+            Err(rejection) => Err(Err(rejection.into())),
+            Ok(Peeked::Whole(body)) => Ok((Read { parts, body }, share)),
+            Ok(Peeked::Partial { head, rest, .. }) => {
+                drop(share);
+                Err(self.unguarded_partial(route, parts, head, rest, client).await)
+            }
+        }
+    }
+
+    /// Forwards unguarded a request whose body was cut at a limit: what was read, then
+    /// the rest as it streams.
+    async fn unguarded_partial(
+        &self,
+        route: &RouteState,
+        parts: http::request::Parts,
+        head: bytes::Bytes,
+        rest: Incoming,
+        client: &ClientInfo,
+    ) -> Handled {
+        let timeout = route.config.upstream_timeout;
+        let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
+        let request = Request::from_parts(parts, body.boxed_unsync());
+        self.unguarded(route, Would::Rejected, request, client).await
     }
 
     /// Counts what enforce mode `would` have done, and forwards the request unguarded.

@@ -8,6 +8,7 @@ use std::time::Duration;
 use http::Method;
 use toml::Spanned;
 
+use crate::config::key::{self, KeySource as KeyFrom};
 use crate::config::raw::{
     HumanDuration, RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt,
 };
@@ -130,6 +131,15 @@ impl Validator<'_> {
         let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
         let fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
+        let key = self.key_sources(&raw, &header, &fingerprint_body, &field("key"))?;
+        let dedup_window = self.dedup_window(&raw, &key, upstream_timeout, &field("dedup_window"))?;
+        let header = key
+            .iter()
+            .find_map(|source| match source {
+                KeyFrom::Header(name) => Some(name.clone()),
+                _ => None,
+            })
+            .unwrap_or(header);
         let scope_headers = self.header_names(&raw.scope_headers, field("scope_headers"))?;
         let replay_exclude_headers = self.header_names(&raw.replay_exclude_headers, field("replay_exclude_headers"))?;
         let upstream_key_header = self.header_name(
@@ -224,6 +234,8 @@ impl Validator<'_> {
         Ok(IdempotencyPolicy {
             methods,
             header,
+            key,
+            dedup_window,
             required: raw.required,
             retention,
             wait_for_in_flight,
@@ -473,6 +485,106 @@ impl Validator<'_> {
             .parse::<http::uri::PathAndQuery>()
             .map_err(|_| bad(format!("{text:?} is not a valid path and query")))?;
         Ok(path)
+    }
+
+    /// `key`: its sources, each parsed, or `header:` and `header` by default. Refused:
+    /// an empty list, a source that does not parse, `header` set beside `key`, a
+    /// source after `body` (never read: `body` is always present), and a pointer that
+    /// `fingerprint_ignore` drops (the key would not be in the fingerprint).
+    fn key_sources(
+        &self,
+        raw: &RawIdempotency,
+        header: &http::HeaderName,
+        fingerprint_body: &FingerprintBody,
+        field: &str,
+    ) -> Result<Vec<KeyFrom>, ConfigError> {
+        let Some(list) = &raw.key else {
+            return Ok(vec![KeyFrom::Header(header.clone())]);
+        };
+        let refuse = |reason: String| Err(self.error(list.span(), field.to_string(), reason));
+        if raw.header.span() != (0..0) {
+            return refuse("give key or header, not both: write the header in key as \"header:NAME\"".into());
+        }
+        if list.get_ref().is_empty() {
+            return refuse(
+                "must name at least one source (header:NAME, json:/pointer, form:NAME, query:NAME or body)".into(),
+            );
+        }
+        let mut sources = Vec::with_capacity(list.get_ref().len());
+        for text in list.get_ref() {
+            match KeyFrom::parse(text) {
+                Ok(source) => sources.push(source),
+                Err(reason) => return refuse(reason),
+            }
+        }
+        if let Some(at) = sources.iter().position(|source| *source == KeyFrom::Body)
+            && at + 1 < sources.len()
+        {
+            return refuse(format!(
+                "{} comes after body, which every request has, so it is never read: put body last",
+                sources[at + 1]
+            ));
+        }
+        if let FingerprintBody::Json { ignore } = fingerprint_body {
+            for source in &sources {
+                let KeyFrom::Json(pointers) = source else { continue };
+                for pointer in pointers {
+                    if let Some(dropped) = ignore.iter().find(|ignored| pointer.is_within(ignored)) {
+                        return refuse(format!(
+                            "{source}: fingerprint_ignore drops {dropped}, so the key would not be in the fingerprint (the same key with another value there would replay)"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(sources)
+    }
+
+    /// `dedup_window`: required by the `body` source and taken by nothing else, and,
+    /// like `retention`, longer than the lease.
+    fn dedup_window(
+        &self,
+        raw: &RawIdempotency,
+        sources: &[KeyFrom],
+        upstream_timeout: Duration,
+        field: &str,
+    ) -> Result<Option<Duration>, ConfigError> {
+        let body = sources.contains(&KeyFrom::Body);
+        let window = match (&raw.dedup_window, body) {
+            (None, false) => return Ok(None),
+            (Some(window), false) => {
+                return Err(self.error(
+                    window.span(),
+                    field.to_string(),
+                    "only the body source takes it: add \"body\" to key, last",
+                ));
+            }
+            (None, true) => {
+                let span = raw.key.as_ref().map_or(0..0, Spanned::span);
+                return Err(self.error(
+                    span,
+                    field.to_string(),
+                    format!(
+                        "the body source ({}) needs dedup_window: how long two identical requests are one operation",
+                        key::describe(sources)
+                    ),
+                ));
+            }
+            (Some(window), true) => window,
+        };
+        let length = window.get_ref().0;
+        if length <= upstream_timeout + LEASE_GRACE {
+            return Err(self.error(
+                window.span(),
+                field.to_string(),
+                format!(
+                    "{} does not exceed the lease (upstream_timeout {} + 1s); a record would expire while its request may still be in flight",
+                    humantime::format_duration(length),
+                    humantime::format_duration(upstream_timeout)
+                ),
+            ));
+        }
+        Ok(Some(length))
     }
 
     /// `fingerprint_body` with its `fingerprint_ignore` pointers (only with `"json"`).
