@@ -327,6 +327,11 @@ impl<'a> Parser<'a> {
         self.expect(b'"')?;
         let mut bytes = Vec::new();
         loop {
+            // The run up to the next quote, escape or control byte, taken at once.
+            let rest = self.input.get(self.at..)?;
+            let plain = rest.iter().position(|&byte| needs_escape(byte))?;
+            bytes.extend_from_slice(rest.get(..plain)?);
+            self.at += plain;
             match self.next()? {
                 b'"' => break,
                 b'\\' => {
@@ -345,8 +350,7 @@ impl<'a> Parser<'a> {
                     let mut buffer = [0; 4];
                     bytes.extend_from_slice(escaped.encode_utf8(&mut buffer).as_bytes());
                 }
-                byte if byte < 0x20 => return None,
-                byte => bytes.push(byte),
+                _ => return None,
             }
         }
         String::from_utf8(bytes).ok()
@@ -487,19 +491,27 @@ fn descend_wanted<'a>(wanted: &[(usize, &'a [String])], token: &str) -> (Vec<usi
     (ends, inner)
 }
 
+/// Whether a string's byte is written escaped: a quote, a backslash or a control byte
+/// (all ASCII, so never inside a multi-byte character).
+fn needs_escape(byte: u8) -> bool {
+    byte == b'"' || byte == b'\\' || byte < 0x20
+}
+
 fn write_string(out: &mut Vec<u8>, text: &str) {
     out.push(b'"');
-    for c in text.chars() {
-        match c {
-            '"' => out.extend_from_slice(b"\\\""),
-            '\\' => out.extend_from_slice(b"\\\\"),
-            c if u32::from(c) < 0x20 => out.extend_from_slice(format!("\\u{:04x}", u32::from(c)).as_bytes()),
-            c => {
-                let mut buffer = [0; 4];
-                out.extend_from_slice(c.encode_utf8(&mut buffer).as_bytes());
-            }
+    let mut rest = text.as_bytes();
+    while let Some(at) = rest.iter().position(|&byte| needs_escape(byte)) {
+        let (plain, tail) = rest.split_at(at);
+        out.extend_from_slice(plain);
+        let Some((&byte, tail)) = tail.split_first() else { break };
+        match byte {
+            b'"' => out.extend_from_slice(b"\\\""),
+            b'\\' => out.extend_from_slice(b"\\\\"),
+            byte => out.extend_from_slice(format!("\\u{byte:04x}").as_bytes()),
         }
+        rest = tail;
     }
+    out.extend_from_slice(rest);
     out.push(b'"');
 }
 
