@@ -358,3 +358,71 @@ async fn check_names_the_key_sources_and_what_deduplication_means() {
         "{said}"
     );
 }
+
+/// Everything else applies to a key from the body as to the header's: `upstream_key =
+/// "derived"` sends the upstream the record's operation id in `upstream_key_header`,
+/// and the body exactly as sent; a duplicate in flight waits and gets the replay; a
+/// request whose outcome is unknown is probed with `{key}` the key as forwarded, and
+/// its retry is the probe's answer, reconciled. One execution each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_key_waiting_and_the_probe_apply_to_a_key_from_the_body() {
+    let upstream = Upstream::start().await;
+    let lines = "key = [\"json:/ref\"]\nupstream_key = \"derived\"\nwait_for_in_flight = \"3s\"\n\
+                 [route.idempotency.reconcile]\npath = \"/v1/payments/by-key/{key}\"\n\
+                 first_after = \"100ms\"\nevery = \"200ms\"\ngive_up_after = \"30s\"";
+    let mut config = config(StoreKind::Memory, &upstream, lines);
+    config.upstream_timeout = "2s".into();
+    let proxy = config.start().await;
+    let (addr, admin) = (proxy.addr(), proxy.admin());
+    const BODY: &str = r#"{ "amount": 5, "ref": "r-wait" }"#;
+
+    let first = tokio::spawn(async move { post(addr, "/v1/payments", &[JSON, ("x-test-hold", "wait")], BODY).await });
+    upstream.wait_for_total(1).await;
+    let duplicate = tokio::spawn(async move { post(addr, "/v1/payments", &[JSON], BODY).await });
+    support::client::until_metric(admin, "idemproxy_waiters", 1.0).await;
+    upstream.release("wait");
+    let first = first.await.expect("the first request");
+    let duplicate = duplicate.await.expect("the duplicate");
+    assert_eq!((first.status.as_u16(), first.replayed()), (201, false), "{first:?}");
+    assert!(duplicate.replayed(), "{duplicate:?}");
+    assert_eq!(duplicate.body, first.body);
+    let log = upstream.log();
+    assert_eq!(log.len(), 1, "{log:?}");
+    assert_eq!(log[0].key.len(), 32, "the derived key, not r-wait: {}", log[0].key);
+    assert!(log[0].key.bytes().all(|byte| byte.is_ascii_hexdigit()));
+    assert_eq!(log[0].body, BODY.as_bytes(), "the body as sent, its key in it");
+
+    // Held past the upstream timeout: the outcome is unknown, and the probe asks the
+    // upstream by the key it was sent.
+    let lost = post(
+        addr,
+        "/v1/payments",
+        &[JSON, ("x-test-hold", "lost")],
+        r#"{"ref":"r-lost"}"#,
+    )
+    .await;
+    assert_eq!(lost.status, 504, "{lost:?}");
+    upstream.release("lost");
+    support::client::until_metric(
+        admin,
+        "idemproxy_reconciliations_total{route=\"payments\",result=\"applied\"}",
+        1.0,
+    )
+    .await;
+    let log = upstream.log();
+    assert_eq!(log.len(), 2, "{log:?}");
+    let forwarded = &log[1].key;
+    assert_eq!(forwarded.len(), 32, "{forwarded}");
+    assert!(
+        upstream
+            .lookups()
+            .iter()
+            .all(|lookup| lookup.path == format!("/v1/payments/by-key/{forwarded}")),
+        "{:?}",
+        upstream.lookups()
+    );
+    let retry = post(addr, "/v1/payments", &[JSON], r#"{"ref":"r-lost"}"#).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(upstream.total(), 2, "each operation ran once");
+}
