@@ -335,7 +335,7 @@ impl Proxy {
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
     ) -> (Handled, Option<String>) {
-        let (arrival, identified, share) = if policy.key_needs_body() {
+        let (arrival, identified) = if policy.key_needs_body() {
             let read = match policy.mode {
                 Mode::Enforce => self
                     .read_first(route, request, &client)
@@ -344,16 +344,16 @@ impl Proxy {
                 Mode::Shadow => self.shadow_read_first(route, request, &client).await,
             };
             match read {
-                Ok((read, share)) => {
+                Ok(read) => {
                     let identified = self.identify(route, policy, &read.parts, Some(&read.body));
-                    (Arrival::Read(read), identified, Some(share))
+                    (Arrival::Read(read), identified)
                 }
                 Err(handled) => return (handled, None),
             }
         } else {
             let (parts, body) = request.into_parts();
             let identified = self.identify(route, policy, &parts, None);
-            (Arrival::Unread(Request::from_parts(parts, body)), identified, None)
+            (Arrival::Unread(Request::from_parts(parts, body)), identified)
         };
         let named = match identified {
             Ok(Some(named)) => Ok(named),
@@ -364,10 +364,9 @@ impl Proxy {
         if let Some(record) = &record {
             Span::current().record("record", record.as_str());
         }
-        let arrived = (arrival, share);
         let ended = match policy.mode {
-            Mode::Enforce => self.enforce(route, policy, named, arrived, client, execution).await,
-            Mode::Shadow => self.shadow(route, policy, named, arrived, client, execution).await,
+            Mode::Enforce => self.enforce(route, policy, named, arrival, client, execution).await,
+            Mode::Shadow => self.shadow(route, policy, named, arrival, client, execution).await,
         };
         (ended, record.filter(|_| self.noted()))
     }
@@ -379,14 +378,19 @@ impl Proxy {
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
         identified: Result<Named, Rejection>,
-        (arrival, share): (Arrival, Option<Share>),
+        arrival: Arrival,
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
     ) -> Handled {
         // Refused at once rather than queued: nothing more is read, claimed or
         // forwarded, and the client may retry with the same key.
-        let mut guarded = self.enter(route, policy, &client, identified?, execution, share)?;
-        let prepared = self.prepare(&mut guarded, arrival).await?;
+        let named = identified?;
+        let read = match arrival {
+            Arrival::Read(read) => read,
+            Arrival::Unread(request) => self.read_first(route, request, &client).await?,
+        };
+        let guarded = self.enter(route, policy, &client, named, execution, read.share);
+        let prepared = Prepared::new(&guarded, read.parts, read.body)?;
         let decision = match self.claimed(&prepared).await {
             Ok(decision) => decision,
             Err(error) if policy.on_store_error == OnStoreError::Forward => {

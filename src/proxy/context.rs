@@ -33,12 +33,9 @@ pub(super) struct Guarded {
     pub(super) scope: Option<ScopeId>,
     /// The client's key: what a probe's `{key}` is, with `upstream_key = "client"`.
     pub(super) key: IdempotencyKey,
-    /// How long its record is kept: the route's `retention`, or `dedup_window` for a
-    /// key made from the request itself.
-    pub(super) retention: Duration,
-    /// Whether the key is the request itself (the `body` source): a replay is then a
-    /// deduplicated request.
-    pub(super) by_body: bool,
+    /// With the `body` source, the request's fingerprint, which is its key: a replay
+    /// is then a deduplicated request.
+    pub(super) by_body: Option<Fingerprint>,
     pub(super) share: Share,
     /// The trace of this request's span, which the record keeps, with tracing on.
     pub(super) execution: Option<ExecutionTrace>,
@@ -54,6 +51,15 @@ impl Guarded {
             UpstreamKey::None => String::new(),
         }
     }
+
+    /// How long its record is kept: the route's `retention`, or its `dedup_window` for
+    /// a key made from the request itself.
+    pub(super) fn retention(&self) -> Duration {
+        match self.by_body {
+            Some(_) => self.policy.dedup_window.unwrap_or(self.policy.retention),
+            None => self.policy.retention,
+        }
+    }
 }
 
 /// The record a guarded request names, and the client (route and scope) it is
@@ -62,9 +68,8 @@ pub(super) struct Named {
     pub(super) record: StoreKey,
     pub(super) scope: Option<ScopeId>,
     pub(super) key: IdempotencyKey,
-    pub(super) retention: Duration,
-    /// Whether the key is the request itself (the `body` source).
-    pub(super) by_body: bool,
+    /// With the `body` source, the request's fingerprint, which is its key.
+    pub(super) by_body: Option<Fingerprint>,
 }
 
 /// A guarded request as it arrived: its body unread (a route whose key sources are all
@@ -75,10 +80,11 @@ pub(super) enum Arrival {
     Read(Read),
 }
 
-/// A request whose body was read before its key was looked for.
+/// A guarded request read whole, and its share of the bounds, which holds its body.
 pub(super) struct Read {
     pub(super) parts: request::Parts,
     pub(super) body: Bytes,
+    pub(super) share: Share,
 }
 
 impl Arrival {
@@ -103,21 +109,24 @@ impl Prepared {
     /// Fingerprints the request read into `parts` and `body`, and names its claim.
     pub(super) fn new(guarded: &Guarded, parts: request::Parts, body: Bytes) -> Result<Prepared, Rejection> {
         let policy = &guarded.policy;
-        let fingerprint = idempotency::fingerprint(
-            &parts.method,
-            &parts.uri,
-            &parts.headers,
-            &policy.fingerprint_headers,
-            &policy.fingerprint_body,
-            &body,
-        );
+        // A key made from the request itself was its fingerprint already.
+        let fingerprint = guarded.by_body.unwrap_or_else(|| {
+            idempotency::fingerprint(
+                &parts.method,
+                &parts.uri,
+                &parts.headers,
+                &policy.fingerprint_headers,
+                &policy.fingerprint_body,
+                &body,
+            )
+        });
         let claim = ClaimRequest {
             key: guarded.record.clone(),
             scope: guarded.scope,
             client: Some(idempotency::client_id(guarded.client.addr)),
             owner: OwnerToken::generate().map_err(|_| ProxyError::Random)?,
             fingerprint,
-            retention: guarded.retention,
+            retention: guarded.retention(),
             lease: guarded.route.config.lease(),
             // Only a key the probe cannot derive from the record is kept with it.
             probe_key: guarded
@@ -164,8 +173,8 @@ impl Proxy {
             query: head.uri.query(),
             body,
         };
-        let (key, retention, by_body) = match source::find_key(&policy.key, &input)? {
-            Some(Keyed::Key(key)) => (key, policy.retention, false),
+        let (key, by_body) = match source::find_key(&policy.key, &input)? {
+            Some(Keyed::Key(key)) => (key, None),
             Some(Keyed::Body) => {
                 let fingerprint = idempotency::fingerprint(
                     &head.method,
@@ -175,8 +184,7 @@ impl Proxy {
                     &policy.fingerprint_body,
                     body.unwrap_or_default(),
                 );
-                let window = policy.dedup_window.unwrap_or(policy.retention);
-                (source::body_key(fingerprint), window, true)
+                (source::body_key(fingerprint), Some(fingerprint))
             }
             None if policy.required => return Err(source::missing(&policy.key)),
             None => return Ok(None),
@@ -199,13 +207,12 @@ impl Proxy {
             record: idempotency::store_key(&self.shared.key_prefix, &route.name, &scope, &key),
             scope: idempotency::scope_id(&route.name, &scope),
             key,
-            retention,
             by_body,
         }))
     }
 
-    /// The context of a guarded request that names `record`, once it has its place
-    /// among the guarded requests in flight: `share`, when its body was read first.
+    /// The context of a guarded request that names `record`, with the share of the
+    /// bounds its body was read in.
     pub(super) fn enter(
         &self,
         route: &Arc<RouteState>,
@@ -213,13 +220,9 @@ impl Proxy {
         client: &ClientInfo,
         named: Named,
         execution: Option<ExecutionTrace>,
-        share: Option<Share>,
-    ) -> Result<Guarded, Rejection> {
-        let share = match share {
-            Some(share) => share,
-            None => self.shared.guarded.try_enter()?,
-        };
-        Ok(Guarded {
+        share: Share,
+    ) -> Guarded {
+        Guarded {
             share,
             route: route.clone(),
             policy: policy.clone(),
@@ -227,44 +230,26 @@ impl Proxy {
             record: named.record,
             scope: named.scope,
             key: named.key,
-            retention: named.retention,
             by_body: named.by_body,
             execution,
-        })
+        }
     }
 
-    /// A request on a route whose key may be in its body: its place among the guarded
-    /// requests, and its body read within its limits and that share of the byte budget,
-    /// before its key is looked for.
+    /// A guarded request's place among the guarded requests in flight, then its body
+    /// read within its limits and that share of the byte budget: before its key is
+    /// looked for on a route whose key may be in the body, else once it is named.
     pub(super) async fn read_first(
         &self,
         route: &RouteState,
         request: Request<Incoming>,
         client: &ClientInfo,
-    ) -> Result<(Read, Share), Rejection> {
+    ) -> Result<Read, Rejection> {
         let mut share = self.shared.guarded.try_enter()?;
         let (parts, body) = request.into_parts();
         let body = body::read_request_body(body, &parts.headers, route.body, Some(&client.allowance), |bytes| {
             share.take_for_request(bytes)
         })
         .await?;
-        Ok((Read { parts, body }, share))
-    }
-
-    /// Reads the body within its limits and its share of the byte budget, and works
-    /// out what the claim asks for.
-    pub(super) async fn prepare(&self, guarded: &mut Guarded, arrival: Arrival) -> Result<Prepared, Rejection> {
-        let request = match arrival {
-            Arrival::Unread(request) => request,
-            Arrival::Read(read) => return Prepared::new(guarded, read.parts, read.body),
-        };
-        let (parts, body) = request.into_parts();
-        let (limits, allowance) = (guarded.route.body, guarded.client.allowance.clone());
-        let share = &mut guarded.share;
-        let body = body::read_request_body(body, &parts.headers, limits, Some(&allowance), |bytes| {
-            share.take_for_request(bytes)
-        })
-        .await?;
-        Prepared::new(guarded, parts, body)
+        Ok(Read { parts, body, share })
     }
 }

@@ -16,7 +16,6 @@ use tokio::time::Instant;
 use super::context::Read;
 use super::{Arrival, Handled, Named, Prepared, Proxy};
 use crate::body::{self, ClientInfo, Peeked, ProxyBody, StreamedBody, streamed};
-use crate::bounds::Share;
 use crate::config::IdempotencyPolicy;
 use crate::error::Rejection;
 use crate::idempotency::Decision;
@@ -33,44 +32,33 @@ impl Proxy {
         route: &Arc<RouteState>,
         policy: &Arc<IdempotencyPolicy>,
         identified: Result<Named, Rejection>,
-        (arrival, share): (Arrival, Option<Share>),
+        arrival: Arrival,
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
     ) -> Handled {
-        let entered = identified.and_then(|named| self.enter(route, policy, &client, named, execution, share));
-        let mut guarded = match entered {
-            Ok(guarded) => guarded,
+        let named = match identified {
+            Ok(named) => named,
             Err(rejection) => {
                 return self
                     .unguarded(route, would(&rejection), arrival.into_request(), &client)
                     .await;
             }
         };
-        let (parts, body) = match arrival {
-            Arrival::Read(read) => (read.parts, read.body),
-            Arrival::Unread(request) => {
-                let (parts, body) = request.into_parts();
-                let share = &mut guarded.share;
-                let peeked =
-                    body::peek_request_body(body, &parts.headers, route.body, Some(&client.allowance), |bytes| {
-                        share.take_for_request(bytes)
-                    });
-                match peeked.await? {
-                    Peeked::Whole(body) => (parts, body),
-                    Peeked::Partial { head, rest, .. } => {
-                        drop(guarded);
-                        return self.unguarded_partial(route, parts, head, rest, &client).await;
-                    }
-                }
-            }
+        let read = match arrival {
+            Arrival::Read(read) => read,
+            Arrival::Unread(request) => match self.shadow_read_first(route, request, &client).await {
+                Ok(read) => read,
+                Err(handled) => return handled,
+            },
         };
-        let prepared = Prepared::new(&guarded, parts, body)?;
+        let guarded = self.enter(route, policy, &client, named, execution, read.share);
+        let prepared = Prepared::new(&guarded, read.parts, read.body)?;
         let would = match self.claimed(&prepared).await {
             Ok(Decision::Forward(claim)) => {
                 route.metrics.shadow(Would::Forward);
                 return self.forward(guarded, claim, prepared).await;
             }
-            Ok(Decision::Replay(_)) if guarded.by_body => Would::Deduplicate,
+            Ok(Decision::Replay(_)) if guarded.by_body.is_some() => Would::Deduplicate,
             Ok(Decision::Replay(_)) => Would::Replay,
             Ok(Decision::Reject(rejection)) => would(&rejection),
             Ok(Decision::Unknown(..)) => Would::Conflict,
@@ -91,7 +79,7 @@ impl Proxy {
         route: &RouteState,
         request: Request<Incoming>,
         client: &ClientInfo,
-    ) -> Result<(Read, Share), Handled> {
+    ) -> Result<Read, Handled> {
         let mut share = match self.shared.guarded.try_enter() {
             Ok(share) => share,
             Err(rejection) => {
@@ -106,7 +94,7 @@ impl Proxy {
         });
         match peeked.await {
             Err(rejection) => Err(Err(rejection.into())),
-            Ok(Peeked::Whole(body)) => Ok((Read { parts, body }, share)),
+            Ok(Peeked::Whole(body)) => Ok(Read { parts, body, share }),
             Ok(Peeked::Partial { head, rest, .. }) => {
                 drop(share);
                 Err(self.unguarded_partial(route, parts, head, rest, client).await)
