@@ -21,7 +21,7 @@ pub enum KeySource {
     /// `query:NAME`: a parameter of the query string.
     Query(String),
     /// `body`: no key at all; the request itself (method, canonical path and query,
-    /// fingerprinted headers, scope and canonical body) is the key, kept for the
+    /// fingerprinted headers and body as the fingerprint reads it, within its scope) is the key, kept for the
     /// route's `dedup_window`.
     Body,
 }

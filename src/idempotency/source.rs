@@ -90,7 +90,7 @@ pub(crate) fn missing(sources: &[KeySource]) -> Rejection {
 }
 
 /// The key of a request on the `body` source: its fingerprint (method, canonical path
-/// and query, the fingerprinted headers and the canonical body), so that two
+/// and query, the fingerprinted headers and the body as `fingerprint_body` reads it), so that two
 /// identical requests name one record in one scope.
 pub fn body_key(fingerprint: Fingerprint) -> IdempotencyKey {
     IdempotencyKey(format!("body:{}", fingerprint.to_hex()))
