@@ -164,6 +164,9 @@ pub struct Encryption {
     pub previous_keys_env: Option<String>,
     pub current: RecordKey,
     pub previous: Vec<RecordKey>,
+    /// Whether a record kept in clear (written before encryption was on) replays; by
+    /// default it is unreadable, since anyone who can write the store can write one.
+    pub accept_clear_records: bool,
 }
 
 /// One record key: 32 bytes, never printed; named by its id.

@@ -591,7 +591,7 @@ mod tests {
             route("plain", ""),
             route(
                 "mixed",
-                "key = [\"header:X-Request-Id\", \"query:request_id\", \"form:ref\", \"body\"]\ndedup_window = \"10m\"",
+                "key = [\"header:X-Request-Id\", \"query:request_id\", \"form:ref\", \"body\"]\ndedup_window = \"10m\"\nscope_headers = [\"authorization\"]",
             ),
             route("orders", "key = [\"json:/tenant&/order/id\"]\nrequired = true"),
         ]

@@ -222,12 +222,12 @@ pub struct DiskError {
 /// changes it.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreFileError {
-    #[error("{path}: is in use by another idemproxy ({holder}); one process per file (lock file {lock})")]
-    InUse {
-        path: PathBuf,
-        lock: PathBuf,
-        holder: String,
-    },
+    #[error("{path}: is in use by another idemproxy ({holder}); one process per file, however it is named")]
+    InUse { path: PathBuf, holder: String },
+    /// Others may write it, or what it is reached through: refused, as Postgres
+    /// refuses a data directory that others can write.
+    #[error("{path}: refused: {reason}")]
+    Unsafe { path: PathBuf, reason: String },
     #[error("{path}: cannot {what}")]
     Io {
         path: PathBuf,

@@ -615,6 +615,7 @@ fn the_memory_store_with_sealed_records_conforms_to_the_model() {
         previous_keys_env: None,
         current: idemproxy::config::RecordKey::from_bytes([7; 32]),
         previous: Vec::new(),
+        accept_clear_records: false,
     }));
     let (coverage, result) = run(&runtime, &traces, 256, |n| {
         let _entered = runtime.enter();

@@ -421,6 +421,7 @@ upstream = "{upstream_url}"
 [route.idempotency]
 key = ["json:/tenant&/order/id", "form:ref", "query:request_id", "header:Idempotency-Key", "body"]
 dedup_window = "1m"
+scope_headers = ["authorization"]
 "#
     );
     let file = config.write_temp();

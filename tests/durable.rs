@@ -228,20 +228,23 @@ async fn a_file_the_store_cannot_use_keeps_the_proxy_from_starting() {
     );
     assert_eq!(sha256_of(&garbage), before);
 
-    // The image's user (65532) on a file only root may read.
+    // The image's user (65532), in a directory of its own, on its file made unreadable.
     use std::os::unix::fs::PermissionsExt;
     let shared = tempfile::tempdir().expect("temporary directory");
-    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let locked = shared.path().join("records.db");
     {
         let config = sqlite_config(&locked, &upstream);
         let proxy = ChildProxy::start(&config).await;
         assert_eq!(pay(&proxy, "before-locking", "{}").await.status, 201);
     }
+    for name in ["", "records.db", "records.db-wal", "records.db-shm", "records.db.lock"] {
+        let path = shared.path().join(name);
+        if path.exists() {
+            std::os::unix::fs::chown(&path, Some(65532), Some(65532)).expect("chown");
+        }
+    }
     std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o000)).expect("chmod");
-    // The lock file is the first run's (root's): the user may take it.
-    let lock = shared.path().join("records.db.lock");
-    std::fs::set_permissions(&lock, std::fs::Permissions::from_mode(0o666)).expect("chmod");
     let before = sha256_of(&locked);
     let (code, stderr) = run_refused_as(
         &sqlite_config(&locked, &upstream),
@@ -250,7 +253,10 @@ async fn a_file_the_store_cannot_use_keeps_the_proxy_from_starting() {
     );
     assert_ne!(code, 0);
     assert!(
-        stderr.contains(&format!("{}: cannot read it: Permission denied", locked.display())),
+        stderr.contains(&format!(
+            "{}: cannot open the store file: Permission denied",
+            locked.display()
+        )),
         "{stderr}"
     );
     assert_eq!(sha256_of(&locked), before);

@@ -302,7 +302,7 @@ async fn key_less_deduplication_replays_inside_its_window_only() {
 #[tokio::test]
 async fn shadow_mode_counts_what_key_less_deduplication_would_have_replayed() {
     let upstream = Upstream::start().await;
-    let lines = "mode = \"shadow\"\nkey = [\"header:Idempotency-Key\", \"body\"]\ndedup_window = \"1m\"";
+    let lines = "mode = \"shadow\"\nkey = [\"header:Idempotency-Key\", \"body\"]\ndedup_window = \"1m\"\nscope_headers = [\"authorization\"]";
     let proxy = config(StoreKind::Memory, &upstream, lines).start().await;
     let (addr, admin) = (proxy.addr(), proxy.admin());
     for _ in 0..3 {
@@ -335,7 +335,7 @@ async fn shadow_mode_counts_what_key_less_deduplication_would_have_replayed() {
 #[tokio::test]
 async fn check_names_the_key_sources_and_what_deduplication_means() {
     let upstream = Upstream::start().await;
-    let lines = "key = [\"header:Idempotency-Key\", \"json:/ref\", \"body\"]\ndedup_window = \"5m\"";
+    let lines = "key = [\"header:Idempotency-Key\", \"json:/ref\", \"body\"]\ndedup_window = \"5m\"\nscope_headers = [\"authorization\"]";
     let file = config(StoreKind::Memory, &upstream, lines).write_temp();
     let output = support::proxy::binary_command(&[])
         .args(["check", "--config"])

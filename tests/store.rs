@@ -12,15 +12,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
-use idemproxy::config::{ClientIdentity, PostgresConfig, RedisConfig, RedisTopology, SqliteConfig, StoreTls};
+use idemproxy::config::{
+    ClientIdentity, Encryption, PostgresConfig, RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreTls,
+};
 use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
 use idemproxy::store::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryStore, OwnerToken, PostgresStore,
-    Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved, ScopeId, SqliteStore,
-    StoreKey, StoreLimits, StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
+    AnyStore, ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryStore, OwnerToken,
+    PostgresStore, Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved,
+    ScopeId, Sealer, SqliteStore, StoreKey, StoreLimits, StoreUsage, StoredResponse, SummaryState, UnknownReason,
+    Write,
 };
 use support::pki::Pki;
 use support::redis_server::ServerTls;
@@ -106,6 +109,88 @@ async fn assert_all_writes_fenced<S: RecordStore>(store: &S, key: &StoreKey, own
 }
 
 // === the suite ===
+
+/// Issue 49 H2: whoever can write the store rewrites a sealed record in the clear
+/// layout, keeping its fingerprint (an HMAC under the record key, which they cannot
+/// make but can copy) and choosing the status, fields and body. Through the sealed
+/// store the retry reads it as unreadable, never as a replay, even where clear records
+/// are accepted; a record with a plain fingerprint in clear is refused by default.
+async fn a_sealed_record_rewritten_in_clear_is_never_replayed<S>(store: &S)
+where
+    S: RecordStore + Clone + Into<AnyStore>,
+{
+    let encryption = |accept_clear_records| Encryption {
+        key_env: "K".into(),
+        previous_keys_env: None,
+        current: RecordKey::from_bytes([7; 32]),
+        previous: Vec::new(),
+        accept_clear_records,
+    };
+    let plain = claim(&key("x"), new_owner(), LONG).fingerprint;
+    let forged = StoredResponse {
+        status: StatusCode::FOUND,
+        headers: vec![(
+            HeaderName::from_static("location"),
+            HeaderValue::from_static("https://evil.example/"),
+        )],
+        body: Bytes::from_static(b"forged"),
+        trace: None,
+    };
+    // Writes `response` in clear for `key` under `fingerprint`, as a forger would.
+    let rewrite = |key: StoreKey, fingerprint: Fingerprint| {
+        let forged = forged.clone();
+        async move {
+            store.purge(&key).await.expect("purge");
+            let owner = new_owner();
+            let mut forgery = claim(&key, owner, LONG);
+            forgery.fingerprint = fingerprint;
+            assert_eq!(store.claim(&forgery).await.expect("claim"), ClaimOutcome::Acquired(()));
+            let written = store.complete(&key, owner, &forged).await.expect("complete");
+            assert_eq!(written, Write::Applied);
+        }
+    };
+    for accept in [false, true] {
+        let sealer = std::sync::Arc::new(Sealer::new(&encryption(accept)));
+        let sealed: AnyStore = store.clone().into().sealed(Some(sealer.clone()));
+        let record = key(&format!("forged-{accept}"));
+        let owner = new_owner();
+        let first = sealed.claim(&claim(&record, owner, LONG)).await.expect("claim");
+        assert_eq!(first, ClaimOutcome::Acquired(()));
+        let honest = response("honest");
+        assert_eq!(
+            sealed.complete(&record, owner, &honest).await.expect("complete"),
+            Write::Applied
+        );
+        assert_eq!(
+            state_of(&sealed, &record).await,
+            RecordState::Completed(honest),
+            "the sealed record replays"
+        );
+        let unreadable = RecordState::Unknown {
+            reason: UnknownReason::Unreadable,
+            probe: Probe::GaveUp,
+        };
+        rewrite(record.clone(), sealer.fingerprint(plain)).await;
+        assert_eq!(
+            state_of(&sealed, &record).await,
+            unreadable,
+            "accept_clear_records = {accept}: a clear record under a keyed fingerprint"
+        );
+        // The control: in clear under the plain fingerprint (written before encryption
+        // was on) it replays only where clear records are accepted.
+        rewrite(record.clone(), plain).await;
+        let expected = if accept {
+            RecordState::Completed(forged.clone())
+        } else {
+            unreadable
+        };
+        assert_eq!(
+            state_of(&sealed, &record).await,
+            expected,
+            "accept_clear_records = {accept}"
+        );
+    }
+}
 
 async fn first_claim_acquires_and_others_see_it_in_flight<S: RecordStore>(store: &S) {
     let key = key("first");
@@ -1095,6 +1180,7 @@ fn tls_store() -> (Pki, RedisServer, RedisStore) {
 }
 
 against_every_store!(
+    a_sealed_record_rewritten_in_clear_is_never_replayed,
     first_claim_acquires_and_others_see_it_in_flight,
     a_claim_retried_by_its_owner_counts_as_acquired,
     a_completed_record_replays_exactly,
@@ -1932,6 +2018,126 @@ async fn a_second_store_on_one_file_is_refused_naming_its_holder() {
     }
     drop(first);
     sqlite_store(&path, StoreLimits::unbounded(10));
+}
+
+/// Issue 49 L6: one process per file however the file is named. A hard link to a
+/// store another store holds is refused naming the holder; a symbolic link to it is
+/// refused as a link.
+#[tokio::test]
+async fn a_store_reached_through_a_link_is_refused_while_another_holds_it() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let first = sqlite_store(&path, StoreLimits::unbounded(10));
+    let hard = dir.path().join("hard.db");
+    std::fs::hard_link(&path, &hard).expect("hard link");
+    let message = refusal(&hard);
+    assert!(
+        message.contains("in use by another idemproxy") && message.contains(&format!("pid {}", std::process::id())),
+        "{message}"
+    );
+    let soft = dir.path().join("soft.db");
+    std::os::unix::fs::symlink(&path, &soft).expect("symlink");
+    assert!(refusal(&soft).contains("symbolic link"), "{}", refusal(&soft));
+    drop(first);
+}
+
+/// What opening a SQLite store on `path` is refused with.
+fn refusal(path: &std::path::Path) -> String {
+    match SqliteStore::open(&sqlite_config(path, StoreLimits::unbounded(10)), LONG) {
+        Err(error) => error.to_string(),
+        Ok(_) => panic!("{} opened", path.display()),
+    }
+}
+
+fn mode(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::symlink_metadata(path).expect("metadata").permissions().mode() & 0o7777
+}
+
+/// Issue 49 M1 to M3: the store refuses what other local users may write, and creates
+/// its files for its owner only. A directory others can write is refused (so nobody
+/// can plant a link there); a lock file or database that is a symbolic link is refused
+/// and its target left untouched (today's code truncated the target and wrote its pid
+/// in it); a database that group or others can write, or that another user owns, is
+/// refused; every file the store makes is 0600 whatever the umask, and one an older
+/// release left 0644 is made 0600.
+#[tokio::test]
+async fn the_sqlite_store_refuses_what_others_may_write_and_keeps_its_files_private() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let chmod = |path: &std::path::Path, mode: u32| {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    };
+    let root = tempfile::tempdir().expect("temporary directory");
+
+    // A directory others (or its group) can write, sticky or not.
+    for open_mode in [0o777, 0o1777, 0o770] {
+        let dir = root.path().join(format!("open-{open_mode:o}"));
+        std::fs::create_dir(&dir).expect("mkdir");
+        chmod(&dir, open_mode);
+        let message = refusal(&dir.join("records.db"));
+        assert!(message.contains("is writable by"), "{open_mode:o}: {message}");
+        assert!(!dir.join("records.db").exists(), "nothing made there");
+    }
+
+    let dir = root.path().join("store");
+    std::fs::create_dir(&dir).expect("mkdir");
+    chmod(&dir, 0o755);
+    let path = dir.join("records.db");
+
+    // A lock file planted as a link to a file of the proxy user's.
+    let victim = root.path().join("important.conf");
+    std::fs::write(&victim, "keep me\n".repeat(2000)).expect("write");
+    std::os::unix::fs::symlink(&victim, dir.join("records.db.lock")).expect("symlink");
+    let message = refusal(&path);
+    assert!(
+        message.contains("records.db.lock") && message.contains("symbolic link"),
+        "{message}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&victim).expect("read"),
+        "keep me\n".repeat(2000)
+    );
+    std::fs::remove_file(dir.join("records.db.lock")).expect("rm");
+
+    // A dangling link where the database goes: nothing is made where it points.
+    let elsewhere = root.path().join("elsewhere.db");
+    std::os::unix::fs::symlink(&elsewhere, &path).expect("symlink");
+    assert!(refusal(&path).contains("symbolic link"), "{}", refusal(&path));
+    assert!(!elsewhere.exists(), "created through the link");
+    std::fs::remove_file(&path).expect("rm");
+
+    // An empty database that group or others can write (another user made it 0666).
+    std::fs::write(&path, b"").expect("touch");
+    chmod(&path, 0o666);
+    let message = refusal(&path);
+    assert!(message.contains("writable by group and others"), "{message}");
+    std::fs::remove_file(&path).expect("rm");
+
+    // A database another user owns (only root can make one here).
+    if rustix::process::geteuid().is_root() {
+        std::fs::write(&path, b"").expect("touch");
+        chmod(&path, 0o600);
+        std::os::unix::fs::chown(&path, Some(65534), Some(65534)).expect("chown");
+        let message = refusal(&path);
+        assert!(message.contains("owned by uid 65534"), "{message}");
+        std::fs::remove_file(&path).expect("rm");
+    }
+
+    // Made by the store: every file 0600, though the umask lets others read.
+    let store = sqlite_store(&path, StoreLimits::unbounded(10));
+    let owner = new_owner();
+    store.claim(&claim(&key("private"), owner, LONG)).await.expect("claim");
+    for name in ["records.db", "records.db-wal", "records.db-shm", "records.db.lock"] {
+        assert_eq!(mode(&dir.join(name)), 0o600, "{name}");
+    }
+    drop(store);
+
+    // Left 0644 by an older release: made 0600 once found to be the store's own.
+    chmod(&path, 0o644);
+    chmod(&dir.join("records.db.lock"), 0o644);
+    drop(sqlite_store(&path, StoreLimits::unbounded(10)));
+    assert_eq!(mode(&path), 0o600);
+    assert_eq!(mode(&dir.join("records.db.lock")), 0o600);
 }
 
 /// A file that is not this store's is refused with what is wrong with it, and left

@@ -154,6 +154,8 @@ pub(super) struct RawStore {
 pub(super) struct RawEncryption {
     pub(super) key_env: Spanned<String>,
     pub(super) previous_keys_env: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) accept_clear_records: bool,
 }
 
 impl Default for RawStore {

@@ -256,6 +256,11 @@ pub const SETTINGS: &[Setting] = &[
         meaning: "the variable holding earlier keys, comma-separated: records sealed under them still open and replay; new ones are sealed under `key_env`. A record under a key in neither is never run again: 409 `outcome-unknown` with `reason` `unreadable` (dropping a key erases its records)",
     },
     Setting {
+        key: "store.encryption.accept_clear_records",
+        default: DefaultValue::Text("`false`"),
+        meaning: "whether a record kept in clear (written before `[store.encryption]` was on) still replays. By default it is unreadable (409 `outcome-unknown`, `reason` `unreadable`, never run again): whoever can write the store could write a clear record with any status, fields and body. Set it to `true` only while records from before encryption are within their retention. A clear record whose fingerprint was made under a record key is refused either way",
+    },
+    Setting {
         key: "store.max_records",
         default: DefaultValue::Text("`100000` (memory), `10000000` (sqlite)"),
         meaning: "memory and sqlite: live records held at most; then new claims get 503 `store-full`",
@@ -338,7 +343,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "route.idempotency.dedup_window",
         default: DefaultValue::Text("none; required by the `body` key source"),
-        meaning: "with `key = [..., \"body\"]`: how long two identical requests (as the fingerprint sees them, in one scope) are one operation, the second answered with the first's response; must exceed `upstream_timeout + 1s`",
+        meaning: "with `key = [..., \"body\"]` (which needs `scope_headers` or `scope_jwt`): how long two identical requests (as the fingerprint sees them, in one scope) are one operation, the second answered with the first's response; must exceed `upstream_timeout + 1s`",
     },
     Setting {
         key: "route.idempotency.required",

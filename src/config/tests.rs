@@ -521,7 +521,7 @@ fn key_sources_parse_and_each_bad_one_is_named() {
         vec![KeySource::Header(HeaderName::from_static("x-request-id"))]
     );
     let all = parse(&with(
-        "key = [\"header:X-Key\", \"json:/ref\", \"json:/tenant&/order\", \"form:ref\", \"query:ref\", \"body\"]\ndedup_window = \"5m\"",
+        "key = [\"header:X-Key\", \"json:/ref\", \"json:/tenant&/order\", \"form:ref\", \"query:ref\", \"body\"]\ndedup_window = \"5m\"\nscope_headers = [\"authorization\"]",
     ))
     .expect("valid");
     let sources = policy(&all).key.clone();
@@ -557,8 +557,14 @@ fn key_sources_parse_and_each_bad_one_is_named() {
             "key = [\"json:/ref\"]\ndedup_window = \"5m\"",
             "dedup_window: only the body source takes it",
         ),
+        // Issue 49 H1: two customers' identical bodies are one record unless the route
+        // has a scope, so the second would be replayed the first one's receipt.
         (
-            "key = [\"body\"]\ndedup_window = \"10s\"",
+            "key = [\"body\"]\ndedup_window = \"5m\"",
+            "key: the body source needs a scope (scope_headers or scope_jwt)",
+        ),
+        (
+            "key = [\"body\"]\ndedup_window = \"10s\"\nscope_headers = [\"authorization\"]",
             "dedup_window: 10s does not exceed the lease",
         ),
         (

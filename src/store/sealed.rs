@@ -13,6 +13,11 @@
 //! to another record, or given another status, does not open. A record that does not
 //! open, or whose key is no longer configured, is never run again: the claim reads it
 //! as unknown (`unreadable`), and the probe leaves it to an operator.
+//!
+//! A record kept in clear is one written before encryption was on, or a forgery by
+//! whoever can write the store: it is unreadable unless `accept_clear_records`, and
+//! always when its fingerprint was made under a record key (only a sealed record has
+//! one).
 
 use std::sync::Arc;
 
@@ -117,6 +122,11 @@ pub enum Unreadable {
     /// Opens, but its fingerprint names a key that is not configured: which request
     /// made it cannot be told.
     UncheckedFingerprint,
+    /// Kept in clear, and clear records are refused (`accept_clear_records = false`).
+    Clear,
+    /// Kept in clear, yet its fingerprint was made under the record key `0`: a sealed
+    /// record rewritten.
+    ClearUnderKey(String),
 }
 
 impl std::fmt::Display for Unreadable {
@@ -126,6 +136,13 @@ impl std::fmt::Display for Unreadable {
             Unreadable::Broken(id) => write!(f, "sealed under key {id}, and does not open (altered or truncated)"),
             Unreadable::NoKeys(id) => write!(f, "sealed under key {id}, and [store.encryption] is not configured"),
             Unreadable::UncheckedFingerprint => f.write_str("its fingerprint names a key that is not configured"),
+            Unreadable::Clear => f.write_str(
+                "kept in clear, and [store.encryption] refuses clear records (accept_clear_records = false)",
+            ),
+            Unreadable::ClearUnderKey(id) => write!(
+                f,
+                "kept in clear, yet its fingerprint was made under key {id}: only a sealed record has one (rewritten?)"
+            ),
         }
     }
 }
@@ -135,6 +152,7 @@ pub struct Sealer {
     current: Cipher,
     previous: Vec<Cipher>,
     random: SystemRandom,
+    accept_clear: bool,
 }
 
 /// Records found that could not be opened, by any store of this process
@@ -147,6 +165,7 @@ impl Sealer {
             current: Cipher::new(&encryption.current),
             previous: encryption.previous.iter().map(Cipher::new).collect(),
             random: SystemRandom::new(),
+            accept_clear: encryption.accept_clear_records,
         }
     }
 
@@ -166,7 +185,7 @@ impl Sealer {
         if stored == plain {
             return Recognised::Same;
         }
-        match self.ciphers().find(|cipher| stored.0[..4] == cipher.id_bytes) {
+        match self.named_key(stored) {
             Some(cipher) if cipher.fingerprint(plain) == stored => Recognised::Same,
             Some(_) => Recognised::Other,
             None => Recognised::Unverifiable,
@@ -209,11 +228,20 @@ impl Sealer {
         })
     }
 
-    /// The response `stored` holds, opened; one written before encryption was on is as
-    /// it was.
+    /// The configured key a fingerprint names by its first four bytes, if any.
+    fn named_key(&self, fingerprint: Fingerprint) -> Option<&Cipher> {
+        self.ciphers().find(|cipher| fingerprint.0[..4] == cipher.id_bytes)
+    }
+
+    /// The response `stored` holds, opened; one kept in clear (written before
+    /// encryption was on) is as it was where `accept_clear_records` allows it.
     pub fn open(&self, key: &StoreKey, stored: StoredResponse) -> Result<StoredResponse, Unreadable> {
         let Some(id) = sealed_by(&stored) else {
-            return Ok(stored);
+            return if self.accept_clear {
+                Ok(stored)
+            } else {
+                Err(Unreadable::Clear)
+            };
         };
         let Some(cipher) = self.ciphers().find(|cipher| cipher.id == id) else {
             return Err(Unreadable::UnknownKey(id));
@@ -293,7 +321,9 @@ pub(super) fn opened(
     // encryption was on. Any other state refuses whoever asks alike (409), so it is
     // answered as the same request's.
     let (fingerprint, state) = match (recognised, state) {
-        (Recognised::Unverifiable, RecordState::Completed(stored)) if sealed_by(&stored).is_none() => {
+        (Recognised::Unverifiable, RecordState::Completed(stored))
+            if sealed_by(&stored).is_none() && sealer.is_none_or(|sealer| sealer.accept_clear) =>
+        {
             (fingerprint, RecordState::Completed(stored))
         }
         // Another request's is refused by `decide` whatever it holds, and opened all
@@ -304,7 +334,17 @@ pub(super) fn opened(
             } else {
                 plain
             };
-            let opened = open_quietly(sealer, key, stored).and_then(|response| match recognised {
+            // Only a sealed record has a fingerprint made under a record key: one in
+            // clear with such a fingerprint was rewritten by whoever can write the
+            // store, with the status, fields and body of their choosing.
+            let keyed = sealer
+                .filter(|_| fingerprint != plain && sealed_by(&stored).is_none())
+                .and_then(|sealer| sealer.named_key(fingerprint));
+            let opened = match keyed {
+                Some(cipher) => Err(Unreadable::ClearUnderKey(cipher.id.clone())),
+                None => open_quietly(sealer, key, stored),
+            };
+            let opened = opened.and_then(|response| match recognised {
                 // Opened, yet its fingerprint names a key not configured (resolved by
                 // a process with another key): which request made it is unknown.
                 Recognised::Unverifiable => Err(Unreadable::UncheckedFingerprint),

@@ -151,6 +151,17 @@ impl Validator<'_> {
             None => None,
             Some(jwt) => Some(self.scope_jwt(index, jwt)?),
         };
+        // Two customers' identical bodies (the same amount to the same merchant, the
+        // payer in a header the fingerprint does not read) are one record unless a
+        // scope tells them apart: the second would be answered with the first's receipt.
+        if key.contains(&KeyFrom::Body) && scope_headers.is_empty() && scope_jwt.is_none() {
+            let span = raw.key.as_ref().map_or(0..0, Spanned::span);
+            return Err(self.error(
+                span,
+                field("key"),
+                "the body source needs a scope (scope_headers or scope_jwt): without one, two clients' identical requests are one operation, and the second is answered with the first's response",
+            ));
+        }
         let retention = raw.retention.get_ref().0;
         if retention <= upstream_timeout + LEASE_GRACE {
             return Err(self.error(

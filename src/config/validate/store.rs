@@ -144,6 +144,7 @@ impl Validator<'_> {
                 .map(|variable| variable.get_ref().clone()),
             current,
             previous,
+            accept_clear_records: raw.accept_clear_records,
         })
     }
 

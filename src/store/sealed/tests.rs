@@ -6,12 +6,22 @@ fn key(byte: u8) -> RecordKey {
 }
 
 fn sealer(current: u8, previous: &[u8]) -> Sealer {
-    Sealer::new(&Encryption {
+    Sealer::new(&encryption(current, previous, false))
+}
+
+/// A sealer that still replays records kept in clear (`accept_clear_records`).
+fn accepting(current: u8) -> Sealer {
+    Sealer::new(&encryption(current, &[], true))
+}
+
+fn encryption(current: u8, previous: &[u8], accept_clear_records: bool) -> Encryption {
+    Encryption {
         key_env: "K".into(),
         previous_keys_env: None,
         current: key(current),
         previous: previous.iter().map(|byte| key(*byte)).collect(),
-    })
+        accept_clear_records,
+    }
 }
 
 fn store_key(name: &str) -> StoreKey {
@@ -141,9 +151,14 @@ fn a_sealed_record_found_without_keys_is_unreadable_and_a_clear_one_opens_as_it_
     );
     assert_eq!(open(None, &record, response()), Ok(response()));
     assert_eq!(
-        sealer(1, &[]).open(&record, response()),
+        accepting(1).open(&record, response()),
         Ok(response()),
-        "written before encryption was on"
+        "written before encryption was on, and accepted"
+    );
+    assert_eq!(
+        sealer(1, &[]).open(&record, response()),
+        Err(Unreadable::Clear),
+        "refused by default: anyone who can write the store can write one"
     );
 }
 
@@ -260,15 +275,51 @@ fn a_claim_reads_a_record_it_cannot_check_as_unreadable_never_as_a_replay() {
         read(Some(&current), existing(old.fingerprint(plain), completed(&current))),
         existing(plain, unreadable.clone())
     );
-    // Written before encryption, another request's: still another's.
+    // Written before encryption, another request's: still another's where clear
+    // records are accepted, unreadable where they are not.
+    assert_eq!(
+        asked(
+            Some(&accepting(2)),
+            other,
+            existing(plain, RecordState::Completed(response()))
+        ),
+        existing(plain, RecordState::Completed(response()))
+    );
     assert_eq!(
         asked(
             Some(&current),
             other,
             existing(plain, RecordState::Completed(response()))
         ),
+        existing(other, unreadable.clone())
+    );
+    // Written before encryption, this request's: replayed only where accepted.
+    assert_eq!(
+        read(Some(&accepting(2)), existing(plain, RecordState::Completed(response()))),
         existing(plain, RecordState::Completed(response()))
     );
+    assert_eq!(
+        read(Some(&current), existing(plain, RecordState::Completed(response()))),
+        existing(plain, unreadable.clone())
+    );
+    // Issue 49 H2: a sealed record rewritten in clear, its fingerprint (an HMAC under
+    // the current key, this request's or another's) kept: unreadable, even where clear
+    // records are accepted.
+    for sealer in [&current, &accepting(2)] {
+        for fingerprint in [sealer.fingerprint(plain), sealer.fingerprint(other)] {
+            assert_eq!(
+                read(Some(sealer), existing(fingerprint, RecordState::Completed(response()))),
+                existing(
+                    if fingerprint == sealer.fingerprint(plain) {
+                        plain
+                    } else {
+                        fingerprint
+                    },
+                    unreadable.clone()
+                )
+            );
+        }
+    }
     // Unknown under a dropped key: still unknown, answered as the asker's (409).
     let unknown = RecordState::Unknown {
         reason: UnknownReason::UpstreamTimeout,

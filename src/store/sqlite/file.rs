@@ -1,8 +1,18 @@
 //! The SQLite store's file: who may open it, what it must be, and its schema.
 //!
-//! One process per file: the process holds an exclusive `flock` on `<file>.lock`
-//! (with its pid written in it) for as long as the store is open, so a second process
-//! refuses to start and names the holder. A file that is not this store's is refused
+//! One process per file: the process holds an exclusive `flock` on the database file
+//! itself for as long as the store is open, so a second process refuses to start
+//! however it names the file (a symlink, a hard link) and names the holder (from
+//! `/proc/locks`, or the pid written in `<file>.lock`). SQLite's own locks are POSIX
+//! record locks, which `flock` does not meet on a local file system.
+//!
+//! Refuse what others may write (docs/design.md §17): a directory writable by group or
+//! others, or owned by another user; a file (or its `-wal`, `-shm`, `.lock`) that is a
+//! symbolic link, is owned by another user, or is writable by group or others. Files
+//! are created 0600 before SQLite opens them (SQLite then makes `-wal` and `-shm`
+//! alike), and a readable one left by an older release is made 0600.
+//!
+//! A file that is not this store's is refused
 //! and left as it is: not a SQLite database, corrupt (`PRAGMA quick_check`), another
 //! application's (`PRAGMA application_id`), or written by a newer version (`PRAGMA
 //! user_version`). It is read by a read-only connection first, which never writes
@@ -12,6 +22,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
@@ -94,64 +105,242 @@ CREATE TRIGGER records_resized AFTER UPDATE OF size ON records WHEN NEW.size != 
 END;
 ";
 
-/// The exclusive lock on a store file: held while this value lives.
+/// The exclusive lock on a store file: held while this value lives. The database's
+/// own descriptor is never closed while SQLite has it open (closing any descriptor of
+/// a file drops the process's POSIX locks on it): the store drops this last.
 #[derive(Debug)]
 pub(crate) struct FileLock {
-    _file: File,
+    _database: File,
+    _pid: File,
 }
 
-/// Takes `path`'s lock, or says which process holds it.
+/// Checks where `path` lives and what is there, takes the database file's lock (or
+/// says which process holds it), and writes this process's pid in `<path>.lock`.
 pub(crate) fn lock(path: &Path) -> Result<FileLock, StoreFileError> {
-    let lock = lock_path(path);
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lock)
-        .map_err(|source| StoreFileError::Io {
-            path: lock.clone(),
-            what: "open the lock file",
-            source,
-        })?;
-    match file.try_lock() {
+    check_directory(path)?;
+    for companion in ["-wal", "-shm", ".lock"] {
+        let companion = suffixed(path, companion);
+        match std::fs::symlink_metadata(&companion) {
+            Ok(_) => {
+                // Opened, checked and made 0600, then closed: no SQLite connection
+                // is open yet, so closing it drops no lock of SQLite's.
+                own_file(&companion, "open the store's companion file")?;
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => {
+                return Err(StoreFileError::Io {
+                    path: companion,
+                    what: "read its metadata",
+                    source,
+                });
+            }
+        }
+    }
+    let database = own_file(path, "open the store file")?;
+    let pid_path = suffixed(path, ".lock");
+    match database.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
-            let mut pid = String::new();
-            let _ = file.read_to_string(&mut pid);
-            let holder = match pid.trim() {
-                "" => "pid unknown".to_string(),
-                pid => format!("pid {pid}"),
-            };
+            let holder = holder(&database, &pid_path);
             return Err(StoreFileError::InUse {
                 path: path.to_path_buf(),
-                lock,
                 holder,
             });
         }
         Err(std::fs::TryLockError::Error(source)) => {
             return Err(StoreFileError::Io {
-                path: lock,
-                what: "lock the lock file",
+                path: path.to_path_buf(),
+                what: "lock the store file",
                 source,
             });
         }
     }
-    let written = file
+    let mut pid = own_file(&pid_path, "open the lock file")?;
+    let written = pid
         .set_len(0)
-        .and_then(|()| file.rewind())
-        .and_then(|()| writeln!(file, "{}", std::process::id()));
+        .and_then(|()| pid.rewind())
+        .and_then(|()| writeln!(pid, "{}", std::process::id()));
     written.map_err(|source| StoreFileError::Io {
-        path: lock,
+        path: pid_path,
         what: "write the lock file",
         source,
     })?;
-    Ok(FileLock { _file: file })
+    Ok(FileLock {
+        _database: database,
+        _pid: pid,
+    })
 }
 
-fn lock_path(path: &Path) -> PathBuf {
+/// Refuses a directory that a user other than this process's (or root) owns, or that
+/// group or others may write: whoever can write it can put a link or a file of their
+/// own where the store's files go.
+fn check_directory(path: &Path) -> Result<(), StoreFileError> {
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let meta = std::fs::metadata(directory).map_err(|source| StoreFileError::Io {
+        path: directory.to_path_buf(),
+        what: "read the store directory's metadata",
+        source,
+    })?;
+    let refused = |reason: String| {
+        Err(StoreFileError::Unsafe {
+            path: path.to_path_buf(),
+            reason,
+        })
+    };
+    let user = rustix::process::geteuid().as_raw();
+    if meta.uid() != user && meta.uid() != 0 {
+        return refused(format!(
+            "its directory {} is owned by uid {}, not by this process's user (uid {user}) or root: put the store in a directory of its own",
+            directory.display(),
+            meta.uid()
+        ));
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return refused(format!(
+            "its directory {} is writable by {} (mode {mode:o}): another user could plant a link or a file where the store's files go; `chmod go-w` it, or put the store in a directory of its own",
+            directory.display(),
+            writers(mode)
+        ));
+    }
+    Ok(())
+}
+
+fn writers(mode: u32) -> &'static str {
+    match (mode & 0o020 != 0, mode & 0o002 != 0) {
+        (true, true) => "group and others",
+        (true, false) => "its group",
+        _ => "others",
+    }
+}
+
+/// Opens (creating it 0600 if missing) one of the store's files for reading and
+/// writing, never through a symbolic link, and checks what was opened: a regular file
+/// of this process's user that group and others cannot write.
+fn own_file(path: &Path, what: &'static str) -> Result<File, StoreFileError> {
+    let io = |what: &'static str| {
+        move |source| StoreFileError::Io {
+            path: path.to_path_buf(),
+            what,
+            source,
+        }
+    };
+    let refused = |reason: String| {
+        Err(StoreFileError::Unsafe {
+            path: path.to_path_buf(),
+            reason,
+        })
+    };
+    let nofollow = rustix::fs::OFlags::NOFOLLOW.bits() | rustix::fs::OFlags::CLOEXEC.bits();
+    let opened = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(nofollow.cast_signed())
+        .open(path);
+    let file = match opened {
+        Ok(file) => file,
+        // O_NOFOLLOW on a link: ELOOP, whether the link dangles or not.
+        Err(error) if error.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) => {
+            return refused("it is a symbolic link: the store's files are never opened through one".into());
+        }
+        Err(error) if error.kind() == std::io::ErrorKind::IsADirectory => {
+            return Err(StoreFileError::CannotOpen {
+                path: path.to_path_buf(),
+                reason: "it is a directory".into(),
+            });
+        }
+        Err(source) => return Err(io(what)(source)),
+    };
+    let meta = file.metadata().map_err(io("read its metadata"))?;
+    if !meta.is_file() {
+        return Err(StoreFileError::CannotOpen {
+            path: path.to_path_buf(),
+            reason: "it is not a regular file".into(),
+        });
+    }
+    let user = rustix::process::geteuid().as_raw();
+    if meta.uid() != user {
+        return refused(format!(
+            "it is owned by uid {}, not by this process's user (uid {user}): another user could have written its records",
+            meta.uid()
+        ));
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return refused(format!(
+            "it is writable by {} (mode {mode:o}): another user could have written its records; check it, then `chmod 600` it",
+            writers(mode)
+        ));
+    }
+    Ok(file)
+}
+
+/// Makes the store's files (found to be its own) readable by their owner only, where
+/// an older release left them readable by others (0644 under umask 022).
+fn tighten(path: &Path) -> Result<(), StoreFileError> {
+    for name in [
+        path.to_path_buf(),
+        suffixed(path, "-wal"),
+        suffixed(path, "-shm"),
+        suffixed(path, ".lock"),
+    ] {
+        // Each was opened without following a link and checked by `lock`; SQLite
+        // opened the rest with O_NOFOLLOW.
+        let Ok(meta) = std::fs::symlink_metadata(&name) else {
+            continue;
+        };
+        let mode = meta.permissions().mode() & 0o7777;
+        if !meta.is_file() || mode & 0o077 == 0 {
+            continue;
+        }
+        std::fs::set_permissions(&name, std::fs::Permissions::from_mode(0o600)).map_err(|source| {
+            StoreFileError::Io {
+                path: name.clone(),
+                what: "make it readable by its owner only",
+                source,
+            }
+        })?;
+        tracing::info!(file = %name.display(), was = format!("{mode:o}"), "made the store's file readable by its owner only (0600)");
+    }
+    Ok(())
+}
+
+/// Who holds the lock on `database`: the pid `/proc/locks` gives for its device and
+/// inode, else the one written in the lock file.
+fn holder(database: &File, pid_path: &Path) -> String {
+    let from_proc = database.metadata().ok().and_then(|meta| {
+        let locks = std::fs::read_to_string("/proc/locks").ok()?;
+        let (dev, ino) = (meta.dev(), meta.ino());
+        let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+        let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+        let wanted = format!("{major:02x}:{minor:02x}:{ino}");
+        locks.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let at = fields.iter().position(|field| *field == "FLOCK")?;
+            let (pid, file) = (fields.get(at + 3)?, fields.get(at + 4)?);
+            (*file == wanted).then(|| pid.to_string())
+        })
+    });
+    let pid = from_proc.or_else(|| {
+        let mut text = String::new();
+        File::open(pid_path).ok()?.read_to_string(&mut text).ok()?;
+        Some(text.trim().to_string()).filter(|pid| !pid.is_empty())
+    });
+    match pid {
+        Some(pid) => format!("pid {pid}"),
+        None => "pid unknown".to_string(),
+    }
+}
+
+fn suffixed(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
-    name.push(".lock");
+    name.push(suffix);
     PathBuf::from(name)
 }
 
@@ -184,7 +373,10 @@ pub(crate) fn open(path: &Path) -> Result<Connection, StoreFileError> {
         })?;
     }
     let version = if existing { inspect(path)? } else { 0 };
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     let mut conn = Connection::open_with_flags(path, flags).map_err(|error| cannot_open(path, &error))?;
     let journal: String = conn
         .pragma_update_and_check(None, "journal_mode", "WAL", |row| row.get(0))
@@ -203,13 +395,14 @@ pub(crate) fn open(path: &Path) -> Result<Connection, StoreFileError> {
             reason: error.to_string(),
         })?;
     }
+    tighten(path)?;
     Ok(conn)
 }
 
 /// Reads an existing file without writing it: its schema version, once it is known
 /// to be a sound database of this store's.
 fn inspect(path: &Path) -> Result<i32, StoreFileError> {
-    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX | OpenFlags::SQLITE_OPEN_NOFOLLOW;
     let conn = Connection::open_with_flags(path, flags).map_err(|error| cannot_open(path, &error))?;
     // A file that is not a database fails its first read.
     let application: i32 = conn
