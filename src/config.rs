@@ -512,6 +512,14 @@ impl IdempotencyPolicy {
         self.key.iter().any(KeySource::needs_body)
     }
 
+    /// Whether a probe or a refetch puts the key in a path (`{key}`).
+    pub fn key_in_path(&self) -> bool {
+        self.reconcile
+            .as_ref()
+            .is_some_and(|reconcile| reconcile.path.names_key())
+            || self.refetch.as_ref().is_some_and(|refetch| refetch.path.names_key())
+    }
+
     /// Whether the key is in one header only, as it is by default: the route answers a
     /// missing or bad key as it always has.
     pub fn key_is_one_header(&self) -> bool {

@@ -48,10 +48,13 @@ pub enum KeyError {
     Repeated,
     #[error("the idempotency key is a malformed structured-field string")]
     MalformedString,
-    /// On a route whose probe names the key in its path: `.` or `..` would be a dot
-    /// segment there, which an upstream that normalises paths removes.
-    #[error("the idempotency key is only dots, which this route's probe cannot carry in a path")]
-    OnlyDots,
+    /// On a route whose probe or refetch names the key in its path: a `.` or `..`
+    /// segment (between `/` or `\\`, escaped or not) would be a dot segment there to an
+    /// upstream that decodes escapes before it normalises the path.
+    #[error(
+        "the idempotency key holds a '.' or '..' segment (between '/' or '\\', escaped or not), which this route's probe or refetch cannot carry in a path"
+    )]
+    DotSegment,
 }
 
 /// A key from a route's `key` sources (other than one header) that cannot be used.
@@ -382,7 +385,7 @@ impl Rejection {
                 | KeyError::NotVisibleAscii
                 | KeyError::Repeated
                 | KeyError::MalformedString
-                | KeyError::OnlyDots,
+                | KeyError::DotSegment,
             ) => ProblemKind::InvalidKey,
             Rejection::KeySource(SourceError::Missing { .. }) => ProblemKind::MissingKey,
             Rejection::KeySource(SourceError::Invalid { .. } | SourceError::NotJson { .. }) => ProblemKind::InvalidKey,

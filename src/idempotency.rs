@@ -31,6 +31,25 @@ impl IdempotencyKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// Whether the key, put in a path, could read as a dot segment to an upstream
+    /// that decodes every escape before it removes dot segments (nginx's location
+    /// matching does): split at `/`, `\\`, `%2F` and `%5C`, a piece that is `.` or `..`
+    /// once `%2E` is decoded. `a/../../admin` sent as one escaped segment would reach
+    /// `/admin`.
+    pub fn has_dot_segment(&self) -> bool {
+        let decoded = self
+            .0
+            .to_ascii_lowercase()
+            .replace("%2f", "/")
+            .replace("%5c", "/")
+            .replace('\\', "/")
+            .replace("%2e", ".");
+        // Dots alone, `...` too: some servers read more than two dots as a parent.
+        decoded
+            .split('/')
+            .any(|piece| !piece.is_empty() && piece.bytes().all(|byte| byte == b'.'))
+    }
 }
 
 impl std::fmt::Debug for IdempotencyKey {

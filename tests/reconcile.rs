@@ -495,28 +495,59 @@ async fn a_quoted_key_is_forwarded_and_probed_as_the_same_key() {
 }
 
 /// A key of dots only would be a dot segment in a probe's path (`/by-key/..` is
-/// `/by-key/` to an upstream that normalises paths): on a route whose probe names the
-/// key it is refused before anything is forwarded; elsewhere it is a key like another.
+/// `/by-key/` to an upstream that normalises paths), and so would a key holding one
+/// between slashes (`a/../../admin` goes out as one escaped segment, but an upstream
+/// that decodes every escape before removing dot segments, as nginx's location
+/// matching does, reads `/admin`): on a route whose probe or refetch names the key it
+/// is refused before anything is forwarded; elsewhere it is a key like another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_of_dots_is_refused_where_a_probe_would_put_it_in_a_path() {
+async fn a_key_with_a_dot_segment_is_refused_where_a_probe_or_refetch_would_put_it_in_a_path() {
     let upstream = Upstream::start().await;
     let (mut config, _dir) = config(StoreKind::Memory, &upstream, "give_up_after = \"30s\"");
     config.extra_routes = format!(
-        "[[route]]\nname = \"unprobed\"\npath_prefix = \"/v1/unprobed\"\nupstream = \"{}\"\n\n[route.idempotency]\n",
+        "[[route]]\nname = \"unprobed\"\npath_prefix = \"/v1/unprobed\"\nupstream = \"{0}\"\n\n[route.idempotency]\n\n\
+         [[route]]\nname = \"refetched\"\npath_prefix = \"/v1/refetched\"\nupstream = \"{0}\"\n\n[route.idempotency]\n\
+         replay = \"refetch\"\nrefetch = {{ path = \"/v1/refetched/by-key/{{key}}\" }}\n",
         upstream.url()
     );
     let proxy = config.start().await;
-    for key in [".", "..", "..."] {
+    let keys = [
+        ".",
+        "..",
+        "...",
+        "a/../../admin",
+        "a\\..\\admin",
+        "a%2F..%2Fadmin",
+        "a%5c%2e%2E%5cadmin",
+        "x/./y",
+        "../",
+    ];
+    for key in keys {
         let refused = retry(proxy.addr(), key).await;
         assert_eq!(
             (refused.status.as_u16(), refused.problem().as_str()),
             (400, "invalid-idempotency-key"),
             "{key}: {refused:?}"
         );
+        let refetched = send(proxy.addr(), "POST", "/v1/refetched", &[("idempotency-key", key)], "{}").await;
+        assert_eq!(
+            (refetched.status.as_u16(), refetched.problem().as_str()),
+            (400, "invalid-idempotency-key"),
+            "{key} on a refetch route: {refetched:?}"
+        );
         let elsewhere = send(proxy.addr(), "POST", "/v1/unprobed", &[("idempotency-key", key)], "{}").await;
         assert_eq!(elsewhere.status, 201, "{key} on a route without a probe: {elsewhere:?}");
     }
-    assert_eq!(upstream.log().len(), 3, "only the route without a probe forwarded them");
+    // Dots within a segment are a key like another.
+    for key in ["a..b", "v1.2", "a/..b/c"] {
+        let taken = send(proxy.addr(), "POST", "/v1/refetched", &[("idempotency-key", key)], "{}").await;
+        assert_eq!(taken.status, 201, "{key}: {taken:?}");
+    }
+    assert_eq!(
+        upstream.log().len(),
+        keys.len() + 3,
+        "only the route without a probe forwarded them"
+    );
 }
 
 /// A probe holds its place among `max_concurrent` until its answer is in: with one

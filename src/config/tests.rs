@@ -1056,6 +1056,25 @@ fn the_reference_defaults_are_the_ones_applied() {
 /// tenant, and a route without scope has one key space anyway.
 #[test]
 fn a_probe_by_the_clients_key_is_refused_on_a_scoped_route() {
+    // Issue 49 M4: a refetch by the client's key is refused alike (it replayed Bob's
+    // response to Mallory, who reused Bob's key).
+    let refetch = "replay = \"refetch\"\nrefetch = { path = \"/by-key/{key}\" }\n";
+    for scope in [
+        "scope_headers = [\"authorization\"]\n",
+        "scope_headers = [\"x-tenant\"]\nupstream_key = \"client\"\n",
+    ] {
+        let error = parse(&format!("{ROUTE}[route.idempotency]\n{scope}{refetch}"))
+            .map(|_| ())
+            .expect_err("refused")
+            .to_string();
+        assert!(error.contains("route[0].idempotency.refetch.path"), "{error}");
+        assert!(error.contains("a refetch (which carries no credentials)"), "{error}");
+    }
+    parse(&format!(
+        "{ROUTE}[route.idempotency]\nscope_headers = [\"a\"]\nupstream_key = \"derived\"\n{refetch}"
+    ))
+    .expect("derived keys are unique per tenant");
+    parse(&format!("{ROUTE}[route.idempotency]\n{refetch}")).expect("one key space without a scope");
     let probe = "[route.idempotency.reconcile]\npath = \"/by-key/{key}\"\n";
     for scope in [
         "scope_headers = [\"authorization\"]\n",

@@ -189,14 +189,8 @@ impl Proxy {
             None if policy.required => return Err(source::missing(&policy.key)),
             None => return Ok(None),
         };
-        if route
-            .config
-            .reconcile()
-            .is_some_and(|reconcile| reconcile.path.names_key())
-            && policy.upstream_key == UpstreamKey::Client
-            && key.as_str().bytes().all(|byte| byte == b'.')
-        {
-            return Err(KeyError::OnlyDots.into());
+        if policy.upstream_key == UpstreamKey::Client && policy.key_in_path() && key.has_dot_segment() {
+            return Err(KeyError::DotSegment.into());
         }
         let scope_claim = match &policy.scope_jwt {
             None => None,

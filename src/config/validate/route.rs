@@ -228,7 +228,8 @@ impl Validator<'_> {
             .collect();
         let refetch = match (&raw.refetch, replay) {
             (Some(refetch), ReplayKind::Refetch) => {
-                Some(self.refetch(index, refetch, upstream_timeout, raw.upstream_key)?)
+                let scoped = !scope_headers.is_empty() || scope_jwt.is_some();
+                Some(self.refetch(index, refetch, upstream_timeout, raw.upstream_key, scoped)?)
             }
             (None, ReplayKind::Refetch) => {
                 return Err(self.error(
@@ -277,26 +278,33 @@ impl Validator<'_> {
         raw: &Spanned<RawRefetch>,
         upstream_timeout: Duration,
         upstream_key: UpstreamKey,
+        scoped: bool,
     ) -> Result<Refetch, ConfigError> {
         let field = |name: &str| format!("route[{index}].idempotency.refetch.{name}");
         let raw = raw.get_ref();
         let never = "a refetch must never run the operation again";
-        let (method, path) = self.lookup(&raw.method, &raw.path, upstream_key, &field, never)?;
+        let asker = Asker {
+            who: "a refetch",
+            never,
+            scoped,
+        };
+        let (method, path) = self.lookup(&raw.method, &raw.path, upstream_key, &field, &asker)?;
         let timeout = self.lookup_timeout(raw.timeout.as_ref(), upstream_timeout, &field)?;
         Ok(Refetch { method, path, timeout })
     }
 
     /// A read-only request to the route's upstream about one record (a probe's or a
-    /// refetch's): `GET` or `HEAD` (`never` says why nothing else), and a path whose
-    /// `{key}` the upstream is sent.
+    /// refetch's): `GET` or `HEAD` (`asker.never` says why nothing else), and a path
+    /// whose `{key}` the upstream is sent, never the client's own key on a scoped route.
     fn lookup(
         &self,
         method: &Spanned<String>,
         path: &Spanned<String>,
         upstream_key: UpstreamKey,
         field: &dyn Fn(&str) -> String,
-        never: &str,
+        asker: &Asker<'_>,
     ) -> Result<(Method, ProbePath), ConfigError> {
+        let never = asker.never;
         let method = match method.get_ref().to_ascii_uppercase().as_str() {
             "GET" => Method::GET,
             "HEAD" => Method::HEAD,
@@ -309,6 +317,19 @@ impl Validator<'_> {
             }
         };
         let parsed = self.probe_path(path, field("path"))?;
+        // Two tenants may send the same key: the upstream, asked by the client's key
+        // alone (a probe or a refetch carries no credentials), could answer about the
+        // other's operation, and that answer would be replayed to this one.
+        if parsed.names_key() && upstream_key == UpstreamKey::Client && asker.scoped {
+            return Err(self.error(
+                path.span(),
+                field("path"),
+                format!(
+                    "names {{key}} with upstream_key = \"client\" on a scoped route: two tenants may send the same key, and {} (which carries no credentials) could learn the other tenant's operation; use upstream_key = \"derived\" (a key unique per tenant) or {{record}}",
+                    asker.who
+                ),
+            ));
+        }
         if parsed.names_key() && upstream_key == UpstreamKey::None {
             return Err(self.error(
                 path.span(),
@@ -349,18 +370,12 @@ impl Validator<'_> {
         let field = |name: &str| format!("route[{index}].idempotency.reconcile.{name}");
         let span = raw.span();
         let raw = raw.get_ref();
-        let never = "a probe must never run the operation it asks about";
-        let (method, path) = self.lookup(&raw.method, &raw.path, upstream_key, &field, never)?;
-        // Two tenants may send the same key: the upstream, asked by the client's key
-        // alone (a probe carries no credentials), could answer about the other's
-        // operation, and that answer would be recorded and replayed to this one.
-        if path.names_key() && upstream_key == UpstreamKey::Client && scoped {
-            return Err(self.error(
-                raw.path.span(),
-                field("path"),
-                "names {key} with upstream_key = \"client\" on a scoped route: two tenants may send the same key, and a probe (which carries no credentials) could learn the other tenant's operation; use upstream_key = \"derived\" (a key unique per tenant) or {record}",
-            ));
-        }
+        let asker = Asker {
+            who: "a probe",
+            never: "a probe must never run the operation it asks about",
+            scoped,
+        };
+        let (method, path) = self.lookup(&raw.method, &raw.path, upstream_key, &field, &asker)?;
         let statuses = |list: &Spanned<Vec<u16>>, name: &str| {
             list.get_ref()
                 .iter()
@@ -673,4 +688,14 @@ impl Validator<'_> {
         )
         .map_err(|error| invalid(span, name, error.to_string()))
     }
+}
+
+/// Who asks the upstream about a record by a path (`lookup`): named in refusals.
+struct Asker<'a> {
+    /// "a probe", "a refetch".
+    who: &'a str,
+    /// Why only a read-only method will do.
+    never: &'a str,
+    /// Whether the route has a scope (`scope_headers` or `scope_jwt`).
+    scoped: bool,
 }
