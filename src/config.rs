@@ -323,7 +323,7 @@ pub struct StoreLimits {
     /// `scope_headers` and `scope_jwt` name it) may have at once.
     pub max_records_per_scope: usize,
     pub max_bytes_per_scope: usize,
-    /// The scoped records one client address may hold, across the scopes it sends.
+    /// The records one client address may hold, across the scopes it sends and on routes without scope.
     pub max_records_per_client: usize,
 }
 
@@ -1135,7 +1135,7 @@ impl StoreLimits {
     /// The bounds as `check` prints them.
     fn show(&self) -> String {
         format!(
-            "max_records {}, max_bytes {}; per scope {} records, {}; per client address {} scoped records",
+            "max_records {}, max_bytes {}; per scope {} records, {}; per client address {} records",
             self.max_records,
             size(self.max_bytes as u64),
             self.max_records_per_scope,

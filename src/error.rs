@@ -83,15 +83,20 @@ pub enum StoreError {
         "the store's TLS handshake failed (see store.url or urls, store.tls_ca_file, store.tls_cert_file and store.tls_key_file)"
     )]
     Tls(#[source] redis::RedisError),
+    /// An embedded store holds its maximum; its first record expires in `retry_after`.
     #[error("the store holds its maximum of {limit} {what}")]
-    Full { what: &'static str, limit: usize },
+    Full {
+        what: &'static str,
+        limit: usize,
+        retry_after: Duration,
+    },
     /// One client's records hold its share of an embedded store (`max_records_per_scope`
     /// or `max_bytes_per_scope`); its oldest expires in `retry_after`.
     #[error("the client's records hold their share of the store ({what})")]
     ScopeFull { what: &'static str, retry_after: Duration },
-    /// One client address's scoped records, across the scopes it sends, hold its share
-    /// of an embedded store (`max_records_per_client`); its oldest expires in
-    /// `retry_after`.
+    /// One client address's records, across the scopes it sends (or on routes without
+    /// scope), hold its share of an embedded store (`max_records_per_client`); its
+    /// oldest expires in `retry_after`.
     #[error("the records made from this client address hold its share of the store (store.max_records_per_client)")]
     ClientFull { retry_after: Duration },
     /// The SQLite store's file failed a read or a write (a full disk, an I/O error).
@@ -438,9 +443,11 @@ impl Rejection {
         };
         let retry_after = match self {
             Rejection::InProgress { retry_after, .. } => Some(retry_after.as_secs().max(1)),
-            Rejection::Store(StoreError::ScopeFull { retry_after, .. } | StoreError::ClientFull { retry_after }) => {
-                Some(whole_seconds(*retry_after))
-            }
+            Rejection::Store(
+                StoreError::ScopeFull { retry_after, .. }
+                | StoreError::ClientFull { retry_after }
+                | StoreError::Full { retry_after, .. },
+            ) => Some(whole_seconds(*retry_after)),
             Rejection::Store(_) | Rejection::Overloaded(_) | Rejection::ReplayUnavailable(_) => Some(1),
             // The next probe, in whole seconds rounded up: a retry then may find it settled.
             Rejection::OutcomeUnknown {
@@ -503,10 +510,12 @@ mod tests {
         let problem = Rejection::Store(StoreError::Full {
             what: "records",
             limit: 12345,
+            retry_after: Duration::from_secs(90),
         })
         .problem();
         assert_eq!(problem.row().status, http::StatusCode::SERVICE_UNAVAILABLE);
         assert!(!problem.detail.contains("12345"), "{}", problem.detail);
+        assert_eq!(problem.retry_after, Some(90), "when space is due, not 1 s");
     }
 
     #[test]
@@ -579,7 +588,8 @@ mod tests {
         assert!(
             !StoreError::Full {
                 what: "bytes",
-                limit: 1
+                limit: 1,
+                retry_after: Duration::from_secs(1),
             }
             .may_have_written()
         );

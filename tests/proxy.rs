@@ -1211,3 +1211,83 @@ async fn a_client_address_cannot_open_scopes_without_end() {
     assert_eq!(upstream.executions("k4"), 0, "nothing forwarded");
     assert!(pay("Bearer a", "k1").await.replayed(), "recorded keys still replay");
 }
+
+/// Issue 49 M5 and the round-four residue, as the review ran them: on the shipped
+/// config's unscoped route with `max_records = 40`, 50 fresh keys from 127.0.0.2 once
+/// filled the store and refused 127.0.0.3 with 503 `store-full` (`Retry-After: 1`)
+/// until the retention ended. Now one address holds at most half the store (the
+/// client share's default), the rest 429 `client-full` with a `Retry-After` of when its
+/// first record expires, and another address is still served. And on a scoped route,
+/// two tenants behind one address each get their own quarter: the second tenant is no
+/// longer refused once the first holds ten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_address_cannot_fill_the_store_for_everyone_and_tenants_behind_it_keep_their_shares() {
+    use support::client::send_from;
+    let alice: std::net::IpAddr = "127.0.0.2".parse().expect("address");
+    let bob: std::net::IpAddr = "127.0.0.3".parse().expect("address");
+    let upstream = Upstream::start().await;
+    for store in [StoreKind::Memory, StoreKind::Sqlite(std::path::PathBuf::new())] {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (store, label) = match store {
+            StoreKind::Sqlite(_) => (StoreKind::Sqlite(dir.path().join("records.db")), "sqlite"),
+            other => (other, "memory"),
+        };
+        let mut config = TestConfig::new(store.clone(), &upstream.url());
+        config.store_extra = "max_records = 40".into();
+        let proxy = config.start().await;
+        let addr = proxy.addr();
+        let mut answered = Vec::new();
+        for n in 0..50 {
+            let key = format!("{label}-fill-{n}");
+            let answer = send_from(alice, addr, "POST", "/v1/payments", &[("idempotency-key", &key)], "{}").await;
+            answered.push(answer);
+        }
+        let created = answered.iter().filter(|answer| answer.status == 201).count();
+        assert_eq!(created, 20, "{store:?}: half the store for one address");
+        let refused = answered.last().expect("answers");
+        assert_eq!(
+            (refused.status.as_u16(), refused.problem()),
+            (429, "client-full".into()),
+            "{store:?}: {refused:?}"
+        );
+        let wait: u64 = refused
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .expect("seconds");
+        assert!(
+            wait > 3000,
+            "{store:?}: until its first record expires (1 h), not 1 s: {wait}"
+        );
+        let bob_key = format!("{label}-bob-1");
+        let other = send_from(
+            bob,
+            addr,
+            "POST",
+            "/v1/payments",
+            &[("idempotency-key", &bob_key)],
+            "{}",
+        )
+        .await;
+        assert_eq!(other.status, 201, "{store:?}: another address is served: {other:?}");
+
+        // Two tenants behind one address on a scoped route: 10 each (a quarter each).
+        let mut config = TestConfig::new(store.clone(), &upstream.url());
+        config.store_extra = "max_records = 40".into();
+        config.idempotency = "scope_headers = [\"authorization\"]".into();
+        drop(proxy);
+        let dir = tempfile::tempdir().expect("temporary directory");
+        if let StoreKind::Sqlite(_) = store {
+            config.store = StoreKind::Sqlite(dir.path().join("records.db"));
+        }
+        let proxy = config.start().await;
+        for tenant in ["Bearer t1", "Bearer t2"] {
+            for n in 0..10 {
+                let key = format!("{label}-{}-{n}", &tenant[7..]);
+                let headers = [("idempotency-key", key.as_str()), ("authorization", tenant)];
+                let answer = send_from(alice, proxy.addr(), "POST", "/v1/payments", &headers, "{}").await;
+                assert_eq!(answer.status, 201, "{store:?} {tenant} #{n}: {answer:?}");
+            }
+        }
+    }
+}

@@ -1265,7 +1265,8 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
             refused,
             Err(StoreError::Full {
                 what: "records",
-                limit: 2
+                limit: 2,
+                ..
             })
         ),
         "{refused:?}"
@@ -1331,7 +1332,8 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
             refused,
             Err(StoreError::Full {
                 what: "bytes",
-                limit: MAX
+                limit: MAX,
+                ..
             })
         ),
         "{refused:?}"
@@ -1563,13 +1565,17 @@ async fn a_client_address_past_its_share_of_scopes_is_refused_until_its_records_
         }
         other => panic!("a fourth scope from one address was taken: {other:?}"),
     }
-    // Another address, and an unscoped record from the same one, are not counted.
+    // Another address is not counted; an unscoped record from the same one is
+    // (issue 49 M5), and refused alike.
     store.claim(&from("c2-a", 5, 2)).await.expect("another address");
     let unscoped = ClaimRequest {
         client: Some(ClientId(1)),
         ..claim(&key("c1-unscoped"), new_owner(), Duration::from_secs(2))
     };
-    store.claim(&unscoped).await.expect("an unscoped record");
+    assert!(matches!(
+        store.claim(&unscoped).await,
+        Err(StoreError::ClientFull { .. })
+    ));
     // Once the oldest expires, the address has room again.
     tokio::time::sleep(Duration::from_secs(51)).await;
     store.claim(&from("c1-d", 4, 1)).await.expect("room again");
@@ -2000,6 +2006,63 @@ async fn a_sqlite_store_keeps_its_records_when_it_is_reopened() {
     );
 }
 
+/// Issue 49 M5: on a route without scope, one client address filled the store for
+/// everyone (only scoped records were counted per address). Each embedded store counts
+/// every record an address makes: past `max_records_per_client` its new keys are
+/// refused with the time until its first record expires, while another address is
+/// still admitted; and a full store says when space is due, not 1 s.
+async fn one_address_cannot_fill_an_embedded_store<S: RecordStore>(store: &S, advance: impl AsyncFn(Duration)) {
+    let from = |name: &str, client: u64| ClaimRequest {
+        client: Some(ClientId(client)),
+        ..claim(&key(name), new_owner(), Duration::from_secs(2))
+    };
+    store.claim(&from("a-0", 1)).await.expect("claim");
+    advance(Duration::from_secs(10)).await;
+    for n in 1..3 {
+        store.claim(&from(&format!("a-{n}"), 1)).await.expect("claim");
+    }
+    match store.claim(&from("a-3", 1)).await {
+        Err(StoreError::ClientFull { retry_after }) => assert!(
+            retry_after > Duration::from_secs(45) && retry_after <= Duration::from_secs(50),
+            "until a-0 expires: {retry_after:?}"
+        ),
+        other => panic!("a fourth record from one address: {other:?}"),
+    }
+    for n in 0..3 {
+        store.claim(&from(&format!("b-{n}"), 2)).await.expect("another address");
+    }
+    // Six records: the store (max 6) is full for a third address, until a-0 expires.
+    match store.claim(&from("c-0", 3)).await {
+        Err(StoreError::Full { retry_after, .. }) => assert!(
+            retry_after > Duration::from_secs(45) && retry_after <= Duration::from_secs(50),
+            "until a-0 expires: {retry_after:?}"
+        ),
+        other => panic!("a seventh record: {other:?}"),
+    }
+}
+
+const ONE_ADDRESS: StoreLimits = StoreLimits {
+    max_records: 6,
+    max_bytes: usize::MAX,
+    max_records_per_scope: 6,
+    max_bytes_per_scope: usize::MAX,
+    max_records_per_client: 3,
+};
+
+#[tokio::test(start_paused = true)]
+async fn one_address_cannot_fill_the_memory_store() {
+    let store = MemoryStore::with_limits(ONE_ADDRESS);
+    one_address_cannot_fill_an_embedded_store(&store, async |by| tokio::time::advance(by).await).await;
+}
+
+#[tokio::test]
+async fn one_address_cannot_fill_the_sqlite_store() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = sqlite_store(&dir.path().join("records.db"), ONE_ADDRESS);
+    one_address_cannot_fill_an_embedded_store(&store, async |by| store.advance_clock(by)).await;
+    drop(store);
+}
+
 /// One process per file: a second store on it is refused while the first is open,
 /// naming the file and the holder's pid; once the first is closed, it opens.
 #[tokio::test]
@@ -2353,7 +2416,8 @@ async fn a_sqlite_store_holds_its_shares_across_a_reopen_and_gives_room_back_as_
         store.claim(&claim(&key("u-4"), new_owner(), LONG)).await,
         Err(StoreError::Full {
             what: "records",
-            limit: 6
+            limit: 6,
+            ..
         })
     ));
     // Past every retention: the refused claims are taken, without waiting for a sweep.

@@ -282,8 +282,8 @@ pub const SETTINGS: &[Setting] = &[
     },
     Setting {
         key: "store.max_records_per_client",
-        default: DefaultValue::Text("a quarter of `max_records`"),
-        meaning: "memory and sqlite: the scoped records one client address (an IPv4 address, or an IPv6 /64) may hold across every scope it sends, so that a client cannot open scopes without end with made-up `scope_headers` values; past it its new keys get 429 `client-full`. A gateway that sends many tenants from one address should raise it",
+        default: DefaultValue::Text("half of `max_records`"),
+        meaning: "memory and sqlite: the records one client address (an IPv4 address, or an IPv6 /64) may hold, across every scope it sends and on routes without scope, so that one address can neither fill the store for every other nor open scopes without end with made-up `scope_headers` values; past it its new keys get 429 `client-full`, with a `Retry-After` of when its first record expires. Half the store by default: two scopes' worth, so two tenants behind one address each get their share. Where every client comes through one gateway (or one backend calls the proxy), raise it to `max_records`. See [Limits](limits.md)",
     },
     Setting {
         key: "route.name",

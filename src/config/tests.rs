@@ -26,7 +26,7 @@ fn defaults_match_the_design() {
             max_bytes: DEFAULT_MAX_BYTES,
             max_records_per_scope: 25_000,
             max_bytes_per_scope: 67_108_864,
-            max_records_per_client: 25_000,
+            max_records_per_client: 50_000,
         })
     ));
     assert_eq!(config.store.key_prefix, "idemproxy");
@@ -1185,7 +1185,7 @@ fn the_sqlite_backend_takes_a_file_and_the_embedded_bounds() {
             max_bytes: DEFAULT_SQLITE_MAX_BYTES,
             max_records_per_scope: DEFAULT_SQLITE_MAX_RECORDS / 4,
             max_bytes_per_scope: DEFAULT_SQLITE_MAX_BYTES / 4,
-            max_records_per_client: DEFAULT_SQLITE_MAX_RECORDS / 4,
+            max_records_per_client: DEFAULT_SQLITE_MAX_RECORDS / 2,
         }
     );
     assert_eq!(store.cache_bytes, DEFAULT_SQLITE_CACHE_BYTES);

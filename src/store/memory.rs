@@ -58,7 +58,7 @@ struct Records {
     map: HashMap<StoreKey, Record>,
     bytes: usize,
     scopes: HashMap<ScopeId, ScopeUsage>,
-    /// When each client address's scoped records expire (their bytes are not counted
+    /// When each client address's records expire (their bytes are not counted
     /// per client: only their number is bounded).
     clients: HashMap<ClientId, ScopeUsage>,
     /// No record expires before this (`None`: not known). A claim that finds the store
@@ -136,8 +136,8 @@ impl Records {
         self.next_expiry = next;
     }
 
-    /// Removes `client`'s expired scoped records, and says whether what is left holds
-    /// its share (`max`).
+    /// Removes `client`'s expired records, and says whether what is left holds its
+    /// share (`max`).
     fn client_full(&mut self, client: ClientId, now: Instant, max: usize) -> bool {
         let expired: Vec<StoreKey> = self
             .clients
@@ -159,7 +159,7 @@ impl Records {
             .is_some_and(|usage| usage.expiries.len() >= max)
     }
 
-    /// How long until the first of `client`'s scoped records expires.
+    /// How long until the first of `client`'s records expires.
     fn client_first_expiry(&self, client: ClientId, now: Instant) -> Duration {
         self.clients
             .get(&client)
@@ -200,8 +200,9 @@ impl Records {
     }
 }
 
-/// Adds `record`'s bytes to the store's and its scope's, and its expiry to the scope's
-/// and (for a scoped record) its client's.
+/// Adds `record`'s bytes to the store's and its scope's, and its expiry to its scope's
+/// and its client address's (scoped or not: on a route without scope one address
+/// could otherwise fill the store for every other).
 fn count(
     bytes: &mut usize,
     scopes: &mut HashMap<ScopeId, ScopeUsage>,
@@ -215,13 +216,13 @@ fn count(
         let usage = scopes.entry(scope).or_default();
         usage.bytes += size;
         usage.expiries.insert((record.expires_at, key.clone()));
-        if let Some(client) = record.client {
-            clients
-                .entry(client)
-                .or_default()
-                .expiries
-                .insert((record.expires_at, key.clone()));
-        }
+    }
+    if let Some(client) = record.client {
+        clients
+            .entry(client)
+            .or_default()
+            .expiries
+            .insert((record.expires_at, key.clone()));
     }
 }
 
@@ -235,10 +236,9 @@ fn uncount(
 ) {
     let size = record.size(key);
     *bytes -= size;
-    let Some(scope) = record.scope else {
-        return;
-    };
-    if let Some(usage) = scopes.get_mut(&scope) {
+    if let Some(scope) = record.scope
+        && let Some(usage) = scopes.get_mut(&scope)
+    {
         usage.bytes -= size;
         usage.expiries.remove(&(record.expires_at, key.clone()));
         if usage.expiries.is_empty() {
@@ -510,16 +510,23 @@ impl RecordStore for MemoryStore {
             records.sweep(now);
         }
         if full(&records) {
+            // Space is due when the first live record expires (swept above).
+            let retry_after = records
+                .next_expiry
+                .map_or(Duration::ZERO, |next| next.saturating_duration_since(now))
+                .max(Duration::from_secs(1));
             if records.map.len() >= self.shared.max_records {
                 return Err(StoreError::Full {
                     what: "records",
                     limit: self.shared.max_records,
+                    retry_after,
                 });
             }
             if records.bytes >= self.shared.max_bytes {
                 return Err(StoreError::Full {
                     what: "bytes",
                     limit: self.shared.max_bytes,
+                    retry_after,
                 });
             }
         }
@@ -531,13 +538,13 @@ impl RecordStore for MemoryStore {
                     retry_after: records.first_expiry(scope, now).max(Duration::from_secs(1)),
                 });
             }
-            if let Some(client) = claim.client
-                && records.client_full(client, now, self.shared.max_records_per_client)
-            {
-                return Err(StoreError::ClientFull {
-                    retry_after: records.client_first_expiry(client, now).max(Duration::from_secs(1)),
-                });
-            }
+        }
+        if let Some(client) = claim.client
+            && records.client_full(client, now, self.shared.max_records_per_client)
+        {
+            return Err(StoreError::ClientFull {
+                retry_after: records.client_first_expiry(client, now).max(Duration::from_secs(1)),
+            });
         }
         records.insert(
             claim.key.clone(),

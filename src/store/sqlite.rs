@@ -287,10 +287,21 @@ fn execute(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Resul
 
 /// How long until the first of the records `column` = `id` expires (at least 1 s).
 fn first_expiry(conn: &Connection, column: &str, id: i64, now: Millis) -> Result<Duration, StoreError> {
-    let sql = format!("SELECT min(expires_at) FROM records WHERE {column} = ?1 AND scope IS NOT NULL");
+    let sql = format!("SELECT min(expires_at) FROM records WHERE {column} = ?1");
     let first: Option<i64> = conn
         .prepare_cached(&sql)
         .and_then(|mut statement| statement.query_row([id], |row| row.get(0)))
+        .map_err(|error| disk(&error, false))?;
+    Ok(first
+        .map_or(Duration::ZERO, |first| until(now, first))
+        .max(Duration::from_secs(1)))
+}
+
+/// How long until the first record expires and its room is free (at least 1 s).
+fn space_due(conn: &Connection, now: Millis) -> Result<Duration, StoreError> {
+    let first: Option<i64> = conn
+        .prepare_cached("SELECT min(expires_at) FROM records")
+        .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
         .map_err(|error| disk(&error, false))?;
     Ok(first
         .map_or(Duration::ZERO, |first| until(now, first))
@@ -589,12 +600,14 @@ fn claim_free(
             return Ok(Some(StoreError::Full {
                 what: "records",
                 limit: limits.max_records,
+                retry_after: space_due(conn, now)?,
             }));
         }
         if used_pages(conn)? >= admit_pages {
             return Ok(Some(StoreError::Full {
                 what: "bytes",
                 limit: limits.max_bytes,
+                retry_after: space_due(conn, now)?,
             }));
         }
         Ok(None)
@@ -637,20 +650,20 @@ fn claim_free(
                 });
             }
         }
-        if let Some(ClientId(client)) = claim.client {
-            let client = client as i64;
-            let max = i64::try_from(limits.max_records_per_client).unwrap_or(i64::MAX);
+    }
+    if let Some(ClientId(client)) = claim.client {
+        let client = client as i64;
+        let max = i64::try_from(limits.max_records_per_client).unwrap_or(i64::MAX);
+        if share(conn, 2, client)?.0 >= max {
+            execute(
+                conn,
+                "DELETE FROM records WHERE client = ?1 AND expires_at <= ?2",
+                (client, now),
+            )?;
             if share(conn, 2, client)?.0 >= max {
-                execute(
-                    conn,
-                    "DELETE FROM records WHERE client = ?1 AND scope IS NOT NULL AND expires_at <= ?2",
-                    (client, now),
-                )?;
-                if share(conn, 2, client)?.0 >= max {
-                    return Err(StoreError::ClientFull {
-                        retry_after: first_expiry(conn, "client", client, now)?,
-                    });
-                }
+                return Err(StoreError::ClientFull {
+                    retry_after: first_expiry(conn, "client", client, now)?,
+                });
             }
         }
     }
@@ -663,10 +676,7 @@ fn claim_free(
             &claim.fingerprint.0[..],
             now + millis(claim.retention),
             claim.scope.map(|ScopeId(scope)| scope as i64),
-            claim
-                .client
-                .filter(|_| claim.scope.is_some())
-                .map(|ClientId(client)| client as i64),
+            claim.client.map(|ClientId(client)| client as i64),
             &claim.owner.as_bytes()[..],
             now + millis(claim.lease),
             claim.probe_key,

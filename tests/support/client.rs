@@ -101,6 +101,36 @@ pub async fn try_send(
     body: &str,
 ) -> Result<TestResponse, Box<dyn std::error::Error + Send + Sync>> {
     let stream = TcpStream::connect(addr).await?;
+    exchange(stream, addr, method, path, headers, body).await
+}
+
+/// `send` from the loopback address `from` (127.0.0.2, 127.0.0.3, ...): another
+/// client address, as the proxy sees it.
+#[allow(dead_code)]
+pub async fn send_from(
+    from: std::net::IpAddr,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> TestResponse {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.bind(SocketAddr::new(from, 0)).expect("bind the client address");
+    let stream = socket.connect(addr).await.expect("connect");
+    exchange(stream, addr, method, path, headers, body)
+        .await
+        .unwrap_or_else(|error| panic!("{method} {path} via {addr} from {from} failed: {error}"))
+}
+
+async fn exchange(
+    stream: TcpStream,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<TestResponse, Box<dyn std::error::Error + Send + Sync>> {
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(connection);
     let mut request = Request::builder().method(method).uri(path);

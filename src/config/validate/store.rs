@@ -185,7 +185,13 @@ impl Validator<'_> {
             .max_records_per_client
             .as_ref()
             .map(|max| (*max.get_ref(), max.span()));
-        let max_records_per_client = per_scope(client, "store.max_records_per_client", max_records)?;
+        // Half the store by default: two scopes' worth, so that two tenants behind one
+        // address (a gateway) each get their own share, while one address (on a route
+        // with or without scope) never takes the whole store from the others.
+        let max_records_per_client = match per_scope(client, "store.max_records_per_client", max_records)? {
+            _ if raw.max_records_per_client.is_none() => (max_records / 2).max(1),
+            set => set,
+        };
         Ok(StoreLimits {
             max_records,
             max_bytes,

@@ -33,7 +33,7 @@ use crate::error::StoreFileError;
 pub const APPLICATION_ID: i32 = 0x6964_6d70;
 
 /// The schema's steps: `user_version` is the number of them a file has run.
-const STEPS: [&str; 2] = [RECORDS, SHARES];
+const STEPS: [&str; 3] = [RECORDS, SHARES, CLIENTS];
 
 /// The schema version this build writes.
 pub const VERSION: i32 = STEPS.len() as i32;
@@ -102,6 +102,33 @@ END;
 CREATE TRIGGER records_resized AFTER UPDATE OF size ON records WHEN NEW.size != OLD.size BEGIN
     UPDATE shares SET bytes = bytes + NEW.size - OLD.size WHERE kind = 0;
     UPDATE shares SET bytes = bytes + NEW.size - OLD.size WHERE kind = 1 AND id = NEW.scope;
+END;
+";
+
+/// Step 3 (issue 49): a client address's share counts every record it made, on
+/// routes without scope too (one address filled the store for everyone), so the
+/// client index and the triggers drop their `scope IS NOT NULL`. Records written
+/// before it on routes without scope kept no client, and are counted for none.
+const CLIENTS: &str = "
+DROP INDEX records_client;
+CREATE INDEX records_client ON records (client, expires_at) WHERE client IS NOT NULL;
+DROP TRIGGER records_added;
+DROP TRIGGER records_removed;
+DELETE FROM shares WHERE kind = 2;
+INSERT INTO shares (kind, id, records, bytes)
+    SELECT 2, client, count(*), 0 FROM records WHERE client IS NOT NULL GROUP BY client;
+CREATE TRIGGER records_added AFTER INSERT ON records BEGIN
+    UPDATE shares SET records = records + 1, bytes = bytes + NEW.size WHERE kind = 0;
+    INSERT INTO shares (kind, id, records, bytes) SELECT 1, NEW.scope, 1, NEW.size WHERE NEW.scope IS NOT NULL
+        ON CONFLICT DO UPDATE SET records = records + 1, bytes = bytes + excluded.bytes;
+    INSERT INTO shares (kind, id, records, bytes) SELECT 2, NEW.client, 1, 0 WHERE NEW.client IS NOT NULL
+        ON CONFLICT DO UPDATE SET records = records + 1;
+END;
+CREATE TRIGGER records_removed AFTER DELETE ON records BEGIN
+    UPDATE shares SET records = records - 1, bytes = bytes - OLD.size WHERE kind = 0;
+    UPDATE shares SET records = records - 1, bytes = bytes - OLD.size WHERE kind = 1 AND id = OLD.scope;
+    UPDATE shares SET records = records - 1 WHERE kind = 2 AND id = OLD.client;
+    DELETE FROM shares WHERE kind > 0 AND records = 0;
 END;
 ";
 
