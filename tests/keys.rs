@@ -426,3 +426,37 @@ async fn the_upstream_key_waiting_and_the_probe_apply_to_a_key_from_the_body() {
     assert_eq!(retry.header("idempotency-reconciled"), Some("true"));
     assert_eq!(upstream.total(), 2, "each operation ran once");
 }
+
+/// Issue 49 (a plant the suite missed: `form:` dropped from `needs_body` passed every
+/// test, since each that configured `form:` also had a `json:` source). On a form-only
+/// route the body is read before the claim: the form's key guards (one execution, the
+/// retry replayed), and with `required = false` a keyed form is never forwarded
+/// unguarded. And (L2) with `json:` before the header, a body the strict parser refuses
+/// is 400, never forwarded unguarded with its key unread.
+#[tokio::test]
+async fn a_form_only_route_reads_its_key_and_a_body_the_json_source_cannot_read_is_refused() {
+    let upstream = Upstream::start().await;
+    let proxy = config(StoreKind::Memory, &upstream, "key = [\"form:ref\"]\nrequired = false")
+        .start()
+        .await;
+    let first = post(proxy.addr(), "/v1/payments", &[FORM], "amount=5&ref=f-only").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let retry = post(proxy.addr(), "/v1/payments", &[FORM], "amount=5&ref=f-only").await;
+    assert!(retry.replayed(), "the form's key guards: {retry:?}");
+    assert_eq!(upstream.executions("f-only"), 1, "one execution");
+
+    let upstream = Upstream::start().await;
+    let lines = "key = [\"json:/ref\", \"header:Idempotency-Key\"]\nrequired = false";
+    let proxy = config(StoreKind::Memory, &upstream, lines).start().await;
+    for body in [r#"{"ref":"r-1","ref":"r-2"}"#, r#"{"ref":"r-1","amount":NaN}"#] {
+        for _ in 0..2 {
+            let refused = post(proxy.addr(), "/v1/payments", &[JSON], body).await;
+            assert_eq!(
+                (refused.status.as_u16(), refused.problem()),
+                (400, "invalid-idempotency-key".into()),
+                "{body}: {refused:?}"
+            );
+        }
+    }
+    assert_eq!(upstream.total(), 0, "nothing forwarded");
+}

@@ -38,16 +38,25 @@ pub enum Keyed {
 /// and a body that is not JSON on a route whose every source is `json:` is refused.
 pub(crate) fn find_key(sources: &[KeySource], input: &KeyInput<'_>) -> Result<Option<Keyed>, Rejection> {
     let one_header = matches!(sources, [KeySource::Header(_)]);
-    let mut not_json = false;
+    let typed = sources.iter().any(|source| matches!(source, KeySource::Json(_)));
+    // A form body on a route that reads forms is not a JSON body that failed.
+    let form = is_form(input.headers) && sources.iter().any(|source| matches!(source, KeySource::Form(_)));
     for source in sources {
         let value = match source {
-            KeySource::Header(name) => parse_key(input.headers.get_all(name)).transpose(),
+            KeySource::Header(name) => parse_key(input.headers.get_all(name)).transpose().map(spelled),
+            KeySource::Json(_) if form => None,
             KeySource::Json(pointers) => match input.body.filter(|body| !body.is_empty()) {
                 None => None,
+                // A body the strict parser refuses (a duplicate member, NaN, a BOM,
+                // deep nesting, UTF-16) may still be read by the upstream: before any
+                // source the request carries, it is refused, never forwarded unguarded
+                // with its key unread.
                 Some(body) => match canonical_json::find(body, pointers) {
                     None => {
-                        not_json = true;
-                        None
+                        return Err(SourceError::NotJson {
+                            sources: describe(sources),
+                        }
+                        .into());
                     }
                     Some(found) => composite(found),
                 },
@@ -55,13 +64,15 @@ pub(crate) fn find_key(sources: &[KeySource], input: &KeyInput<'_>) -> Result<Op
             KeySource::Form(name) => input
                 .body
                 .filter(|_| is_form(input.headers))
-                .and_then(|body| field(body, name)),
-            KeySource::Query(name) => input.query.and_then(|query| field(query.as_bytes(), name)),
+                .and_then(|body| field(body, name))
+                .map(spelled),
+            KeySource::Query(name) => input.query.and_then(|query| field(query.as_bytes(), name)).map(spelled),
             KeySource::Body => return Ok(Some(Keyed::Body)),
         };
         match value {
             None => continue,
-            Some(Ok(key)) => return Ok(Some(Keyed::Key(key))),
+            Some(Ok(Spelled { key, by_client })) if typed && by_client => return Ok(Some(Keyed::Key(untyped(key)))),
+            Some(Ok(Spelled { key, .. })) => return Ok(Some(Keyed::Key(key))),
             Some(Err(error)) if one_header => return Err(error.into()),
             Some(Err(error)) => {
                 let from = source.to_string();
@@ -69,13 +80,34 @@ pub(crate) fn find_key(sources: &[KeySource], input: &KeyInput<'_>) -> Result<Op
             }
         }
     }
-    if not_json && sources.iter().all(|source| matches!(source, KeySource::Json(_))) {
-        return Err(SourceError::NotJson {
-            sources: describe(sources),
-        }
-        .into());
-    }
     Ok(None)
+}
+
+/// A key as a source found it: `by_client` when the client spelled it as text (a
+/// header, a form or query field, a JSON string), not made from a JSON value.
+struct Spelled {
+    key: IdempotencyKey,
+    by_client: bool,
+}
+
+fn spelled(key: Result<IdempotencyKey, KeyError>) -> Result<Spelled, KeyError> {
+    key.map(|key| Spelled { key, by_client: true })
+}
+
+/// On a route with a `json:` source, a key spelled as text that reads as the
+/// canonical form of another JSON value (`1234e0`, `true`, `["a",1]`) is tagged, so
+/// that the string `"1234e0"` and the number `1234` are two keys, not one: the tag
+/// holds a space, which no client key can. Values keep their own names, so records
+/// made before the tag are found as they were.
+fn untyped(key: IdempotencyKey) -> IdempotencyKey {
+    let text = key.as_str();
+    let reads_as_a_value = !text.starts_with('"')
+        && canonical_json::canonical(text.as_bytes(), &[]).is_some_and(|form| form == text.as_bytes());
+    if reads_as_a_value {
+        IdempotencyKey(format!("string {text}"))
+    } else {
+        key
+    }
 }
 
 /// The refusal of a request that carries no key on a route that requires one.
@@ -91,20 +123,21 @@ pub(crate) fn missing(sources: &[KeySource]) -> Rejection {
 
 /// The key of a request on the `body` source: its fingerprint (method, canonical path
 /// and query, the fingerprinted headers and the body as `fingerprint_body` reads it), so that two
-/// identical requests name one record in one scope.
+/// identical requests name one record in one scope. Named `body <hex>`: the space is
+/// one no client key can hold, so a client cannot name (and block) a key-less record.
 pub fn body_key(fingerprint: Fingerprint) -> IdempotencyKey {
-    IdempotencyKey(format!("body:{}", fingerprint.to_hex()))
+    IdempotencyKey(format!("body {}", fingerprint.to_hex()))
 }
 
 /// The key a JSON source's values make: one value alone (a string as it is, another
 /// value in canonical form), or the canonical JSON array of several. `None` unless
 /// every value is present.
-fn composite(found: Vec<Option<Found>>) -> Option<Result<IdempotencyKey, KeyError>> {
+fn composite(found: Vec<Option<Found>>) -> Option<Result<Spelled, KeyError>> {
     let mut parts = found.into_iter().collect::<Option<Vec<Found>>>()?;
     if parts.len() == 1 {
         return Some(match parts.pop()? {
-            Found::String(text) => plain_key(text.as_bytes()),
-            Found::Other(bytes) => plain_key(&bytes),
+            Found::String(text) => spelled(plain_key(text.as_bytes())),
+            Found::Other(bytes) => made(plain_key(&bytes)),
         });
     }
     let mut key = vec![b'['];
@@ -118,7 +151,12 @@ fn composite(found: Vec<Option<Found>>) -> Option<Result<IdempotencyKey, KeyErro
         }
     }
     key.push(b']');
-    Some(plain_key(&key))
+    Some(made(plain_key(&key)))
+}
+
+/// A key made from JSON values (not spelled by the client as text).
+fn made(key: Result<IdempotencyKey, KeyError>) -> Result<Spelled, KeyError> {
+    key.map(|key| Spelled { key, by_client: false })
 }
 
 /// A key taken as it is: 1 to 255 visible ASCII characters.
@@ -202,10 +240,9 @@ mod tests {
         assert_eq!(key(&all, &[], Some("ref=q"), br#"{"ref":"j"}"#), Ok(Some("j".into())));
         assert_eq!(key(&all, &form, Some("ref=q"), b"a=1&ref=f%21"), Ok(Some("f!".into())));
         assert_eq!(key(&all, &[], Some("x=1&ref=q"), b""), Ok(Some("q".into())));
-        assert_eq!(
-            key(&all, &[], None, b"ref=f"),
-            Ok(None),
-            "a form needs its content type"
+        assert!(
+            key(&all, &[], None, b"ref=f").is_err_and(|refused| refused.contains("not JSON")),
+            "a form needs its content type: without it, it is a body the json: source cannot read"
         );
         assert_eq!(
             key(&all, &[], Some("ref=a&ref=b"), b"").map_err(|e| e.contains("query:ref")),
@@ -234,11 +271,108 @@ mod tests {
         assert!(refused.contains("not JSON"), "{refused}");
         assert_eq!(key(&composite, &[], None, b""), Ok(None), "no body is no key");
         let mixed = sources(&["json:/ref", "query:ref"]);
-        assert_eq!(key(&mixed, &[], None, b"{broken"), Ok(None));
+        assert!(
+            key(&mixed, &[], None, b"{broken").is_err_and(|refused| refused.contains("not JSON")),
+            "a json: source before the first the request carries: refused, as an all-json route does"
+        );
+        assert_eq!(key(&mixed, &[], Some("ref=q"), b""), Ok(Some("q".into())), "no body");
         assert_eq!(
             key(&sources(&["json:/ref", "body"]), &[], None, b"{}"),
             Ok(Some("<body>".into()))
         );
+    }
+
+    /// Issue 49 L2: with `json:` before the header and `required = false`, bodies the
+    /// upstream may read but the strict parser refuses were forwarded unguarded (7 of 7
+    /// ran again on retry). Each is refused before anything is forwarded, header or not;
+    /// a form body on a route that reads forms is not one of them.
+    #[test]
+    fn a_body_the_json_source_cannot_read_is_refused_before_later_sources() {
+        let first = sources(&["json:/ref", "header:Idempotency-Key"]);
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let utf16: Vec<u8> = r#"{"ref":"r-1"}"#.encode_utf16().flat_map(u16::to_le_bytes).collect();
+        let bodies: Vec<Vec<u8>> = vec![
+            br#"{"ref":"r-1","ref":"r-2"}"#.to_vec(),
+            br#"{"ref":"r-1","amount":NaN}"#.to_vec(),
+            [&b"\xef\xbb\xbf"[..], br#"{"ref":"r-1"}"#].concat(),
+            format!(r#"{{"ref":"r-1","deep":{deep}}}"#).into_bytes(),
+            br#"{"ref":"r-1","note":"\ud800"}"#.to_vec(),
+            br#"{"ref":"r-1","amount":1e1000000000000000000}"#.to_vec(),
+            utf16,
+        ];
+        for body in &bodies {
+            for headers in [&[][..], &[("idempotency-key", "h-1")][..]] {
+                let refused = key(&first, headers, None, body).expect_err("refused");
+                assert!(refused.contains("not JSON"), "{refused}");
+            }
+        }
+        // The header first: the request carries it, and the body is not read for a key.
+        let header_first = sources(&["header:Idempotency-Key", "json:/ref"]);
+        assert_eq!(
+            key(&header_first, &[("idempotency-key", "h-1")], None, &bodies[0]),
+            Ok(Some("h-1".into()))
+        );
+        // A form body where a form source is listed: the form's key.
+        let with_form = sources(&["json:/ref", "form:ref"]);
+        let form = [("content-type", "application/x-www-form-urlencoded")];
+        assert_eq!(key(&with_form, &form, None, b"ref=f-1"), Ok(Some("f-1".into())));
+    }
+
+    /// Issue 49 L3: a JSON key carried no type, so `{"ref":1234}` and `{"ref":"1234e0"}`
+    /// were one key (the second, another operation, got 422), as were `true` and
+    /// `"true"`. A key spelled as text that reads as another value's canonical form is
+    /// tagged; values keep their names (records made before are found as they were).
+    #[test]
+    fn a_json_value_and_a_string_that_spells_it_are_two_keys() {
+        let json = sources(&["json:/ref", "header:Idempotency-Key"]);
+        for (value, text) in [
+            (r#"{"ref":1234}"#, r#"{"ref":"1234e0"}"#),
+            (r#"{"ref":true}"#, r#"{"ref":"true"}"#),
+            (r#"{"ref":false}"#, r#"{"ref":"false"}"#),
+        ] {
+            let (value, text) = (
+                key(&json, &[], None, value.as_bytes()),
+                key(&json, &[], None, text.as_bytes()),
+            );
+            assert_ne!(value, text, "one key for a value and its spelling");
+        }
+        assert_eq!(key(&json, &[], None, br#"{"ref":1234}"#), Ok(Some("1234e0".into())));
+        assert_eq!(key(&json, &[], None, br#"{"ref":"1234"}"#), Ok(Some("1234".into())));
+        assert_eq!(
+            key(&json, &[("idempotency-key", "true")], None, b""),
+            Ok(Some("string true".into())),
+            "a header that spells a value, on a route with a json: source"
+        );
+        let composite = sources(&["json:/a&/b", "header:Idempotency-Key"]);
+        assert_ne!(
+            key(&composite, &[], None, br#"{"a":"x","b":1}"#),
+            key(&composite, &[("idempotency-key", r#"["x",1e0]"#)], None, b""),
+            "a header that spells a composite key"
+        );
+        // On a route without a json: source, nothing is tagged: header keys keep their
+        // records' names.
+        let header = sources(&["header:Idempotency-Key", "query:ref"]);
+        assert_eq!(
+            key(&header, &[("idempotency-key", "true")], None, b""),
+            Ok(Some("true".into()))
+        );
+    }
+
+    /// Issue 49 L1: `Idempotency-Key: body:<fingerprint>` (computable offline) named a
+    /// key-less record, blocking another client's known payment with 422. A key-less
+    /// record's key holds a space, which no client key can.
+    #[test]
+    fn no_client_key_can_name_a_key_less_record() {
+        let named = body_key(Fingerprint([7; 32]));
+        assert!(named.as_str().starts_with("body "), "{named:?}");
+        let header = [("idempotency-key", named.as_str())];
+        let one = sources(&["header:Idempotency-Key", "body"]);
+        assert!(key(&one, &header, None, b"").is_err(), "a header cannot spell it");
+        let quoted = format!("\"{}\"", named.as_str());
+        assert!(key(&one, &[("idempotency-key", quoted.as_str())], None, b"").is_err());
+        let json = sources(&["json:/ref", "body"]);
+        let body = format!(r#"{{"ref":"{}"}}"#, named.as_str());
+        assert!(key(&json, &[], None, body.as_bytes()).is_err(), "nor a JSON string");
     }
 
     #[test]
