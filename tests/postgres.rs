@@ -543,3 +543,47 @@ async fn an_untrusted_postgres_certificate_or_plain_text_is_refused_at_start() {
         "nothing was made"
     );
 }
+
+/// Issue 49 L4: `/readyz` was `SELECT 1`, so with the store's database read-only
+/// (`default_transaction_read_only = on`, as on a standby) it answered 200 while every
+/// claim was 503. Readiness now runs the claim itself in a transaction rolled back: it
+/// answers 503 while claims would fail, and 200 again once they would not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_what_a_claim_would_do_on_a_read_only_database() {
+    let server = PostgresServer::start();
+    server.psql("CREATE DATABASE app");
+    let url = format!("{}/app", server.url().strip_suffix("/postgres").expect("a database"));
+    let upstream = Upstream::start().await;
+    let proxy = ChildProxy::start(&config(&url, &upstream.url(), "2s")).await;
+    let ready = || async { support::send(proxy.admin, "GET", "/readyz", &[], "").await.status };
+    assert_eq!(ready().await, 200);
+    let reconnect = || {
+        server.psql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = 'app'");
+    };
+    // Until `/readyz` gives `want` three times in a row (the pool's connections made
+    // again with the database's setting), bounded at 10 s.
+    let settle = |want: u16| async move {
+        let started = Instant::now();
+        let mut run = 0;
+        while run < 3 {
+            run = if ready().await == want { run + 1 } else { 0 };
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "/readyz never settled at {want}"
+            );
+        }
+    };
+    server.psql("ALTER DATABASE app SET default_transaction_read_only = on");
+    reconnect();
+    settle(503).await;
+    let headers = [("authorization", "Bearer t")];
+    let refused = post(proxy.addr, Some("read-only"), "{}", &headers).await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(upstream.executions("read-only"), 0, "nothing forwarded");
+
+    server.psql("ALTER DATABASE app RESET default_transaction_read_only");
+    reconnect();
+    settle(200).await;
+    let taken = post(proxy.addr, Some("writable"), "{}", &headers).await;
+    assert_eq!(taken.status, 201, "{taken:?}");
+}

@@ -510,7 +510,57 @@ impl RecordStore for PostgresStore {
         }
     }
 
+    /// Ready only if a claim would be taken: the claim function run in a transaction
+    /// that is rolled back, on a key no request names. `SELECT 1` answered on a
+    /// standby, or for a role that may not write, while every claim was 503.
     async fn ping(&self) -> Result<(), StoreError> {
-        self.query("SELECT 1", &[]).await.map(drop)
+        let owner = OwnerToken::generate().map_err(|_| StoreError::Unready("no random source"))?;
+        let key = format!("idemproxy readiness {}", const_hex::encode(owner.as_bytes()));
+        let second = 1000_i64;
+        let no_scope: Option<i64> = None;
+        let work = async {
+            let mut client = self.pool.get().await.map_err(connect::pool_error)?;
+            let statement = client
+                .prepare_cached(&self.calls.claim)
+                .await
+                .map_err(|error| PostgresError::from_query(&error, false))?;
+            let transaction = client
+                .transaction()
+                .await
+                .map_err(|error| PostgresError::from_query(&error, false))?;
+            let row = transaction
+                .query_one(
+                    &statement,
+                    &[
+                        &key,
+                        &&owner.as_bytes()[..],
+                        &&[0u8; 32][..],
+                        &second,
+                        &second,
+                        &no_scope,
+                        &self.scope_max,
+                        &self.min_acks,
+                    ],
+                )
+                .await
+                .map_err(|error| PostgresError::from_query(&error, false))?;
+            transaction
+                .rollback()
+                .await
+                .map_err(|error| PostgresError::from_query(&error, false))?;
+            Ok::<_, PostgresError>(row)
+        };
+        let row = match tokio::time::timeout(self.timeout + connect::CANCEL_GRACE, work).await {
+            Ok(result) => result.map_err(StoreError::Postgres)?,
+            Err(_) => return Err(StoreError::Timeout(self.timeout)),
+        };
+        match get::<i32>(&row, "code")? {
+            1 => Ok(()),
+            -5 => Err(StoreError::NotReplicated {
+                acks: 0,
+                wanted: self.min_acks.unsigned_abs(),
+            }),
+            _ => Err(protocol("the readiness claim in Postgres was not taken")),
+        }
     }
 }
