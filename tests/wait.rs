@@ -128,9 +128,18 @@ async fn waiters_get_the_replay_on_a_cluster_by_shard_channels() {
 
 /// The first request fails with a 500, which releases its key: exactly one waiter
 /// claims it and runs its own request, and every other waiter replays that one.
-async fn one_waiter_wins_a_released_key(store: StoreKind) {
+///
+/// The wait (20 s) is far longer than either request is held, so that a deadline
+/// re-read cannot pass for a wake-up: while the winner is held upstream, `marked` asks
+/// the store whether the winner's claim will wake the others when it ends (on
+/// Postgres: the claim is marked as waited on; issue 49 found it never was, and the
+/// losers waited out their whole wait, 9.99 s in 3 of 3 runs), and once it is released
+/// every loser answers within 10 s, half its deadline.
+async fn one_waiter_wins_a_released_key(store: StoreKind, marked: impl Fn() -> bool) {
     let upstream = Upstream::start().await;
-    let proxy = waiting_config(store, &upstream, "2s").start().await;
+    let mut config = waiting_config(store, &upstream, "20s");
+    config.upstream_timeout = "30s".into();
+    let proxy = config.start().await;
     let (addr, admin) = (proxy.addr(), proxy.admin());
     let first = tokio::spawn(async move {
         post(
@@ -143,14 +152,31 @@ async fn one_waiter_wins_a_released_key(store: StoreKind) {
     });
     upstream.wait_for_key("r1").await;
     let duplicates: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(async move { post(addr, Some("r1"), "{}", &[]).await }))
+        .map(|_| tokio::spawn(async move { post(addr, Some("r1"), "{}", &[("x-test-hold", "r1-winner")]).await }))
         .collect();
     until_metric(admin, WAITERS, 8.0).await;
     upstream.release("r1");
     assert_eq!(first.await.expect("the first request").status, 500);
+    // The release wakes the waiters at once (10 s is half their deadline): one claims
+    // and is held upstream; the seven others wait on its claim.
+    tokio::time::timeout(std::time::Duration::from_secs(10), upstream.wait_for_total(2))
+        .await
+        .expect("the released key woke its waiters, well before their 20 s deadline");
+    let started = tokio::time::Instant::now();
+    while !marked() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the winner's claim is not watched: its end would wake no loser"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    upstream.release("r1-winner");
     let mut answers = Vec::new();
     for duplicate in duplicates {
-        answers.push(duplicate.await.expect("a duplicate"));
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(10), duplicate)
+            .await
+            .expect("woken by the winner's end, well before the 20 s deadline");
+        answers.push(answer.expect("a duplicate"));
     }
     let ran: Vec<&TestResponse> = answers.iter().filter(|answer| !answer.replayed()).collect();
     assert_eq!(ran.len(), 1, "exactly one waiter ran its request: {answers:?}");
@@ -163,15 +189,28 @@ async fn one_waiter_wins_a_released_key(store: StoreKind) {
     assert_eq!(metric(admin, &waits("replayed")).await, Some(7.0));
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_waiter_wins_a_released_key_on_the_memory_store() {
-    one_waiter_wins_a_released_key(StoreKind::Memory).await;
+    one_waiter_wins_a_released_key(StoreKind::Memory, || true).await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_waiter_wins_a_released_key_on_sqlite() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    one_waiter_wins_a_released_key(StoreKind::Sqlite(dir.path().join("records.db")), || true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_waiter_wins_a_released_key_on_redis() {
     let redis = RedisServer::start();
-    one_waiter_wins_a_released_key(StoreKind::Redis(redis.url())).await;
+    one_waiter_wins_a_released_key(StoreKind::Redis(redis.url()), || true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_waiter_wins_a_released_key_on_postgres() {
+    let server = support::PostgresServer::start();
+    let marked = || server.psql("SELECT count(*) FROM idemproxy.records WHERE waited AND state = 'in_flight'") == "1";
+    one_waiter_wins_a_released_key(StoreKind::Postgres(server.url()), marked).await;
 }
 
 /// The other endings: an unknown outcome, the deadline, the bound on waiters, and a

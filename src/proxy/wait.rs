@@ -99,11 +99,10 @@ impl Proxy {
         };
         let mut tally = Tally::new(self.shared.metrics.clone(), slot);
         let deadline = Instant::now() + guarded.policy.wait_for_in_flight;
-        // Without a subscription (the store's subscriber cannot connect), the waiter
-        // still re-reads at the lease's end and at its deadline.
-        let watch = waiting.watcher.watch(&prepared.claim.key).await;
+        let (watch, notify) = watched(&waiting.watcher, &prepared.claim.key).await;
         tally.subscribed();
-        let notify = watch.as_ref().map_or_else(|| Arc::new(Notify::new()), Watch::notify);
+        let mut changed = false; // woken by a change, to find the key in flight again: `renew`
+
         loop {
             // Registered before the record is read, so a change between the read and
             // the wait still wakes it.
@@ -119,6 +118,10 @@ impl Proxy {
                 Ok(Decision::Replay(stored)) => {
                     tally.end(WaitEnd::Replayed);
                     return self.replay(guarded, &prepared, stored).await;
+                }
+                Ok(Decision::Reject(Rejection::InProgress { .. })) if std::mem::take(&mut changed) => {
+                    renew(watch.as_ref()).await;
+                    continue;
                 }
                 Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {
                     Instant::now() + lease_remaining
@@ -145,10 +148,34 @@ impl Proxy {
                     return Err(error.into());
                 }
             };
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep_until(deadline.min(wake)) => {}
-            }
+            changed = woken(notified.as_mut(), deadline.min(wake)).await;
         }
+    }
+}
+
+/// A waiter woken by a change that finds the key in flight again saw its claim
+/// released and taken by another: it renews its watch on the new claim (on Postgres a
+/// mark on the claim, which ended with the old one), then reads once more, so that an
+/// end between its read and the renewal is not missed.
+async fn renew(watch: Option<&Watch>) {
+    if let Some(watch) = watch {
+        watch.renew().await;
+    }
+}
+
+/// The waiter's watch on `key` and what wakes it. Without a subscription (the store's
+/// subscriber cannot connect), the waiter still re-reads at the lease's end and at its
+/// deadline.
+async fn watched(watcher: &Watcher, key: &crate::store::StoreKey) -> (Option<Watch>, Arc<Notify>) {
+    let watch = watcher.watch(key).await;
+    let notify = watch.as_ref().map_or_else(|| Arc::new(Notify::new()), Watch::notify);
+    (watch, notify)
+}
+
+/// Waits for a change or until `until`: whether a change woke it.
+async fn woken(notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>, until: Instant) -> bool {
+    tokio::select! {
+        () = notified => true,
+        () = tokio::time::sleep_until(until) => false,
     }
 }

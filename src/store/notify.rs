@@ -98,6 +98,10 @@ pub(crate) enum Command {
     /// `false` when there is no connection to subscribe on.
     Subscribe(String, oneshot::Sender<bool>),
     Unsubscribe(String),
+    /// The record's claim changed hands (released, then claimed again): subscribe to
+    /// the new claim where a subscription is to a claim rather than to a channel
+    /// (`Subscription::renew`). Answers as `Subscribe` does.
+    Renew(String, oneshot::Sender<bool>),
 }
 
 /// One waiter's registration on a record: woken when the record changes. Leaving it
@@ -112,6 +116,18 @@ impl Watch {
     /// What wakes this waiter.
     pub(crate) fn notify(&self) -> Arc<Notify> {
         self.notify.clone()
+    }
+
+    /// Called when the waiter, woken, finds the record in flight again (its claim
+    /// released and claimed by another): makes sure the new claim's end wakes it too.
+    /// Returns once done (or once the subscriber has said it cannot).
+    pub(crate) async fn renew(&self) {
+        if let Watcher::Remote { commands, .. } = &self.watcher {
+            let (ack, done) = oneshot::channel();
+            if commands.send(Command::Renew(self.key.clone(), ack)).is_ok() {
+                let _done = done.await;
+            }
+        }
     }
 }
 
@@ -168,9 +184,15 @@ impl Watcher {
 /// A connection that delivers a record channel's messages.
 pub(crate) trait Subscription: Send {
     /// What a failed subscription or connection says.
-    type Error: std::fmt::Display;
+    type Error: std::fmt::Display + Send;
     fn subscribe(&mut self, channel: String) -> impl Future<Output = Result<(), Self::Error>> + Send;
     fn unsubscribe(&mut self, channel: String) -> impl Future<Output = Result<(), Self::Error>> + Send;
+    /// Subscribes again to a channel this connection is subscribed to, after the
+    /// record's claim changed hands. Nothing to do where a subscription is to a channel
+    /// (Redis); where it is a mark on one claim (Postgres), the new claim is marked.
+    fn renew(&mut self, _channel: String) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
     /// The next message's channel; `None` when the connection is lost.
     fn next(&mut self) -> impl Future<Output = Option<String>> + Send;
 }
@@ -197,7 +219,7 @@ where
         if pending.is_none() && hub.keys().is_empty() {
             match commands.recv().await {
                 None => return,
-                Some(Command::Subscribe(key, ack)) => pending = Some((key, ack)),
+                Some(Command::Subscribe(key, ack) | Command::Renew(key, ack)) => pending = Some((key, ack)),
                 Some(Command::Unsubscribe(_)) => continue,
             }
         }
@@ -219,7 +241,7 @@ where
                         () = &mut deadline => break,
                         command = commands.recv() => match command {
                             None => return,
-                            Some(Command::Subscribe(_, ack)) => { let _ = ack.send(false); }
+                            Some(Command::Subscribe(_, ack) | Command::Renew(_, ack)) => { let _ = ack.send(false); }
                             Some(Command::Unsubscribe(_)) => {}
                         },
                     }
@@ -253,6 +275,15 @@ where
                     None => return,
                     Some(Command::Subscribe(key, ack)) => {
                         let done = subscribe(&mut connection, &mut subscribed, key).await;
+                        lost |= !done;
+                        let _ = ack.send(done);
+                    }
+                    Some(Command::Renew(key, ack)) => {
+                        let done = if subscribed.contains(&key) {
+                            connection.renew(channel(&key)).await.is_ok()
+                        } else {
+                            subscribe(&mut connection, &mut subscribed, key).await
+                        };
                         lost |= !done;
                         let _ = ack.send(done);
                     }

@@ -115,6 +115,12 @@ impl Subscription for Listening {
         Ok(())
     }
 
+    /// The mark ended with the claim that was released: the claim that took the key
+    /// is marked, so that its end notifies the waiters still waiting.
+    async fn renew(&mut self, channel: String) -> Result<(), Lost> {
+        self.subscribe(channel).await
+    }
+
     async fn next(&mut self) -> Option<String> {
         self.notified.recv().await.map(|key| notify::channel(&key))
     }
