@@ -587,3 +587,47 @@ async fn readyz_follows_what_a_claim_would_do_on_a_read_only_database() {
     let taken = post(proxy.addr, Some("writable"), "{}", &headers).await;
     assert_eq!(taken.status, 201, "{taken:?}");
 }
+
+/// Issue 49 (a plant the suite missed: the sweep also deleting in-flight records whose
+/// lease lapsed ran an operation twice after an instance died mid-request). A proxy is
+/// SIGKILLed while its request is held upstream; once the claim's lease has lapsed
+/// (retention not), the sweep leaves it, and another proxy's retry is 409, never
+/// forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_flight_record_whose_proxy_died_survives_the_sweep_and_its_retry_is_409() {
+    let server = PostgresServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = config(&server.url(), &upstream.url(), "2s");
+    config.upstream_timeout = "1s".into();
+    let mut first = ChildProxy::start(&config).await;
+    let addr = first.addr;
+    let headers = [("authorization", "Bearer t"), ("x-test-hold", "died")];
+    let held = tokio::spawn(async move { support::client::try_send_key(addr, "died", &headers).await });
+    upstream.wait_for_key("died").await;
+    first.kill();
+    let _ = held.await;
+    let lapsed = "SELECT count(*) FROM idemproxy.records \
+                  WHERE state = 'in_flight' AND lease_until <= clock_timestamp() AND expires_at > clock_timestamp()";
+    let started = Instant::now();
+    while server.psql(lapsed) != "1" {
+        assert!(started.elapsed() < Duration::from_secs(10), "the lease never lapsed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        server.psql("SELECT idemproxy.sweep(500)"),
+        "0",
+        "the sweep deleted a live record"
+    );
+    assert_eq!(server.psql(lapsed), "1");
+    let second = ChildProxy::start(&config).await;
+    let retry = support::client::try_send_key(second.addr, "died", &[("authorization", "Bearer t")])
+        .await
+        .expect("the retry");
+    assert_eq!(
+        (retry.status.as_u16(), retry.problem()),
+        (409, "outcome-unknown".into()),
+        "{retry:?}"
+    );
+    assert_eq!(upstream.executions("died"), 1, "never forwarded again");
+    upstream.release("died");
+}

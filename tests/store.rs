@@ -2640,3 +2640,33 @@ async fn a_scope_past_its_share_of_the_postgres_store_is_refused_until_its_recor
     );
     store.claim(&scoped("s1-e", 1)).await.expect("after the sweep");
 }
+
+/// Issue 49 (the Postgres sweep plant, on the other store that sweeps): a claim whose
+/// lease lapsed (its proxy died) but whose retention runs on survives the sweeper,
+/// which deletes only what has expired, and reads as a lapsed lease: never free.
+#[tokio::test]
+async fn the_sqlite_sweeper_leaves_a_claim_whose_lease_lapsed() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = sqlite_store(&dir.path().join("records.db"), StoreLimits::unbounded(100));
+    let lapsed = key("sweep-lapsed");
+    store
+        .claim(&claim(&lapsed, new_owner(), Duration::from_millis(300)))
+        .await
+        .expect("claim");
+    let expiring = ClaimRequest {
+        retention: Duration::from_secs(1),
+        ..claim(&key("sweep-expiring"), new_owner(), Duration::from_millis(300))
+    };
+    store.claim(&expiring).await.expect("claim");
+    store.advance_clock(Duration::from_secs(5));
+    // The sweeper runs within a second when idle: once it has deleted the expired
+    // record, it has looked at the lapsed one too.
+    let started = tokio::time::Instant::now();
+    while store.commit_stats().swept.get() < 1 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the sweeper never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(store.len(), 1, "only the expired record is gone");
+    assert_eq!(state_of(&store, &lapsed).await, RecordState::LeaseExpired);
+    drop(store);
+}

@@ -104,6 +104,18 @@ pub async fn try_send(
     exchange(stream, addr, method, path, headers, body).await
 }
 
+/// A keyed `POST {}` that may fail (its proxy killed mid-request).
+#[allow(dead_code)]
+pub async fn try_send_key(
+    addr: SocketAddr,
+    key: &str,
+    headers: &[(&str, &str)],
+) -> Result<TestResponse, Box<dyn std::error::Error + Send + Sync>> {
+    let mut all = vec![("idempotency-key", key), ("content-type", "application/json")];
+    all.extend_from_slice(headers);
+    try_send(addr, "POST", "/v1/payments", &all, "{}").await
+}
+
 /// `send` from the loopback address `from` (127.0.0.2, 127.0.0.3, ...): another
 /// client address, as the proxy sees it.
 #[allow(dead_code)]
