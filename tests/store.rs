@@ -2670,3 +2670,39 @@ async fn the_sqlite_sweeper_leaves_a_claim_whose_lease_lapsed() {
     assert_eq!(state_of(&store, &lapsed).await, RecordState::LeaseExpired);
     drop(store);
 }
+
+/// Issue 49 (a plant the suite missed: the SQLite writer running and committing a
+/// write whose caller timed out or left, so that under overload it no longer sheds
+/// work). With the writer stalled, claims whose callers give up at the store's timeout
+/// are never committed once it goes on: their keys are free, and the file holds only
+/// what a caller still waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_whose_caller_gave_up_is_never_committed() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let config = sqlite_config(&dir.path().join("records.db"), StoreLimits::unbounded(100));
+    let store = SqliteStore::open(&config, Duration::from_millis(200)).expect("open");
+    let release = store.hold_writer().await;
+    let abandoned: Vec<StoreKey> = (0..5).map(|n| key(&format!("abandoned-{n}"))).collect();
+    for record in &abandoned {
+        match store.claim(&claim(record, new_owner(), LONG)).await {
+            Err(StoreError::Timeout(_)) => {}
+            other => panic!("a claim past the stalled writer: {other:?}"),
+        }
+    }
+    drop(release);
+    // Queued behind the abandoned writes: once it is answered, they were dealt with.
+    let kept = key("kept");
+    assert_eq!(
+        store.claim(&claim(&kept, new_owner(), LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+    assert_eq!(store.len(), 1, "only the claim a caller waited for is in the file");
+    for record in &abandoned {
+        assert_eq!(
+            store.claim(&claim(record, new_owner(), LONG)).await.expect("claim"),
+            ClaimOutcome::Acquired(()),
+            "an abandoned claim was committed"
+        );
+    }
+    drop(store);
+}
