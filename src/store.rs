@@ -639,11 +639,22 @@ impl AnyStore {
 
     /// The records whose probe a fresh start must schedule: only the SQLite store owns
     /// all of its records, and knows that nobody else will find them.
+    /// A probe key sealed with the records is opened; one that does not open is left
+    /// out (its record then waits for a retry or an operator).
     pub(crate) fn unsettled(&self) -> Result<Vec<sqlite::Unsettled>, StoreError> {
-        match &self.engine {
-            Engine::Sqlite(store) => store.unsettled(),
-            Engine::Memory(_) | Engine::Redis(_) | Engine::Postgres(_) => Ok(Vec::new()),
+        let mut unsettled = match &self.engine {
+            Engine::Sqlite(store) => store.unsettled()?,
+            Engine::Memory(_) | Engine::Redis(_) | Engine::Postgres(_) => Vec::new(),
+        };
+        if let Some(sealer) = self.sealer() {
+            for record in &mut unsettled {
+                record.probe_key = match record.probe_key.take() {
+                    Some(kept) => sealer.open_text(&record.key, &kept),
+                    None => None,
+                };
+            }
         }
+        Ok(unsettled)
     }
 
     /// The response a completed record holds, opened, and the id of the key that
@@ -667,7 +678,7 @@ impl RecordStore for AnyStore {
         let (outcome, sent) = match self.sealer() {
             None => (delegate!(self, store => store.claim(claim))?, claim.fingerprint),
             Some(sealer) => {
-                let sealed = sealed::sealed_claim(sealer, claim);
+                let sealed = sealed::sealed_claim(sealer, claim)?;
                 (delegate!(self, store => store.claim(&sealed))?, sealed.fingerprint)
             }
         };

@@ -481,3 +481,85 @@ async fn the_records_api_shows_metadata_and_the_body_only_when_asked() {
     assert!(shown.contains("x-card-token: SECRET-7f3a9c-card"), "{shown}");
     assert!(shown.contains("body (base64)"), "{shown}");
 }
+
+/// Issue 49 L7: a sealed SQLite file kept clients' keys in clear in `probe_key` on
+/// routes whose probe names `{key}`. Sealed, the file (and its log) holds nothing of
+/// the key while the record is in flight, and a fresh start, with no client retrying,
+/// still probes the upstream by the key, opened. The control (no key) holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_sqlite_file_keeps_no_clients_key_for_its_probe() {
+    for encrypted in [false, true] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("records.db");
+        let upstream = Upstream::start().await;
+        let mut plain = TestConfig::new(StoreKind::Sqlite(file.clone()), &upstream.url());
+        plain.store_timeout = "2s".into();
+        plain.upstream_timeout = "1s".into();
+        plain.idempotency = "[route.idempotency.reconcile]\npath = \"/v1/payments/by-key/{key}\"\n\
+                             first_after = \"100ms\"\nevery = \"200ms\"\ngive_up_after = \"1m\""
+            .into();
+        let config = if encrypted { sealed(plain, 1, &[]) } else { plain };
+        let mut proxy = ChildProxy::start(&config).await;
+        let key = format!("{MARKER}-probed");
+        let addr = proxy.addr;
+        let sent = key.clone();
+        let held = tokio::spawn(async move {
+            let headers = [("idempotency-key", sent.as_str()), ("x-test-hold", "probed")];
+            support::client::try_send(addr, "POST", "/v1/payments", &headers, "{}").await
+        });
+        upstream.wait_for_key(&key).await;
+        proxy.kill();
+        let _ = held.await;
+        let mut bytes = std::fs::read(&file).expect("read the store file");
+        bytes.extend(std::fs::read(file.with_extension("db-wal")).unwrap_or_default());
+        assert_eq!(
+            contains(&bytes, MARKER),
+            !encrypted,
+            "encrypted {encrypted}: the client's key in the file"
+        );
+        upstream.release("probed");
+        let _proxy = ChildProxy::start(&config).await;
+        upstream.wait_for_lookups(1).await;
+        assert_eq!(
+            upstream.lookups()[0].path,
+            format!("/v1/payments/by-key/{key}"),
+            "encrypted {encrypted}: the probe asks by the key, opened"
+        );
+    }
+}
+
+/// Issue 49 (a second catcher, through the binary, for a sealed value bound to its
+/// record): two records with the same request's fingerprint, the first's sealed value
+/// copied over the second's in Redis (its tag and fingerprint intact). The second's
+/// retry is unreadable, 409, never the first's response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sealed_value_moved_to_another_record_does_not_open() {
+    let (redis, upstream, proxy) = on_redis(true).await;
+    let first = pay(&proxy, "order-moved-a", &[]).await;
+    let second = pay(&proxy, "order-moved-b", &[]).await;
+    assert_eq!((first.status.as_u16(), second.status.as_u16()), (201, 201));
+    let mut connection = redis.connection();
+    let records: Vec<String> = redis
+        .keys()
+        .into_iter()
+        .filter(|key| key.contains(":payments:"))
+        .collect();
+    assert_eq!(records.len(), 2, "{records:?}");
+    let values: Vec<Vec<u8>> = records
+        .iter()
+        .map(|key| redis::cmd("GET").arg(key).query(&mut connection).expect("GET"))
+        .collect();
+    // Each record over the other: whichever is order-moved-b's now holds a's value.
+    for (key, value) in records.iter().zip(values.iter().rev()) {
+        let () = redis::cmd("SET")
+            .arg(key)
+            .arg(value)
+            .arg("KEEPTTL")
+            .query(&mut connection)
+            .expect("SET");
+    }
+    for key in ["order-moved-a", "order-moved-b"] {
+        assert_unreadable(&pay(&proxy, key, &[]).await);
+        assert_eq!(upstream.executions(key), 1);
+    }
+}

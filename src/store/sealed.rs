@@ -250,6 +250,60 @@ impl Sealer {
     }
 }
 
+/// What a sealed probe key is bound to besides its own bytes: the key id and the record.
+fn associated_text(id: &str, key: &StoreKey) -> Vec<u8> {
+    let mut aad = Vec::with_capacity(40 + id.len() + key.as_str().len());
+    aad.extend_from_slice(b"idemproxy sealed probe key\0");
+    aad.push(VERSION);
+    aad.extend_from_slice(id.as_bytes());
+    aad.push(0);
+    aad.extend_from_slice(key.as_str().as_bytes());
+    aad
+}
+
+/// How a sealed probe key begins: a space, which no client key holds, so a key kept in
+/// clear by an earlier release is never taken for one.
+const SEALED_TEXT: &str = "sealed ";
+
+impl Sealer {
+    /// A client's key kept with its record for the probe (`probe_key`), sealed under
+    /// the current key and bound to the record: `sealed <key id> <base64>`.
+    pub fn seal_text(&self, key: &StoreKey, text: &str) -> Result<String, StoreError> {
+        use base64::Engine as _;
+        let cipher = &self.current;
+        let mut nonce = [0u8; NONCE_LEN];
+        self.random
+            .fill(&mut nonce)
+            .map_err(|_| StoreError::Unready("no random source to seal the record with"))?;
+        let mut sealed = text.as_bytes().to_vec();
+        let aad = associated_text(&cipher.id, key);
+        cipher
+            .aead
+            .seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(&aad), &mut sealed)
+            .map_err(|_| StoreError::Unready("the record could not be sealed"))?;
+        let encoded = base64::engine::general_purpose::STANDARD_NO_PAD.encode([&nonce[..], &sealed].concat());
+        Ok(format!("{SEALED_TEXT}{} {encoded}", cipher.id))
+    }
+
+    /// A probe key as `seal_text` kept it, opened; one kept in clear (by an earlier
+    /// release) as it is. `None` when it does not open (its key dropped, or altered).
+    pub fn open_text(&self, key: &StoreKey, kept: &str) -> Option<String> {
+        use base64::Engine as _;
+        let Some(rest) = kept.strip_prefix(SEALED_TEXT) else {
+            return Some(kept.to_string());
+        };
+        let (id, encoded) = rest.split_once(' ')?;
+        let cipher = self.ciphers().find(|cipher| cipher.id == id)?;
+        let bytes = base64::engine::general_purpose::STANDARD_NO_PAD.decode(encoded).ok()?;
+        let (nonce, sealed) = bytes.split_at_checked(NONCE_LEN)?;
+        let nonce = Nonce::try_assume_unique_for_key(nonce).ok()?;
+        let mut sealed = sealed.to_vec();
+        let aad = associated_text(&cipher.id, key);
+        let plain = cipher.aead.open_in_place(nonce, Aad::from(&aad), &mut sealed).ok()?;
+        String::from_utf8(plain.to_vec()).ok()
+    }
+}
+
 /// The id of the key that sealed `stored`, if it is sealed. A response whose fields
 /// are anything but the one marker is not sealed (from_parts never records the
 /// marker's name).
@@ -399,11 +453,16 @@ fn reported(key: &StoreKey, why: &Unreadable) {
     );
 }
 
-/// The claim as the store is sent it: its fingerprint an HMAC under the current key.
-pub(super) fn sealed_claim(sealer: &Sealer, claim: &ClaimRequest) -> ClaimRequest {
+/// The claim as the store is sent it: its fingerprint an HMAC under the current key,
+/// and the client's key kept for the probe sealed.
+pub(super) fn sealed_claim(sealer: &Sealer, claim: &ClaimRequest) -> Result<ClaimRequest, StoreError> {
     let mut claim = claim.clone();
     claim.fingerprint = sealer.fingerprint(claim.fingerprint);
-    claim
+    claim.probe_key = match &claim.probe_key {
+        Some(text) => Some(sealer.seal_text(&claim.key, text)?),
+        None => None,
+    };
+    Ok(claim)
 }
 
 /// A resolution as the store is sent it: an applied response sealed.
