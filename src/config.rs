@@ -337,6 +337,10 @@ pub struct SqliteConfig {
     pub limits: StoreLimits,
     /// What SQLite's page caches may hold, across all of this process's connections.
     pub cache_bytes: usize,
+    /// The most the responses being recorded at once may hold (`server.max_buffered_bytes`:
+    /// each is buffered whole before it is written): the room kept for claims in flight
+    /// is never more than this.
+    pub response_budget: usize,
 }
 
 /// A Redis store: where it is, and how durable a claim must be before it counts.

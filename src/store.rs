@@ -295,6 +295,11 @@ pub struct ClaimRequest {
     pub retention: Duration,
     /// The owner's lease: after it the record reads as unknown.
     pub lease: Duration,
+    /// The most the response recorded for this claim may hold (the route's
+    /// `max_response_body_bytes`): the SQLite store keeps room for it in its file while
+    /// the claim is in flight, so that a response forwarded is never left unrecorded for
+    /// want of room. The other stores take no notice.
+    pub response_limit: usize,
     /// The key as the upstream is sent it, where the route's probe path names it
     /// (`{key}` with `upstream_key = "client"`): kept by the SQLite store until the
     /// record completes, so that a probe can run after a restart with no retry. The

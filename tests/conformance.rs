@@ -188,6 +188,7 @@ impl<S: RecordStore> Subject<S> {
                     fingerprint: fingerprint(owner),
                     retention: RETENTION,
                     lease,
+                    response_limit: 0,
                     probe_key: None,
                 };
                 observed_claim(self.unsealed(self.store.claim(&request).await.map_err(failed)?))
@@ -651,6 +652,7 @@ fn the_sqlite_store_conforms_to_the_model() {
         path: dir.path().join("records.db"),
         limits: StoreLimits::unbounded(1_000_000),
         cache_bytes: 4 << 20,
+        response_budget: usize::MAX,
     };
     let store = SqliteStore::open(&config, Duration::from_secs(5)).expect("the sqlite store");
     let (coverage, result) = run(&runtime, &traces, 256, |n| Sqlite(Subject::new(store.clone(), key(n))));

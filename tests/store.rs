@@ -48,6 +48,7 @@ fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> ClaimRequest {
         fingerprint: Fingerprint([1; 32]),
         retention: Duration::from_secs(60),
         lease,
+        response_limit: 0,
         probe_key: None,
     }
 }
@@ -1139,6 +1140,7 @@ fn sqlite_store(path: &std::path::Path, limits: StoreLimits) -> SqliteStore {
         path: path.to_path_buf(),
         limits,
         cache_bytes: 4 << 20,
+        response_budget: usize::MAX,
     };
     SqliteStore::open(&config, Duration::from_secs(2)).expect("open the sqlite store")
 }
@@ -1873,6 +1875,7 @@ fn sqlite_config(path: &std::path::Path, limits: StoreLimits) -> SqliteConfig {
         path: path.to_path_buf(),
         limits,
         cache_bytes: 4 << 20,
+        response_budget: usize::MAX,
     }
 }
 
@@ -2702,6 +2705,62 @@ async fn a_write_whose_caller_gave_up_is_never_committed() {
             store.claim(&claim(record, new_owner(), LONG)).await.expect("claim"),
             ClaimOutcome::Acquired(()),
             "an abandoned claim was committed"
+        );
+    }
+    drop(store);
+}
+
+/// Issue 49 L5: the 7/8 reserve ignored claims in flight: six concurrent 100 KiB
+/// responses on a 5/8-full 1 MiB store were all admitted, three went unrecorded, and
+/// their retries got 409 for the retention. Claims now keep room for what each in
+/// flight may still write: those the file cannot hold are refused (503, nothing
+/// forwarded), and every one admitted records its response.
+#[tokio::test]
+async fn a_sqlite_store_admits_no_claim_whose_response_could_not_be_recorded() {
+    const BODY: usize = 100 * 1024;
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let limits = StoreLimits {
+        max_bytes: 1 << 20,
+        ..StoreLimits::unbounded(1000)
+    };
+    let store = sqlite_store(&dir.path().join("records.db"), limits);
+    let body = Bytes::from(vec![b'x'; BODY]);
+    let big = |body: &Bytes| StoredResponse {
+        body: body.clone(),
+        ..response("")
+    };
+    let limited = |name: &str| ClaimRequest {
+        response_limit: BODY,
+        ..claim(&key(name), new_owner(), LONG)
+    };
+    // About 5/8 of the file in use.
+    for n in 0..5 {
+        let request = limited(&format!("fill-{n}"));
+        assert_eq!(store.claim(&request).await.expect("claim"), ClaimOutcome::Acquired(()));
+        let written = store
+            .complete(&request.key, request.owner, &big(&body))
+            .await
+            .expect("complete");
+        assert_eq!(written, Write::Applied);
+    }
+    // Six claims in flight at once, each of which may write 100 KiB.
+    let mut admitted = Vec::new();
+    let mut refused = 0;
+    for n in 0..6 {
+        let request = limited(&format!("flight-{n}"));
+        match store.claim(&request).await {
+            Ok(ClaimOutcome::Acquired(())) => admitted.push(request),
+            Err(StoreError::Full { what: "bytes", .. }) => refused += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(refused > 0, "every one admitted: the file cannot hold them all");
+    assert!(!admitted.is_empty(), "none admitted though there is room");
+    for request in &admitted {
+        let written = store.complete(&request.key, request.owner, &big(&body)).await;
+        assert!(
+            matches!(written, Ok(Write::Applied)),
+            "an admitted claim's response went unrecorded: {written:?}"
         );
     }
     drop(store);

@@ -107,7 +107,10 @@ impl Validator<'_> {
             .max_bytes
             .as_ref()
             .map_or_else(|| raw.store.backend.span(), Spanned::span);
-        let store = self.store(raw.store)?;
+        let mut store = self.store(raw.store)?;
+        if let crate::config::Backend::Sqlite(sqlite) = &mut store.backend {
+            sqlite.response_budget = usize::try_from(server.max_buffered_bytes).unwrap_or(usize::MAX);
+        }
         let (routes_span, raw_routes) = match raw.routes {
             Some(routes) => (routes.span(), routes.into_inner()),
             None => (self.source.len()..self.source.len(), Vec::new()),

@@ -128,6 +128,7 @@ impl Prepared {
             fingerprint,
             retention: guarded.retention(),
             lease: guarded.route.config.lease(),
+            response_limit: usize::try_from(policy.max_response_body_bytes).unwrap_or(usize::MAX),
             // Only a key the probe cannot derive from the record is kept with it.
             probe_key: guarded
                 .route

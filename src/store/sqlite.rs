@@ -15,6 +15,7 @@
 //! responses of requests already forwarded still fit. Expired records are deleted in
 //! the background and their pages reused.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -72,6 +73,8 @@ struct Shared {
     /// Claims stop once the file's pages in use reach this many.
     admit_pages: i64,
     page_size: i64,
+    /// What claims in flight may still write, kept as room in the file.
+    reserved: Arc<Mutex<Reserved>>,
     timeout: Duration,
     hub: Arc<Hub>,
     clock: Clock,
@@ -365,6 +368,12 @@ impl SqliteStore {
                 reader_cache_kib: kib(config.cache_bytes / 32),
                 admit_pages: max_pages / 8 * 7,
                 page_size,
+                reserved: Arc::new(Mutex::new(Reserved {
+                    claims: HashMap::new(),
+                    bytes: 0,
+                    room: usize::try_from(max_pages.saturating_mul(page_size)).unwrap_or(usize::MAX),
+                    budget: config.response_budget,
+                })),
                 timeout,
                 hub: Arc::default(),
                 clock,
@@ -529,9 +538,70 @@ impl SqliteStore {
         let result = self.write(op).await?;
         if changed(&result) {
             self.shared.hub.wake(key.as_str());
+            // Completed, marked unknown, released or purged: no longer in flight.
+            lock(&self.shared.reserved).end(key);
         }
         Ok(result)
     }
+}
+
+/// The room claims in flight may still write in the file: each one's response limit,
+/// until it ends or its lease lapses, in all at most `budget` (what the proxy buffers
+/// at once: no more responses than that can be waiting to be written).
+#[derive(Debug)]
+struct Reserved {
+    claims: HashMap<StoreKey, (usize, Millis)>,
+    bytes: usize,
+    /// The file's bound, `max_bytes`.
+    room: usize,
+    budget: usize,
+}
+
+impl Reserved {
+    /// Whether a claim that may write `limit` bytes is refused with `used` bytes of the
+    /// file in use: `Some` with when room is due (a lease's end, at least 1 s).
+    fn refuses(&mut self, used: usize, limit: usize, now: Millis) -> Option<Duration> {
+        let over = |reserved: &Reserved| {
+            let wanted = reserved.bytes.saturating_add(limit).min(reserved.budget);
+            used.saturating_add(wanted) > reserved.room
+        };
+        if !over(self) {
+            return None;
+        }
+        // Claims whose lease lapsed will write nothing more: let their room go.
+        let before = self.claims.len();
+        self.claims.retain(|_, (_, until)| *until > now);
+        if self.claims.len() != before {
+            self.bytes = self.claims.values().map(|(bytes, _)| *bytes).sum();
+        }
+        if !over(self) {
+            return None;
+        }
+        let first = self.claims.values().map(|(_, until)| *until).min();
+        Some(
+            first
+                .map_or(Duration::ZERO, |first| until(now, first))
+                .max(Duration::from_secs(1)),
+        )
+    }
+
+    fn hold(&mut self, key: &StoreKey, limit: usize, until: Millis) {
+        if let Some((old, _)) = self.claims.insert(key.clone(), (limit, until)) {
+            self.bytes -= old;
+        }
+        self.bytes += limit;
+    }
+
+    fn end(&mut self, key: &StoreKey) {
+        if let Some((bytes, _)) = self.claims.remove(key) {
+            self.bytes -= bytes;
+        }
+    }
+}
+
+fn lock(reserved: &Mutex<Reserved>) -> MutexGuard<'_, Reserved> {
+    // Every change is whole before the lock is let go.
+    reserved.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Shared {
@@ -582,6 +652,14 @@ fn owned(conn: &Connection, key: &StoreKey, owner: OwnerToken, now: Millis) -> R
     })
 }
 
+/// What a claim is admitted against besides the bounds: the pages in use (claims stop
+/// at `admit_pages`), and the room kept for the claims in flight.
+struct Room<'a> {
+    admit_pages: i64,
+    page_size: i64,
+    reserved: &'a mut Reserved,
+}
+
 /// The writer's half of a claim: the key is free (or was a moment ago, on a read
 /// connection), so unless a record appeared meanwhile, the claim takes it if the
 /// bounds have room.
@@ -589,9 +667,14 @@ fn claim_free(
     conn: &Connection,
     claim: &ClaimRequest,
     limits: StoreLimits,
-    admit_pages: i64,
+    room: Room<'_>,
     now: Millis,
 ) -> Result<ClaimOutcome, StoreError> {
+    let Room {
+        admit_pages,
+        page_size,
+        reserved,
+    } = room;
     if let Some(row) = load(conn, &claim.key, true)? {
         if row.expires_at > now {
             return existing(row, claim.owner, now);
@@ -625,6 +708,17 @@ fn claim_free(
         if let Some(full) = full(conn)? {
             return Err(full);
         }
+    }
+    // What claims in flight may still write is room this claim cannot take (issue 49
+    // L5: six 100 KiB responses were admitted on a 5/8-full 1 MiB file, and three went
+    // unrecorded).
+    let used = usize::try_from(used_pages(conn)?.saturating_mul(page_size)).unwrap_or(usize::MAX);
+    if let Some(retry_after) = reserved.refuses(used, claim.response_limit, now) {
+        return Err(StoreError::Full {
+            what: "bytes",
+            limit: limits.max_bytes,
+            retry_after,
+        });
     }
     if let Some(ScopeId(scope)) = claim.scope {
         let scope = scope as i64;
@@ -686,6 +780,7 @@ fn claim_free(
             record_size(&claim.key, None),
         ],
     )?;
+    reserved.hold(&claim.key, claim.response_limit, now + millis(claim.lease));
     Ok(ClaimOutcome::Acquired(()))
 }
 
@@ -749,8 +844,17 @@ impl RecordStore for SqliteStore {
             return Ok(found);
         }
         let (claim, limits, admit) = (claim.clone(), self.shared.limits, self.shared.admit_pages);
-        self.write(move |conn, now| claim_free(conn, &claim, limits, admit, now))
-            .await
+        let (reserved, page_size) = (self.shared.reserved.clone(), self.shared.page_size);
+        self.write(move |conn, now| {
+            let mut reserved = lock(&reserved);
+            let room = Room {
+                admit_pages: admit,
+                page_size,
+                reserved: &mut reserved,
+            };
+            claim_free(conn, &claim, limits, room, now)
+        })
+        .await
     }
 
     async fn complete(

@@ -67,6 +67,8 @@ impl Validator<'_> {
                     path: self.file(path.get_ref()),
                     limits: self.limits(&raw, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_SQLITE_MAX_BYTES)?,
                     cache_bytes,
+                    // Set from server.max_buffered_bytes once the server is read.
+                    response_budget: usize::MAX,
                 })
             }
             BackendKind::Postgres => Backend::Postgres(self.postgres(&raw)?),
