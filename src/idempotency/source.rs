@@ -248,6 +248,9 @@ mod tests {
             key(&all, &[], Some("ref=a&ref=b"), b"").map_err(|e| e.contains("query:ref")),
             Err(true)
         );
+        // 255 characters is a key (cargo-mutants: `>` as `>=` at the bound was missed).
+        let longest = format!(r#"{{"ref":"{}"}}"#, "r".repeat(255));
+        assert_eq!(key(&all, &[], None, longest.as_bytes()), Ok(Some("r".repeat(255))));
         let long = format!(r#"{{"ref":"{}"}}"#, "r".repeat(256));
         let refused = key(&all, &[], None, long.as_bytes()).expect_err("too long");
         assert!(refused.contains("json:/ref") && refused.contains("255"), "{refused}");
