@@ -62,6 +62,13 @@ async fn pay(proxy: &ChildProxy, key: &str, extra: &[(&str, &str)]) -> TestRespo
     send(proxy.addr, "POST", "/v1/payments", &headers, "{\"amount\":100}").await
 }
 
+/// What the SQLite store's file and its write-ahead log hold.
+fn file_bytes(file: &Path) -> Vec<u8> {
+    let mut all = std::fs::read(file).expect("read the store file");
+    all.extend(std::fs::read(file.with_extension("db-wal")).unwrap_or_default());
+    all
+}
+
 fn contains(haystack: &[u8], needle: &str) -> bool {
     haystack.windows(needle.len()).any(|window| window == needle.as_bytes())
 }
@@ -163,16 +170,11 @@ async fn nothing_of_a_response_is_readable_in_the_sqlite_file() {
         let key = format!("{MARKER}-order-2");
         let first = pay(&proxy, &key, &[]).await;
         assert_eq!(first.status, 201, "{first:?}");
-        let bytes = |file: &Path| {
-            let mut all = std::fs::read(file).expect("read the store file");
-            all.extend(std::fs::read(file.with_extension("db-wal")).unwrap_or_default());
-            all
-        };
-        let found = contains(&bytes(&file), MARKER) || contains(&bytes(&file), "x-card-token");
+        let found = contains(&file_bytes(&file), MARKER) || contains(&file_bytes(&file), "x-card-token");
         assert_eq!(found, !encrypted, "encrypted {encrypted}: the marker in the file");
         proxy.signal("TERM");
         proxy.child.wait().expect("wait for the proxy");
-        let found = contains(&bytes(&file), MARKER);
+        let found = contains(&file_bytes(&file), MARKER);
         assert_eq!(
             found, !encrypted,
             "encrypted {encrypted}: the marker in the checkpointed file"
@@ -510,10 +512,8 @@ async fn a_sealed_sqlite_file_keeps_no_clients_key_for_its_probe() {
         upstream.wait_for_key(&key).await;
         proxy.kill();
         let _ = held.await;
-        let mut bytes = std::fs::read(&file).expect("read the store file");
-        bytes.extend(std::fs::read(file.with_extension("db-wal")).unwrap_or_default());
         assert_eq!(
-            contains(&bytes, MARKER),
+            contains(&file_bytes(&file), MARKER),
             !encrypted,
             "encrypted {encrypted}: the client's key in the file"
         );

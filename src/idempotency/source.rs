@@ -101,8 +101,14 @@ fn spelled(key: Result<IdempotencyKey, KeyError>) -> Result<Spelled, KeyError> {
 /// made before the tag are found as they were.
 fn untyped(key: IdempotencyKey) -> IdempotencyKey {
     let text = key.as_str();
-    let reads_as_a_value = !text.starts_with('"')
-        && canonical_json::canonical(text.as_bytes(), &[]).is_some_and(|form| form == text.as_bytes());
+    // Only a number, `true`, `false`, an array or an object can (a JSON `null` is no
+    // key): most keys are not parsed at all.
+    let could_be = text
+        .bytes()
+        .next()
+        .is_some_and(|first| first.is_ascii_digit() || b"-tf[{".contains(&first));
+    let reads_as_a_value =
+        could_be && canonical_json::canonical(text.as_bytes(), &[]).is_some_and(|form| form == text.as_bytes());
     if reads_as_a_value {
         IdempotencyKey(format!("string {text}"))
     } else {

@@ -560,13 +560,25 @@ struct Reserved {
 impl Reserved {
     /// Whether a claim that may write `limit` bytes is refused with `used` bytes of the
     /// file in use: `Some` with when room is due (a lease's end, at least 1 s).
-    fn refuses(&mut self, used: usize, limit: usize, now: Millis) -> Option<Duration> {
+    /// `used` is asked only when the room kept could matter: with the pages in use
+    /// below 7/8 (the claim's other bound), room kept within the last eighth always
+    /// fits, and the claim pays no page count of its own.
+    fn refuses(
+        &mut self,
+        used: impl FnOnce() -> Result<usize, StoreError>,
+        limit: usize,
+        now: Millis,
+    ) -> Result<Option<Duration>, StoreError> {
+        if self.bytes.saturating_add(limit).min(self.budget) <= self.room / 8 {
+            return Ok(None);
+        }
+        let used = used()?;
         let over = |reserved: &Reserved| {
             let wanted = reserved.bytes.saturating_add(limit).min(reserved.budget);
             used.saturating_add(wanted) > reserved.room
         };
         if !over(self) {
-            return None;
+            return Ok(None);
         }
         // Claims whose lease lapsed will write nothing more: let their room go.
         let before = self.claims.len();
@@ -575,14 +587,14 @@ impl Reserved {
             self.bytes = self.claims.values().map(|(bytes, _)| *bytes).sum();
         }
         if !over(self) {
-            return None;
+            return Ok(None);
         }
         let first = self.claims.values().map(|(_, until)| *until).min();
-        Some(
+        Ok(Some(
             first
                 .map_or(Duration::ZERO, |first| until(now, first))
                 .max(Duration::from_secs(1)),
-        )
+        ))
     }
 
     fn hold(&mut self, key: &StoreKey, limit: usize, until: Millis) {
@@ -712,8 +724,8 @@ fn claim_free(
     // What claims in flight may still write is room this claim cannot take (issue 49
     // L5: six 100 KiB responses were admitted on a 5/8-full 1 MiB file, and three went
     // unrecorded).
-    let used = usize::try_from(used_pages(conn)?.saturating_mul(page_size)).unwrap_or(usize::MAX);
-    if let Some(retry_after) = reserved.refuses(used, claim.response_limit, now) {
+    let used = || Ok(usize::try_from(used_pages(conn)?.saturating_mul(page_size)).unwrap_or(usize::MAX));
+    if let Some(retry_after) = reserved.refuses(used, claim.response_limit, now)? {
         return Err(StoreError::Full {
             what: "bytes",
             limit: limits.max_bytes,
