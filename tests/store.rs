@@ -19,6 +19,7 @@ use idemproxy::error::StoreError;
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
+use idemproxy::store::sqlite::ReadPause;
 use idemproxy::store::{
     AnyStore, ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, MemoryStore, OwnerToken,
     PostgresStore, Probe, ProbeSchedule, ProbeStart, RecordState, RecordStore, RedisStore, Resolution, Resolved,
@@ -1939,6 +1940,47 @@ async fn a_sqlite_store_replays_from_memory_only_what_the_file_still_holds() {
             ClaimOutcome::Acquired(())
         ),
         "an expired record is free, not replayed from memory"
+    );
+}
+
+/// A replay read from the file just before a purge commits must not be kept in memory
+/// after it (replays.rs, the purge epoch): the read may answer its own claim (it came
+/// first), but the next retry finds the key free. The claim is stopped between its
+/// read and its keep by a test seam, and the purge runs in between.
+#[tokio::test]
+async fn a_replay_read_before_a_purge_is_not_kept_after_it() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let store = sqlite_store(&dir.path().join("records.db"), StoreLimits::unbounded(100));
+    let record = key("purged-mid-read");
+    let owner = new_owner();
+    store.claim(&claim(&record, owner, LONG)).await.expect("claim");
+    assert_eq!(
+        store
+            .complete(&record, owner, &response("old"))
+            .await
+            .expect("complete"),
+        Write::Applied
+    );
+    let pause = ReadPause::default();
+    let racing = tokio::spawn({
+        let (paused, record) = (store.clone().with_read_pause(pause.clone()), record.clone());
+        async move { paused.claim(&claim(&record, new_owner(), LONG)).await }
+    });
+    pause.reached.notified().await;
+    assert!(store.purge(&record).await.expect("purge"));
+    pause.resume.notify_one();
+    assert_eq!(
+        racing.await.expect("join").expect("claim"),
+        ClaimOutcome::Existing(Existing {
+            fingerprint: Fingerprint([1; 32]),
+            state: RecordState::Completed(response("old")),
+        }),
+        "the read that came before the purge answers its own claim"
+    );
+    assert_eq!(
+        store.claim(&claim(&record, new_owner(), LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired(()),
+        "a purged record is free, not replayed from what a read kept after the purge"
     );
 }
 

@@ -56,6 +56,20 @@ const MAX_UNSETTLED: i64 = 65_536;
 #[derive(Clone, Debug)]
 pub struct SqliteStore {
     shared: Arc<Shared>,
+    /// Where a claim that read a completed record stops before it keeps the response.
+    #[cfg(feature = "test-util")]
+    read_pause: Option<ReadPause>,
+}
+
+/// Where a claim that read a completed record from the file stops before it keeps the
+/// response in memory, for a test that purges the record in between (`test-util`).
+#[cfg(feature = "test-util")]
+#[derive(Debug, Clone, Default)]
+pub struct ReadPause {
+    /// Told when a claim has read a completed record.
+    pub reached: Arc<tokio::sync::Notify>,
+    /// Waited for before the claim keeps what it read.
+    pub resume: Arc<tokio::sync::Notify>,
 }
 
 #[derive(Debug)]
@@ -359,6 +373,8 @@ impl SqliteStore {
             })
         })?;
         Ok(SqliteStore {
+            #[cfg(feature = "test-util")]
+            read_pause: None,
             shared: Arc::new(Shared {
                 writer,
                 readers: Mutex::new(Vec::new()),
@@ -445,6 +461,14 @@ impl SqliteStore {
                 .map_err(|error| disk(&error, false))?;
             Ok(rows.into_iter().flatten().collect())
         })
+    }
+
+    /// Stops each claim that reads a completed record from the file at `pause`, before
+    /// it keeps the response.
+    #[cfg(feature = "test-util")]
+    pub fn with_read_pause(mut self, pause: ReadPause) -> SqliteStore {
+        self.read_pause = Some(pause);
+        self
     }
 
     /// Moves the store's clock forward, as if that much time had passed.
@@ -851,6 +875,11 @@ impl RecordStore for SqliteStore {
                 state: RecordState::Completed(response),
             }) = &found
             {
+                #[cfg(feature = "test-util")]
+                if let Some(pause) = &self.read_pause {
+                    pause.reached.notify_one();
+                    pause.resume.notified().await;
+                }
                 replays.keep(ticket, &claim.key, *fingerprint, expires_at, response);
             }
             return Ok(found);
