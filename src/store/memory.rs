@@ -14,11 +14,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::lifecycle::{self, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
-    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreLimits,
-    StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Fingerprint, OwnerToken, ProbeSchedule, ProbeStart, RecordStore,
+    RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreLimits, StoreUsage, StoredResponse, SummaryState,
+    UnknownReason, Write,
 };
 use crate::error::StoreError;
 
@@ -40,11 +41,7 @@ const SCOPE_OVERHEAD: usize = 48;
 #[derive(Debug)]
 struct Shared {
     records: Mutex<Records>,
-    max_records: usize,
-    max_bytes: usize,
-    max_records_per_scope: usize,
-    max_bytes_per_scope: usize,
-    max_records_per_client: usize,
+    limits: StoreLimits,
     /// The waiters of records, woken by every change to theirs.
     hub: Arc<Hub>,
     #[cfg(feature = "test-util")]
@@ -136,12 +133,9 @@ impl Records {
         self.next_expiry = next;
     }
 
-    /// Removes `client`'s expired records, and says whether what is left holds its
-    /// share (`max`).
-    fn client_full(&mut self, client: ClientId, now: Instant, max: usize) -> bool {
-        let expired: Vec<StoreKey> = self
-            .clients
-            .get(&client)
+    /// The keys of `usage`'s records that expired by `now`.
+    fn expired(usage: Option<&ScopeUsage>, now: Instant) -> Vec<StoreKey> {
+        usage
             .map(|usage| {
                 usage
                     .expiries
@@ -150,53 +144,7 @@ impl Records {
                     .map(|(_, key)| key.clone())
                     .collect()
             })
-            .unwrap_or_default();
-        for key in &expired {
-            self.remove(key);
-        }
-        self.clients
-            .get(&client)
-            .is_some_and(|usage| usage.expiries.len() >= max)
-    }
-
-    /// How long until the first of `client`'s records expires.
-    fn client_first_expiry(&self, client: ClientId, now: Instant) -> Duration {
-        self.clients
-            .get(&client)
-            .and_then(|usage| usage.expiries.first())
-            .map_or(Duration::ZERO, |(expires_at, _)| *expires_at - now)
-    }
-
-    /// Removes `scope`'s expired records, and says whether what is left holds the
-    /// scope's share (`Some(why)`).
-    fn scope_full(&mut self, scope: ScopeId, now: Instant, limits: (usize, usize)) -> Option<&'static str> {
-        let expired: Vec<StoreKey> = self
-            .scopes
-            .get(&scope)?
-            .expiries
-            .iter()
-            .take_while(|(expires_at, _)| *expires_at <= now)
-            .map(|(_, key)| key.clone())
-            .collect();
-        for key in &expired {
-            self.remove(key);
-        }
-        let usage = self.scopes.get(&scope)?;
-        if usage.expiries.len() >= limits.0 {
-            Some("records")
-        } else if usage.bytes >= limits.1 {
-            Some("bytes")
-        } else {
-            None
-        }
-    }
-
-    /// How long until the first of `scope`'s records expires.
-    fn first_expiry(&self, scope: ScopeId, now: Instant) -> Duration {
-        self.scopes
-            .get(&scope)
-            .and_then(|usage| usage.expiries.first())
-            .map_or(Duration::ZERO, |(expires_at, _)| *expires_at - now)
+            .unwrap_or_default()
     }
 }
 
@@ -312,50 +260,8 @@ impl Record {
     }
 }
 
-#[derive(Debug)]
-enum State {
-    InFlight {
-        owner: OwnerToken,
-        lease_until: Instant,
-    },
-    Completed(StoredResponse),
-    /// Its claim is kept, for a resolution to be fenced on.
-    Unknown {
-        reason: UnknownReason,
-        owner: OwnerToken,
-        schedule: Option<Schedule>,
-    },
-}
-
-/// An unknown record's probe schedule: when the next probe may begin (`None` once it
-/// has given up), and when it gives up.
-#[derive(Debug, Clone, Copy)]
-struct Schedule {
-    due: Option<Instant>,
-    give_up_at: Instant,
-}
-
-impl Schedule {
-    fn new(now: Instant, first_after: Duration, schedule: ProbeSchedule) -> Schedule {
-        Schedule {
-            due: Some(now + first_after),
-            give_up_at: now + schedule.give_up_after,
-        }
-    }
-
-    fn probe(&self, now: Instant) -> Probe {
-        match self.due {
-            None => Probe::GaveUp,
-            Some(_) if self.give_up_at <= now => Probe::GaveUp,
-            Some(due) => Probe::Next(due.saturating_duration_since(now)),
-        }
-    }
-}
-
-/// Where an unknown record's probe stands.
-fn probe(schedule: Option<&Schedule>, now: Instant) -> Probe {
-    schedule.map_or(Probe::Unscheduled, |schedule| schedule.probe(now))
-}
+/// Where a record stands: what it completed with is its response.
+type State = lifecycle::State<Instant, StoredResponse>;
 
 impl MemoryStore {
     /// A store holding at most `max_records` live records, and admitting no claim once
@@ -395,11 +301,7 @@ impl MemoryStore {
         let _ = plant;
         let shared = Arc::new(Shared {
             records: Mutex::new(Records::default()),
-            max_records: limits.max_records,
-            max_bytes: limits.max_bytes,
-            max_records_per_scope: limits.max_records_per_scope,
-            max_bytes_per_scope: limits.max_bytes_per_scope,
-            max_records_per_client: limits.max_records_per_client,
+            limits,
             hub: Arc::default(),
             #[cfg(feature = "test-util")]
             plant,
@@ -438,8 +340,8 @@ impl MemoryStore {
             backend: "memory",
             records: records.map.len(),
             bytes: records.bytes,
-            max_records: self.shared.max_records,
-            max_bytes: self.shared.max_bytes,
+            max_records: self.shared.limits.max_records,
+            max_bytes: self.shared.limits.max_bytes,
         }
     }
 
@@ -474,6 +376,83 @@ async fn sweep_forever(shared: Weak<Shared>) {
     }
 }
 
+/// The memory store's shares, as `lifecycle::admit` asks for them.
+struct Ledger<'a> {
+    records: &'a mut Records,
+    limits: StoreLimits,
+    now: Instant,
+}
+
+impl lifecycle::Ledger for Ledger<'_> {
+    fn full(&mut self, share: Share) -> Result<Option<&'static str>, StoreError> {
+        let (records, bytes, max_records, max_bytes) = match share {
+            Share::Store => (
+                self.records.map.len(),
+                self.records.bytes,
+                self.limits.max_records,
+                self.limits.max_bytes,
+            ),
+            Share::Scope(scope) => match self.records.scopes.get(&scope) {
+                None => return Ok(None),
+                Some(usage) => (
+                    usage.expiries.len(),
+                    usage.bytes,
+                    self.limits.max_records_per_scope,
+                    self.limits.max_bytes_per_scope,
+                ),
+            },
+            // A client address's bytes are not counted: only its number of records.
+            Share::Client(client) => match self.records.clients.get(&client) {
+                None => return Ok(None),
+                Some(usage) => (usage.expiries.len(), 0, self.limits.max_records_per_client, usize::MAX),
+            },
+        };
+        Ok(if records >= max_records {
+            Some("records")
+        } else if bytes >= max_bytes {
+            Some("bytes")
+        } else {
+            None
+        })
+    }
+
+    fn sweep(&mut self, share: Share) -> Result<(), StoreError> {
+        let now = self.now;
+        let expired = match share {
+            // A whole sweep walks every record, under the lock every request takes:
+            // only once a record can have expired, not on every refusal.
+            Share::Store => {
+                if self.records.next_expiry.is_none_or(|next| next <= now) {
+                    self.records.sweep(now);
+                }
+                return Ok(());
+            }
+            Share::Scope(scope) => Records::expired(self.records.scopes.get(&scope), now),
+            Share::Client(client) => Records::expired(self.records.clients.get(&client), now),
+        };
+        for key in &expired {
+            self.records.remove(key);
+        }
+        Ok(())
+    }
+
+    fn first_expiry(&mut self, share: Share) -> Result<Duration, StoreError> {
+        let now = self.now;
+        let first = match share {
+            Share::Store => self.records.next_expiry,
+            Share::Scope(scope) => self.records.scopes.get(&scope).and_then(ScopeUsage::first),
+            Share::Client(client) => self.records.clients.get(&client).and_then(ScopeUsage::first),
+        };
+        Ok(first.map_or(Duration::ZERO, |first| first.saturating_duration_since(now)))
+    }
+}
+
+impl ScopeUsage {
+    fn first(&self) -> Option<Instant> {
+        self.expiries.first().map(|(expires_at, _)| *expires_at)
+    }
+}
+
 impl RecordStore for MemoryStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let mut records = self.shared.lock();
@@ -487,65 +466,24 @@ impl RecordStore for MemoryStore {
             .get(&claim.key)
             .filter(|record| record.expires_at > now && !taken_over(record))
         {
-            let state = match &record.state {
-                State::InFlight { lease_until, .. } if *lease_until <= now => RecordState::LeaseExpired,
-                State::InFlight { owner, .. } if *owner == claim.owner => return Ok(ClaimOutcome::Acquired(())),
-                State::InFlight { lease_until, .. } => RecordState::InFlight {
-                    lease_remaining: *lease_until - now,
-                },
-                State::Completed(response) => RecordState::Completed(response.clone()),
-                State::Unknown { reason, schedule, .. } => RecordState::Unknown {
-                    reason: *reason,
-                    probe: probe(schedule.as_ref(), now),
-                },
-            };
-            return Ok(ClaimOutcome::Existing(Existing {
-                fingerprint: record.fingerprint,
-                state,
-            }));
+            return lifecycle::claim(
+                record.fingerprint,
+                record.state.as_ref(),
+                claim.owner,
+                now,
+                |response| Ok(response.clone()),
+            );
         }
-        let full =
-            |records: &Records| records.map.len() >= self.shared.max_records || records.bytes >= self.shared.max_bytes;
-        if full(&records) && records.next_expiry.is_none_or(|next| next <= now) {
-            records.sweep(now);
-        }
-        if full(&records) {
-            // Space is due when the first live record expires (swept above).
-            let retry_after = records
-                .next_expiry
-                .map_or(Duration::ZERO, |next| next.saturating_duration_since(now))
-                .max(Duration::from_secs(1));
-            if records.map.len() >= self.shared.max_records {
-                return Err(StoreError::Full {
-                    what: "records",
-                    limit: self.shared.max_records,
-                    retry_after,
-                });
-            }
-            if records.bytes >= self.shared.max_bytes {
-                return Err(StoreError::Full {
-                    what: "bytes",
-                    limit: self.shared.max_bytes,
-                    retry_after,
-                });
-            }
-        }
-        if let Some(scope) = claim.scope {
-            let limits = (self.shared.max_records_per_scope, self.shared.max_bytes_per_scope);
-            if let Some(what) = records.scope_full(scope, now, limits) {
-                return Err(StoreError::ScopeFull {
-                    what,
-                    retry_after: records.first_expiry(scope, now).max(Duration::from_secs(1)),
-                });
-            }
-        }
-        if let Some(client) = claim.client
-            && records.client_full(client, now, self.shared.max_records_per_client)
-        {
-            return Err(StoreError::ClientFull {
-                retry_after: records.client_first_expiry(client, now).max(Duration::from_secs(1)),
-            });
-        }
+        let limits = self.shared.limits;
+        lifecycle::admit(
+            &mut Ledger {
+                records: &mut records,
+                limits,
+                now,
+            },
+            claim,
+            &limits,
+        )?;
         records.insert(
             claim.key.clone(),
             Record {
@@ -637,26 +575,13 @@ impl RecordStore for MemoryStore {
         let Some(record) = records.live(key, now) else {
             return Ok(None);
         };
-        let state = match &record.state {
-            State::InFlight { lease_until, .. } if *lease_until > now => SummaryState::InFlight {
-                lease_remaining: *lease_until - now,
-            },
-            State::InFlight { .. } => SummaryState::LeaseExpired,
-            State::Completed(response) => SummaryState::Completed {
+        let (state, owner) = lifecycle::summary(record.state.as_ref(), now, |response| {
+            Ok::<_, StoreError>(SummaryState::Completed {
                 status: response.status.as_u16(),
                 response_bytes: response.body.len() as u64,
                 trace_id: response.trace.map(crate::record::ExecutionTrace::trace_id_hex),
-            },
-            State::Unknown { reason, schedule, .. } => SummaryState::Unknown {
-                reason: *reason,
-                probe: probe(schedule.as_ref(), now),
-            },
-        };
-        let owner = match &record.state {
-            State::Unknown { owner, .. } => Some(*owner),
-            State::InFlight { owner, lease_until } if *lease_until <= now => Some(*owner),
-            State::InFlight { .. } | State::Completed(_) => None,
-        };
+            })
+        })?;
         Ok(Some(RecordSummary {
             fingerprint: record.fingerprint,
             ttl: record.expires_at - now,
@@ -676,16 +601,10 @@ impl RecordStore for MemoryStore {
         let Some(record) = records.live(key, now) else {
             return Ok(Resolved::Absent);
         };
-        let unknown_for = match record.state {
-            State::Unknown { owner, .. } => Some(owner),
-            State::InFlight { lease_until, owner } if lease_until <= now => Some(owner),
-            _ if planted!(self, ResolveCheckDropped) => None,
-            State::InFlight { .. } | State::Completed(_) => return Ok(Resolved::NotUnknown),
-        };
-        if let (Some(named), Some(holder)) = (owner, unknown_for)
-            && named != holder
-        {
-            return Ok(Resolved::OtherClaim);
+        match lifecycle::resolvable(&record.state, owner, now) {
+            Ok(()) => {}
+            Err(Resolved::NotUnknown) if planted!(self, ResolveCheckDropped) => {}
+            Err(answer) => return Ok(answer),
         }
         match resolution {
             Resolution::Applied(response) => records.set_state(key, State::Completed(response.clone())),
@@ -708,42 +627,11 @@ impl RecordStore for MemoryStore {
         let Some(record) = records.live_mut(key, now) else {
             return Ok(ProbeStart::Settled);
         };
-        match &mut record.state {
-            State::InFlight { owner, lease_until } if *lease_until <= now => {
-                let owner = *owner;
-                record.state = State::Unknown {
-                    reason: UnknownReason::LeaseExpired,
-                    owner,
-                    schedule: Some(Schedule::new(now, lease, schedule)),
-                };
-                Ok(ProbeStart::Leased(owner))
-            }
-            State::InFlight { .. } | State::Completed(_) => Ok(ProbeStart::Settled),
-            State::Unknown {
-                owner,
-                schedule: scheduled,
-                ..
-            } => {
-                let current = match scheduled {
-                    None => Schedule::new(now, Duration::ZERO, schedule),
-                    Some(current) => *current,
-                };
-                match current.due {
-                    None => return Ok(ProbeStart::GaveUp),
-                    Some(due) if due > now => return Ok(ProbeStart::NotDue(due - now)),
-                    Some(_) if current.give_up_at <= now => {
-                        *scheduled = Some(Schedule { due: None, ..current });
-                        return Ok(ProbeStart::GaveUp);
-                    }
-                    Some(_) => {}
-                }
-                *scheduled = Some(Schedule {
-                    due: Some(now + lease),
-                    ..current
-                });
-                Ok(ProbeStart::Leased(*owner))
-            }
+        let (start, change) = lifecycle::begin_probe(&record.state, schedule, lease, now);
+        if let Some(change) = change {
+            record.state.apply(change);
         }
+        Ok(start)
     }
 
     async fn defer_probe(&self, key: &StoreKey, named: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
@@ -752,24 +640,11 @@ impl RecordStore for MemoryStore {
         let Some(record) = records.live_mut(key, now) else {
             return Ok(Deferred::Settled);
         };
-        let State::Unknown {
-            owner,
-            schedule: Some(schedule),
-            ..
-        } = &mut record.state
-        else {
-            return Ok(Deferred::Settled);
-        };
-        if *owner != named {
-            return Ok(Deferred::Settled);
+        let (deferred, change) = lifecycle::defer_probe(&record.state, named, every, now);
+        if let Some(change) = change {
+            record.state.apply(change);
         }
-        let next = now + every;
-        if schedule.due.is_none() || next >= schedule.give_up_at {
-            schedule.due = None;
-            return Ok(Deferred::GaveUp);
-        }
-        schedule.due = Some(next);
-        Ok(Deferred::Scheduled)
+        Ok(deferred)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -25,11 +25,12 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
 use self::file::FileLock;
 use self::writer::{Clock, Millis, Writer, disk};
+use super::lifecycle::{self, Change, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
-    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreUsage,
-    StoredResponse, SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, ProbeSchedule, ProbeStart,
+    RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreUsage, StoredResponse,
+    SummaryState, UnknownReason, Write,
 };
 use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::StoreError;
@@ -103,22 +104,15 @@ struct Row {
     state: RowState,
 }
 
-enum RowState {
-    InFlight {
-        owner: OwnerToken,
-        lease_until: Millis,
-    },
-    Completed {
-        status: i64,
-        headers: Vec<u8>,
-        /// The body, or only its length where the read did not ask for it.
-        body: Body,
-    },
-    Unknown {
-        reason: UnknownReason,
-        owner: OwnerToken,
-        schedule: Option<Schedule>,
-    },
+/// Where a row's record stands: what it completed with is kept in its columns.
+type RowState = lifecycle::State<Millis, Completed>;
+
+/// A completed row's response, as its columns keep it.
+struct Completed {
+    status: i64,
+    headers: Vec<u8>,
+    /// The body, or only its length where the read did not ask for it.
+    body: Body,
 }
 
 enum Body {
@@ -126,33 +120,27 @@ enum Body {
     Length(u64),
 }
 
-/// An unknown record's probe schedule: when the next probe may begin (`None` once it
-/// has given up), and when it gives up.
-#[derive(Clone, Copy)]
-struct Schedule {
-    due: Option<Millis>,
-    give_up_at: Millis,
-}
-
-impl Schedule {
-    fn new(now: Millis, first_after: Duration, schedule: ProbeSchedule) -> Schedule {
-        Schedule {
-            due: Some(now + millis(first_after)),
-            give_up_at: now + millis(schedule.give_up_after),
+impl Completed {
+    /// The response, body and all.
+    fn response(self) -> Result<StoredResponse, StoreError> {
+        match self.body {
+            Body::Bytes(body) => response(self.status, &self.headers, body),
+            Body::Length(_) => Err(StoreError::Protocol("a replay read without its body")),
         }
     }
 
-    fn probe(&self, now: Millis) -> Probe {
-        match self.due {
-            None => Probe::GaveUp,
-            Some(_) if self.give_up_at <= now => Probe::GaveUp,
-            Some(due) => Probe::Next(until(now, due)),
-        }
+    /// What an operator sees of it.
+    fn summary(self) -> Result<SummaryState, StoreError> {
+        let trace = response(self.status, &self.headers, Vec::new())?.trace;
+        Ok(SummaryState::Completed {
+            status: u16::try_from(self.status).unwrap_or(0),
+            response_bytes: match self.body {
+                Body::Length(length) => length,
+                Body::Bytes(body) => body.len() as u64,
+            },
+            trace_id: trace.map(crate::record::ExecutionTrace::trace_id_hex),
+        })
     }
-}
-
-fn probe(schedule: Option<&Schedule>, now: Millis) -> Probe {
-    schedule.map_or(Probe::Unscheduled, |schedule| schedule.probe(now))
 }
 
 fn millis(duration: Duration) -> Millis {
@@ -196,7 +184,7 @@ fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, St
                     .map(|lease_until| RowState::InFlight { owner, lease_until }),
                 ("completed", _) => match row.get::<_, Option<i64>>(5)? {
                     None => None,
-                    Some(status) => Some(RowState::Completed {
+                    Some(status) => Some(RowState::Completed(Completed {
                         status,
                         headers: blob(6)?.unwrap_or_default(),
                         body: match body {
@@ -205,7 +193,7 @@ fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, St
                                 Body::Length(row.get::<_, Option<i64>>(7)?.map_or(0, |length| length.unsigned_abs()))
                             }
                         },
-                    }),
+                    })),
                 },
                 ("unknown", Some(owner)) => {
                     let reason: String = row.get(8)?;
@@ -242,29 +230,9 @@ fn response(status: i64, headers: &[u8], body: Vec<u8>) -> Result<StoredResponse
     ))
 }
 
-/// What a claim finds in a live record that is not free.
+/// What a claim finds in a live record.
 fn existing(row: Row, claimant: OwnerToken, now: Millis) -> Result<ClaimOutcome, StoreError> {
-    let state = match row.state {
-        RowState::InFlight { lease_until, .. } if lease_until <= now => RecordState::LeaseExpired,
-        RowState::InFlight { owner, .. } if owner == claimant => return Ok(ClaimOutcome::Acquired(())),
-        RowState::InFlight { lease_until, .. } => RecordState::InFlight {
-            lease_remaining: until(now, lease_until),
-        },
-        RowState::Completed {
-            status,
-            headers,
-            body: Body::Bytes(body),
-        } => RecordState::Completed(response(status, &headers, body)?),
-        RowState::Completed { .. } => return Err(StoreError::Protocol("a replay read without its body")),
-        RowState::Unknown { reason, schedule, .. } => RecordState::Unknown {
-            reason,
-            probe: probe(schedule.as_ref(), now),
-        },
-    };
-    Ok(ClaimOutcome::Existing(Existing {
-        fingerprint: row.fingerprint,
-        state,
-    }))
+    lifecycle::claim(row.fingerprint, row.state, claimant, now, Completed::response)
 }
 
 /// The bytes a record counts against its scope's share.
@@ -273,8 +241,14 @@ fn record_size(key: &StoreKey, response: Option<&StoredResponse>) -> i64 {
     i64::try_from(size).unwrap_or(i64::MAX)
 }
 
-/// What one kind of share holds: (records, bytes).
-fn share(conn: &Connection, kind: i64, id: i64) -> Result<(i64, i64), StoreError> {
+/// What one share holds: (records, bytes). The `shares` table keeps each under its
+/// kind (0: the store, 1: a scope, 2: a client address) and its id.
+fn share(conn: &Connection, share: Share) -> Result<(i64, i64), StoreError> {
+    let (kind, id) = match share {
+        Share::Store => (0, 0),
+        Share::Scope(ScopeId(scope)) => (1, scope as i64),
+        Share::Client(ClientId(client)) => (2, client as i64),
+    };
     conn.prepare_cached("SELECT records, bytes FROM shares WHERE kind = ?1 AND id = ?2")
         .and_then(|mut statement| {
             statement
@@ -417,7 +391,7 @@ impl SqliteStore {
     /// What the store holds: its records (expired ones until the sweep) and the bytes
     /// of the file's pages in use, and its bounds.
     pub fn usage(&self) -> Result<StoreUsage, StoreError> {
-        let (records, pages) = self.read(|conn, _| Ok((share(conn, 0, 0)?.0, used_pages(conn)?)))?;
+        let (records, pages) = self.read(|conn, _| Ok((share(conn, Share::Store)?.0, used_pages(conn)?)))?;
         Ok(StoreUsage {
             backend: "sqlite",
             records: usize::try_from(records).unwrap_or(0),
@@ -507,7 +481,7 @@ impl SqliteStore {
     /// The number of records the file holds, expired or not.
     #[cfg(feature = "test-util")]
     pub fn len(&self) -> usize {
-        self.read(|conn, _| Ok(share(conn, 0, 0)?.0))
+        self.read(|conn, _| Ok(share(conn, Share::Store)?.0))
             .map_or(0, |records| usize::try_from(records).unwrap_or(0))
     }
 
@@ -696,6 +670,85 @@ struct Room<'a> {
     reserved: &'a mut Reserved,
 }
 
+/// The file's shares, as `lifecycle::admit` asks for them.
+struct Ledger<'a> {
+    conn: &'a Connection,
+    limits: StoreLimits,
+    room: Room<'a>,
+    now: Millis,
+}
+
+impl lifecycle::Ledger for Ledger<'_> {
+    fn full(&mut self, of: Share) -> Result<Option<&'static str>, StoreError> {
+        let bound = |limit: usize| i64::try_from(limit).unwrap_or(i64::MAX);
+        let (records, bytes) = share(self.conn, of)?;
+        let (full_of_records, full_of_bytes) = match of {
+            // The store's bytes are the file's pages in use, asked only when its
+            // records leave room.
+            Share::Store => {
+                let full_of_records = records >= bound(self.limits.max_records);
+                (
+                    full_of_records,
+                    !full_of_records && used_pages(self.conn)? >= self.room.admit_pages,
+                )
+            }
+            Share::Scope(_) => (
+                records >= bound(self.limits.max_records_per_scope),
+                bytes >= bound(self.limits.max_bytes_per_scope),
+            ),
+            Share::Client(_) => (records >= bound(self.limits.max_records_per_client), false),
+        };
+        Ok(if full_of_records {
+            Some("records")
+        } else if full_of_bytes {
+            Some("bytes")
+        } else {
+            None
+        })
+    }
+
+    fn sweep(&mut self, share: Share) -> Result<(), StoreError> {
+        let (conn, now) = (self.conn, self.now);
+        match share {
+            Share::Store => execute(
+                conn,
+                "DELETE FROM records WHERE rowid IN \
+                 (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
+                (now, ROOM_BATCH),
+            ),
+            Share::Scope(ScopeId(scope)) => execute(
+                conn,
+                "DELETE FROM records WHERE scope = ?1 AND expires_at <= ?2",
+                (scope as i64, now),
+            ),
+            Share::Client(ClientId(client)) => execute(
+                conn,
+                "DELETE FROM records WHERE client = ?1 AND expires_at <= ?2",
+                (client as i64, now),
+            ),
+        }
+        .map(drop)
+    }
+
+    fn first_expiry(&mut self, share: Share) -> Result<Duration, StoreError> {
+        let (conn, now) = (self.conn, self.now);
+        match share {
+            Share::Store => space_due(conn, now),
+            Share::Scope(ScopeId(scope)) => first_expiry(conn, "scope", scope as i64, now),
+            Share::Client(ClientId(client)) => first_expiry(conn, "client", client as i64, now),
+        }
+    }
+
+    /// What claims in flight may still write is room this claim cannot take (issue 49
+    /// L5: six 100 KiB responses were admitted on a 5/8-full 1 MiB file, and three
+    /// went unrecorded).
+    fn reserve(&mut self, claim: &ClaimRequest) -> Result<Option<Duration>, StoreError> {
+        let (conn, page_size) = (self.conn, self.room.page_size);
+        let used = || Ok(usize::try_from(used_pages(conn)?.saturating_mul(page_size)).unwrap_or(usize::MAX));
+        self.room.reserved.refuses(used, claim.response_limit, self.now)
+    }
+}
+
 /// The writer's half of a claim: the key is free (or was a moment ago, on a read
 /// connection), so unless a record appeared meanwhile, the claim takes it if the
 /// bounds have room.
@@ -706,100 +759,19 @@ fn claim_free(
     room: Room<'_>,
     now: Millis,
 ) -> Result<ClaimOutcome, StoreError> {
-    let Room {
-        admit_pages,
-        page_size,
-        reserved,
-    } = room;
     if let Some(row) = load(conn, &claim.key, true)? {
         if row.expires_at > now {
             return existing(row, claim.owner, now);
         }
         execute(conn, "DELETE FROM records WHERE key = ?1", [claim.key.as_str()])?;
     }
-    let full = |conn: &Connection| -> Result<Option<StoreError>, StoreError> {
-        if share(conn, 0, 0)?.0 >= i64::try_from(limits.max_records).unwrap_or(i64::MAX) {
-            return Ok(Some(StoreError::Full {
-                what: "records",
-                limit: limits.max_records,
-                retry_after: space_due(conn, now)?,
-            }));
-        }
-        if used_pages(conn)? >= admit_pages {
-            return Ok(Some(StoreError::Full {
-                what: "bytes",
-                limit: limits.max_bytes,
-                retry_after: space_due(conn, now)?,
-            }));
-        }
-        Ok(None)
+    let mut ledger = Ledger {
+        conn,
+        limits,
+        room,
+        now,
     };
-    if full(conn)?.is_some() {
-        execute(
-            conn,
-            "DELETE FROM records WHERE rowid IN \
-             (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
-            (now, ROOM_BATCH),
-        )?;
-        if let Some(full) = full(conn)? {
-            return Err(full);
-        }
-    }
-    // What claims in flight may still write is room this claim cannot take (issue 49
-    // L5: six 100 KiB responses were admitted on a 5/8-full 1 MiB file, and three went
-    // unrecorded).
-    let used = || Ok(usize::try_from(used_pages(conn)?.saturating_mul(page_size)).unwrap_or(usize::MAX));
-    if let Some(retry_after) = reserved.refuses(used, claim.response_limit, now)? {
-        return Err(StoreError::Full {
-            what: "bytes",
-            limit: limits.max_bytes,
-            retry_after,
-        });
-    }
-    if let Some(ScopeId(scope)) = claim.scope {
-        let scope = scope as i64;
-        let scope_full = |conn: &Connection| -> Result<Option<&'static str>, StoreError> {
-            let (records, bytes) = share(conn, 1, scope)?;
-            Ok(
-                if records >= i64::try_from(limits.max_records_per_scope).unwrap_or(i64::MAX) {
-                    Some("records")
-                } else if bytes >= i64::try_from(limits.max_bytes_per_scope).unwrap_or(i64::MAX) {
-                    Some("bytes")
-                } else {
-                    None
-                },
-            )
-        };
-        if scope_full(conn)?.is_some() {
-            execute(
-                conn,
-                "DELETE FROM records WHERE scope = ?1 AND expires_at <= ?2",
-                (scope, now),
-            )?;
-            if let Some(what) = scope_full(conn)? {
-                return Err(StoreError::ScopeFull {
-                    what,
-                    retry_after: first_expiry(conn, "scope", scope, now)?,
-                });
-            }
-        }
-    }
-    if let Some(ClientId(client)) = claim.client {
-        let client = client as i64;
-        let max = i64::try_from(limits.max_records_per_client).unwrap_or(i64::MAX);
-        if share(conn, 2, client)?.0 >= max {
-            execute(
-                conn,
-                "DELETE FROM records WHERE client = ?1 AND expires_at <= ?2",
-                (client, now),
-            )?;
-            if share(conn, 2, client)?.0 >= max {
-                return Err(StoreError::ClientFull {
-                    retry_after: first_expiry(conn, "client", client, now)?,
-                });
-            }
-        }
-    }
+    lifecycle::admit(&mut ledger, claim, &limits)?;
     execute(
         conn,
         "INSERT INTO records (key, fingerprint, expires_at, scope, client, state, owner, lease_until, probe_key, size) \
@@ -816,7 +788,10 @@ fn claim_free(
             record_size(&claim.key, None),
         ],
     )?;
-    reserved.hold(&claim.key, claim.response_limit, now + millis(claim.lease));
+    ledger
+        .room
+        .reserved
+        .hold(&claim.key, claim.response_limit, now + millis(claim.lease));
     Ok(ClaimOutcome::Acquired(()))
 }
 
@@ -838,13 +813,29 @@ fn set_completed(conn: &Connection, key: &StoreKey, response: &StoredResponse) -
     .map(drop)
 }
 
-fn set_schedule(conn: &Connection, key: &StoreKey, schedule: Schedule) -> Result<(), StoreError> {
-    execute(
-        conn,
-        "UPDATE records SET probe_due = ?2, probe_give_up = ?3 WHERE key = ?1",
-        params![key.as_str(), schedule.due, schedule.give_up_at],
-    )
-    .map(drop)
+/// Writes a change the lifecycle decided on `key`'s record, with one statement.
+fn write_change(conn: &Connection, key: &StoreKey, change: Option<Change<Millis>>) -> Result<(), StoreError> {
+    match change {
+        None => Ok(()),
+        Some(Change::LeaseExpired(leased)) => execute(
+            conn,
+            "UPDATE records SET state = 'unknown', lease_until = NULL, reason = ?2, probe_due = ?3, \
+             probe_give_up = ?4 WHERE key = ?1",
+            params![
+                key.as_str(),
+                UnknownReason::LeaseExpired.as_str(),
+                leased.due,
+                leased.give_up_at
+            ],
+        )
+        .map(drop),
+        Some(Change::Reschedule(schedule)) => execute(
+            conn,
+            "UPDATE records SET probe_due = ?2, probe_give_up = ?3 WHERE key = ?1",
+            params![key.as_str(), schedule.due, schedule.give_up_at],
+        )
+        .map(drop),
+    }
 }
 
 impl RecordStore for SqliteStore {
@@ -989,14 +980,9 @@ impl RecordStore for SqliteStore {
         self.read(
             |conn, now| match load(conn, key, true)?.filter(|row| row.expires_at > now) {
                 Some(Row {
-                    state:
-                        RowState::Completed {
-                            status,
-                            headers,
-                            body: Body::Bytes(body),
-                        },
+                    state: RowState::Completed(completed),
                     ..
-                }) => Ok(Some(response(status, &headers, body)?)),
+                }) => Ok(Some(completed.response()?)),
                 _ => Ok(None),
             },
         )
@@ -1007,41 +993,7 @@ impl RecordStore for SqliteStore {
             let Some(row) = load(conn, key, false)?.filter(|row| row.expires_at > now) else {
                 return Ok(None);
             };
-            let (state, owner) = match row.state {
-                RowState::InFlight { lease_until, .. } if lease_until > now => (
-                    SummaryState::InFlight {
-                        lease_remaining: until(now, lease_until),
-                    },
-                    None,
-                ),
-                RowState::InFlight { owner, .. } => (SummaryState::LeaseExpired, Some(owner)),
-                RowState::Completed { status, headers, body } => {
-                    let trace = response(status, &headers, Vec::new())?.trace;
-                    let response_bytes = match body {
-                        Body::Length(length) => length,
-                        Body::Bytes(body) => body.len() as u64,
-                    };
-                    (
-                        SummaryState::Completed {
-                            status: u16::try_from(status).unwrap_or(0),
-                            response_bytes,
-                            trace_id: trace.map(crate::record::ExecutionTrace::trace_id_hex),
-                        },
-                        None,
-                    )
-                }
-                RowState::Unknown {
-                    reason,
-                    owner,
-                    schedule,
-                } => (
-                    SummaryState::Unknown {
-                        reason,
-                        probe: probe(schedule.as_ref(), now),
-                    },
-                    Some(owner),
-                ),
-            };
+            let (state, owner) = lifecycle::summary(row.state, now, Completed::summary)?;
             Ok(Some(RecordSummary {
                 fingerprint: row.fingerprint,
                 ttl: until(now, row.expires_at),
@@ -1065,13 +1017,8 @@ impl RecordStore for SqliteStore {
                 let Some(row) = load(conn, &record, false)?.filter(|row| row.expires_at > now) else {
                     return Ok(Resolved::Absent);
                 };
-                let holder = match row.state {
-                    RowState::Unknown { owner, .. } => owner,
-                    RowState::InFlight { lease_until, owner } if lease_until <= now => owner,
-                    RowState::InFlight { .. } | RowState::Completed { .. } => return Ok(Resolved::NotUnknown),
-                };
-                if owner.is_some_and(|named| named != holder) {
-                    return Ok(Resolved::OtherClaim);
+                if let Err(answer) = lifecycle::resolvable(&row.state, owner, now) {
+                    return Ok(answer);
                 }
                 match &resolution {
                     Resolution::Applied(response) => set_completed(conn, &record, response)?,
@@ -1096,49 +1043,9 @@ impl RecordStore for SqliteStore {
             let Some(row) = load(conn, &record, false)?.filter(|row| row.expires_at > now) else {
                 return Ok(ProbeStart::Settled);
             };
-            match row.state {
-                RowState::InFlight { owner, lease_until } if lease_until <= now => {
-                    let leased = Schedule::new(now, lease, schedule);
-                    execute(
-                        conn,
-                        "UPDATE records SET state = 'unknown', lease_until = NULL, reason = ?2, probe_due = ?3, \
-                         probe_give_up = ?4 WHERE key = ?1",
-                        params![
-                            record.as_str(),
-                            UnknownReason::LeaseExpired.as_str(),
-                            leased.due,
-                            leased.give_up_at
-                        ],
-                    )?;
-                    Ok(ProbeStart::Leased(owner))
-                }
-                RowState::InFlight { .. } | RowState::Completed { .. } => Ok(ProbeStart::Settled),
-                RowState::Unknown {
-                    owner,
-                    schedule: scheduled,
-                    ..
-                } => {
-                    let current = scheduled.unwrap_or_else(|| Schedule::new(now, Duration::ZERO, schedule));
-                    match current.due {
-                        None => return Ok(ProbeStart::GaveUp),
-                        Some(due) if due > now => return Ok(ProbeStart::NotDue(until(now, due))),
-                        Some(_) if current.give_up_at <= now => {
-                            set_schedule(conn, &record, Schedule { due: None, ..current })?;
-                            return Ok(ProbeStart::GaveUp);
-                        }
-                        Some(_) => {}
-                    }
-                    set_schedule(
-                        conn,
-                        &record,
-                        Schedule {
-                            due: Some(now + millis(lease)),
-                            ..current
-                        },
-                    )?;
-                    Ok(ProbeStart::Leased(owner))
-                }
-            }
+            let (start, change) = lifecycle::begin_probe(&row.state, schedule, lease, now);
+            write_change(conn, &record, change)?;
+            Ok(start)
         })
         .await
     }
@@ -1146,36 +1053,12 @@ impl RecordStore for SqliteStore {
     async fn defer_probe(&self, key: &StoreKey, named: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
         let record = key.clone();
         self.write(move |conn, now| {
-            let Some(Row {
-                state:
-                    RowState::Unknown {
-                        owner,
-                        schedule: Some(schedule),
-                        ..
-                    },
-                expires_at,
-                ..
-            }) = load(conn, &record, false)?
-            else {
+            let Some(row) = load(conn, &record, false)?.filter(|row| row.expires_at > now) else {
                 return Ok(Deferred::Settled);
             };
-            if expires_at <= now || owner != named {
-                return Ok(Deferred::Settled);
-            }
-            let next = now + millis(every);
-            if schedule.due.is_none() || next >= schedule.give_up_at {
-                set_schedule(conn, &record, Schedule { due: None, ..schedule })?;
-                return Ok(Deferred::GaveUp);
-            }
-            set_schedule(
-                conn,
-                &record,
-                Schedule {
-                    due: Some(next),
-                    ..schedule
-                },
-            )?;
-            Ok(Deferred::Scheduled)
+            let (deferred, change) = lifecycle::defer_probe(&row.state, named, every, now);
+            write_change(conn, &record, change)?;
+            Ok(deferred)
         })
         .await
     }
