@@ -14,6 +14,7 @@ use crate::config::{Backend, StoreConfig};
 use crate::error::StoreError;
 pub use crate::record::StoredResponse;
 
+mod codes;
 mod lifecycle;
 pub mod memory;
 pub(crate) mod notify;

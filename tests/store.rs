@@ -2162,6 +2162,22 @@ fn mode(path: &std::path::Path) -> u32 {
     std::fs::symlink_metadata(path).expect("metadata").permissions().mode() & 0o7777
 }
 
+/// A companion file (`-wal`, `-shm`, `.lock`) whose metadata cannot be read is refused
+/// by name before anything is opened, never taken for absent: a database named with
+/// 252 bytes opens, but its `-wal` is a name too long for the file system, which
+/// SQLite would only trip on later (cargo-mutants: the `NotFound` guard in `lock`).
+#[test]
+fn a_companion_file_that_cannot_be_read_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join(format!("{}.db", "r".repeat(249)));
+    let message = refusal(&path);
+    assert!(
+        message.contains(&format!("{}-wal: cannot read its metadata", path.display())),
+        "{message}"
+    );
+    assert!(!path.exists(), "nothing made before the companions were read");
+}
+
 /// Issue 49 M1 to M3: the store refuses what other local users may write, and creates
 /// its files for its owner only. A directory others can write is refused (so nobody
 /// can plant a link there); a lock file or database that is a symbolic link is refused

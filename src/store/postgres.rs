@@ -21,6 +21,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
+use super::codes;
 use super::notify::Watcher;
 use super::{
     ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule, ProbeStart,
@@ -251,18 +252,11 @@ impl PostgresStore {
     }
 
     /// The integer a function returns.
-    async fn code(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<i32, StoreError> {
+    async fn code(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<i64, StoreError> {
         let row = self.one(sql, params).await?;
         row.try_get::<_, i32>(0)
+            .map(i64::from)
             .map_err(|_| protocol("a store function in Postgres answered with another type"))
-    }
-
-    fn write(code: i32) -> Result<Write, StoreError> {
-        match code {
-            1 => Ok(Write::Applied),
-            0 => Ok(Write::Fenced),
-            _ => Err(protocol("a store function in Postgres answered a code it has none for")),
-        }
     }
 
     /// What a claim found in a live record that is not the claimant's.
@@ -311,14 +305,14 @@ impl RecordStore for PostgresStore {
                 ],
             )
             .await?;
-        match get::<i32>(&row, "code")? {
-            1 => Ok(ClaimOutcome::Acquired(())),
-            0 => PostgresStore::existing(&row),
-            -4 => Err(StoreError::ScopeFull {
+        match i64::from(get::<i32>(&row, "code")?) {
+            codes::claim::ACQUIRED => Ok(ClaimOutcome::Acquired(())),
+            codes::claim::EXISTING => PostgresStore::existing(&row),
+            codes::claim::SCOPE_FULL => Err(StoreError::ScopeFull {
                 what: "store.max_records_per_scope",
                 retry_after: remaining(get(&row, "retry_ms")?),
             }),
-            -5 => Err(StoreError::NotReplicated {
+            codes::claim::NOT_REPLICATED => Err(StoreError::NotReplicated {
                 acks: 0,
                 wanted: self.min_acks.unsigned_abs(),
             }),
@@ -345,7 +339,7 @@ impl RecordStore for PostgresStore {
                 ],
             )
             .await?;
-        PostgresStore::write(code)
+        codes::write(code)
     }
 
     async fn mark_unknown(
@@ -369,14 +363,14 @@ impl RecordStore for PostgresStore {
                 ],
             )
             .await?;
-        PostgresStore::write(code)
+        codes::write(code)
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
         let code = self
             .code(&self.calls.release, &[&key.as_str(), &&owner.as_bytes()[..]])
             .await?;
-        PostgresStore::write(code)
+        codes::write(code)
     }
 
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
@@ -463,13 +457,7 @@ impl RecordStore for PostgresStore {
         let code = self
             .code(&self.calls.resolve, &[&key.as_str(), &owner, &status, &headers, &body])
             .await?;
-        match code {
-            1 => Ok(Resolved::Resolved),
-            0 => Ok(Resolved::NotUnknown),
-            -2 => Ok(Resolved::OtherClaim),
-            -1 => Ok(Resolved::Absent),
-            _ => Err(protocol("a resolution in Postgres answered a code it has none for")),
-        }
+        codes::resolved(code)
     }
 
     async fn begin_probe(
@@ -484,15 +472,12 @@ impl RecordStore for PostgresStore {
                 &[&key.as_str(), &millis(lease), &millis(schedule.give_up_after)],
             )
             .await?;
-        match get::<i32>(&row, "code")? {
-            1 => owner_of(get(&row, "owner")?)
-                .map(ProbeStart::Leased)
-                .ok_or_else(|| protocol("a probe lease in Postgres came without its claim")),
-            2 => Ok(ProbeStart::NotDue(remaining(get(&row, "wait_ms")?))),
-            -3 => Ok(ProbeStart::GaveUp),
-            0 | -1 => Ok(ProbeStart::Settled),
-            _ => Err(protocol("a probe lease in Postgres answered a code it has none for")),
-        }
+        let code = i64::from(get::<i32>(&row, "code")?);
+        let wait_ms = match code {
+            codes::probe::NOT_DUE => get::<Option<i64>>(&row, "wait_ms")?.unwrap_or(0),
+            _ => 0,
+        };
+        codes::probe_start(code, || owner_of(get(&row, "owner").ok()?), wait_ms)
     }
 
     async fn defer_probe(&self, key: &StoreKey, owner: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
@@ -502,12 +487,7 @@ impl RecordStore for PostgresStore {
                 &[&key.as_str(), &&owner.as_bytes()[..], &millis(every)],
             )
             .await?;
-        match code {
-            1 => Ok(Deferred::Scheduled),
-            -3 => Ok(Deferred::GaveUp),
-            0 => Ok(Deferred::Settled),
-            _ => Err(protocol("a deferred probe in Postgres answered a code it has none for")),
-        }
+        codes::deferred(code)
     }
 
     /// Ready only if a claim would be taken: the claim function run in a transaction
@@ -554,9 +534,9 @@ impl RecordStore for PostgresStore {
             Ok(result) => result.map_err(StoreError::Postgres)?,
             Err(_) => return Err(StoreError::Timeout(self.timeout)),
         };
-        match get::<i32>(&row, "code")? {
-            1 => Ok(()),
-            -5 => Err(StoreError::NotReplicated {
+        match i64::from(get::<i32>(&row, "code")?) {
+            codes::claim::ACQUIRED => Ok(()),
+            codes::claim::NOT_REPLICATED => Err(StoreError::NotReplicated {
                 acks: 0,
                 wanted: self.min_acks.unsigned_abs(),
             }),

@@ -18,6 +18,7 @@ use redis::{RedisError, RedisResult, Script};
 use tokio::time::Instant;
 
 use self::topology::{Connection, Unready, is_refused, is_transient};
+use super::codes;
 use super::{
     ClaimOutcome, ClaimRequest, Deferred, OwnerToken, ProbeSchedule, ProbeStart, RecordStore, RecordSummary,
     Resolution, Resolved, StoreKey, StoredResponse, UnknownReason, Write,
@@ -256,8 +257,7 @@ impl RedisStore {
     }
 
     async fn fenced_write(&self, invocation: redis::ScriptInvocation<'_>) -> Result<Write, StoreError> {
-        let applied: i64 = self.invoke(&invocation).await?;
-        Ok(if applied == 1 { Write::Applied } else { Write::Fenced })
+        codes::write(self.invoke(&invocation).await?)
     }
 
     /// The claim's write: `SET key value NX PX retention GET` (one command, one round
@@ -467,13 +467,7 @@ impl RecordStore for RedisStore {
         if let Resolution::Applied(response) = resolution {
             invocation.arg(layout::completed_tail(response));
         }
-        let result: i64 = self.invoke(&invocation).await?;
-        Ok(match result {
-            1 => Resolved::Resolved,
-            0 => Resolved::NotUnknown,
-            -2 => Resolved::OtherClaim,
-            _ => Resolved::Absent,
-        })
+        codes::resolved(self.invoke(&invocation).await?)
     }
 
     async fn begin_probe(
@@ -485,14 +479,13 @@ impl RecordStore for RedisStore {
         let mut invocation = self.scripts.begin_probe.key(key.as_str());
         invocation.arg(millis(lease)).arg(millis(schedule.give_up_after));
         let (code, owner, wait): (i64, String, i64) = self.invoke(&invocation).await?;
-        layout::probe_start(code, &owner, wait)
+        codes::probe_start(code, || OwnerToken::from_hex(owner.as_bytes()), wait)
     }
 
     async fn defer_probe(&self, key: &StoreKey, owner: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
         let mut invocation = self.scripts.defer_probe.key(key.as_str());
         invocation.arg(owner.to_hex()).arg(millis(every));
-        let code: i64 = self.invoke(&invocation).await?;
-        Ok(layout::deferred(code))
+        codes::deferred(self.invoke(&invocation).await?)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -27,8 +27,8 @@ use bytes::Bytes;
 
 use crate::error::StoreError;
 use crate::store::{
-    ClaimOutcome, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeStart, RecordState, RecordSummary,
-    StoredResponse, SummaryState, UnknownReason,
+    ClaimOutcome, Existing, Fingerprint, OwnerToken, Probe, RecordState, RecordSummary, StoredResponse, SummaryState,
+    UnknownReason,
 };
 
 /// The format version, the first byte of every record: the one place it is named (the
@@ -73,30 +73,6 @@ pub(super) fn lease_depends_on_ttl(value: &[u8]) -> bool {
         Some(&IN_FLIGHT) => true,
         Some(&UNKNOWN) => value.get(OWNER.end..).is_some_and(|tail| tail.contains(&b':')),
         _ => false,
-    }
-}
-
-/// What `begin_probe.lua` answered: a code, the owner of the claim leased for, and how
-/// long until due.
-pub(super) fn probe_start(code: i64, owner: &str, wait_ms: i64) -> Result<ProbeStart, StoreError> {
-    Ok(match code {
-        1 => ProbeStart::Leased(
-            OwnerToken::from_hex(owner.as_bytes())
-                .ok_or(StoreError::Protocol("a probe lease without its claim's owner"))?,
-        ),
-        2 => ProbeStart::NotDue(Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))),
-        -3 => ProbeStart::GaveUp,
-        0 | -1 => ProbeStart::Settled,
-        _ => return Err(StoreError::Protocol("a probe reply of the wrong shape")),
-    })
-}
-
-/// What `defer_probe.lua` answered.
-pub(super) fn deferred(code: i64) -> Deferred {
-    match code {
-        1 => Deferred::Scheduled,
-        -3 => Deferred::GaveUp,
-        _ => Deferred::Settled,
     }
 }
 
