@@ -558,7 +558,7 @@ impl Metrics {
 
     /// Registers what the SQLite store's commits cost: its own counters, counted by its
     /// writer thread.
-    pub(crate) fn register_commits(&mut self, stats: &crate::store::sqlite::CommitStats) {
+    pub(crate) fn register_commits(&mut self, stats: &crate::store::CommitFigures) {
         let r = &mut self.registry;
         register(
             r,

@@ -48,9 +48,9 @@ use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::{Probes, Proxy, Waiting};
-use crate::store::AnyStore;
 use crate::store::notify::Watcher;
 use crate::store::{self, StoreFactory};
+use crate::store::{AnyStore, RecordStore};
 
 use self::listen::{ADMIN_CONNECTIONS, Limits, Listening, bind, bind_workers, serve};
 use self::reload::WorkerReload;
@@ -174,7 +174,7 @@ impl Process {
             );
         }
         let mut metrics = Metrics::new();
-        if let Some(stats) = store.commit_stats() {
+        if let Some(stats) = store.commit_figures() {
             metrics.register_commits(stats);
         }
         Process {

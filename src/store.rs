@@ -10,6 +10,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+
 use crate::config::{Backend, StoreConfig};
 use crate::error::StoreError;
 pub use crate::record::StoredResponse;
@@ -68,6 +71,41 @@ pub(crate) async fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher)
             let (factory, watcher) = self::postgres::open(postgres, config.timeout).await?;
             let factory: StoreFactory = Arc::new(move || Ok(factory()?.sealed(sealer.clone())));
             Ok((factory, watcher))
+        }
+    }
+}
+
+/// A record that is unknown for a claim that is not yet on record: an unknown record
+/// the probe can find at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsettled {
+    pub key: StoreKey,
+    /// The key as the upstream was sent it, where the route's probe path names it.
+    pub probe_key: Option<String>,
+    /// How long until its probe is due: the rest of its lease, or of its schedule.
+    pub due_in: Duration,
+}
+
+/// What a store's own commits cost, for `/metrics`: kept by a store that commits
+/// writes itself (SQLite's writer thread), and counted there.
+#[derive(Debug, Clone)]
+pub struct CommitFigures {
+    pub commits: Counter,
+    /// Writes committed (several per commit under load).
+    pub writes: Counter,
+    /// How long each `COMMIT` took: the write-ahead log's fsync, mostly.
+    pub commit_seconds: Histogram,
+    /// Expired records the sweeper deleted.
+    pub swept: Counter,
+}
+
+impl Default for CommitFigures {
+    fn default() -> CommitFigures {
+        CommitFigures {
+            commits: Counter::default(),
+            writes: Counter::default(),
+            commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+            swept: Counter::default(),
         }
     }
 }
@@ -535,15 +573,47 @@ pub trait RecordStore: Send + Sync + 'static {
 
     /// Answers when the store is reachable.
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    // === What a backend can do besides the lifecycle: declared, each with its default ===
+
+    /// Gets a new handle ready for its first request (Redis loads its scripts, so that
+    /// the first write does not pay `NOSCRIPT`, a load and a second try).
+    fn warm_up(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
+    /// Whether several proxy instances may share this store (Redis, Postgres), or it
+    /// is one process's own (memory, SQLite).
+    fn shared_by_instances(&self) -> bool {
+        false
+    }
+
+    /// What the store holds and its bounds, where it keeps them itself (the embedded
+    /// stores; Redis and Postgres report their own).
+    fn usage(&self) -> Option<StoreUsage> {
+        None
+    }
+
+    /// What the store's own commits cost, where it commits writes itself.
+    fn commit_figures(&self) -> Option<&CommitFigures> {
+        None
+    }
+
+    /// The records whose probe a fresh start must schedule: only a store that owns
+    /// all of its records (SQLite) knows that nobody else will find them.
+    fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
+        Ok(Vec::new())
+    }
 }
 
+/// The one match on the backend: every call to `AnyStore` is passed on by it.
 macro_rules! delegate {
     ($self:ident, $store:ident => $call:expr) => {
         match &$self.engine {
-            Engine::Memory($store) => $call.await,
-            Engine::Sqlite($store) => $call.await,
-            Engine::Redis($store) => $call.await,
-            Engine::Postgres($store) => $call.await,
+            Engine::Memory($store) => $call,
+            Engine::Sqlite($store) => $call,
+            Engine::Redis($store) => $call,
+            Engine::Postgres($store) => $call,
         }
     };
 }
@@ -609,66 +679,11 @@ impl AnyStore {
         self.sealer.as_deref()
     }
 
-    /// Gets a new handle ready for its first request: on Redis, loads the scripts, so
-    /// that the first write does not pay `NOSCRIPT`, a load and a second try.
-    pub(crate) async fn warm_up(&self) {
-        match &self.engine {
-            Engine::Memory(_) | Engine::Sqlite(_) | Engine::Postgres(_) => {}
-            Engine::Redis(store) => store.preload().await,
-        }
-    }
-
-    /// Whether several proxy instances may share this store (Redis, Postgres), or it
-    /// is one process's own (memory, SQLite).
-    pub(crate) fn shared_by_instances(&self) -> bool {
-        matches!(self.engine, Engine::Redis(_) | Engine::Postgres(_))
-    }
-
-    /// What the embedded store holds and its bounds; Redis reports its own memory.
-    pub fn usage(&self) -> Option<StoreUsage> {
-        match &self.engine {
-            Engine::Memory(store) => Some(store.usage()),
-            Engine::Sqlite(store) => store
-                .usage()
-                .inspect_err(|error| tracing::warn!(%error, "cannot read what the store's file holds"))
-                .ok(),
-            Engine::Redis(_) | Engine::Postgres(_) => None,
-        }
-    }
-
-    /// What the SQLite store's commits cost; the others commit nothing of their own.
-    pub(crate) fn commit_stats(&self) -> Option<&sqlite::CommitStats> {
-        match &self.engine {
-            Engine::Sqlite(store) => Some(store.commit_stats()),
-            Engine::Memory(_) | Engine::Redis(_) | Engine::Postgres(_) => None,
-        }
-    }
-
-    /// The records whose probe a fresh start must schedule: only the SQLite store owns
-    /// all of its records, and knows that nobody else will find them.
-    /// A probe key sealed with the records is opened; one that does not open is left
-    /// out (its record then waits for a retry or an operator).
-    pub(crate) fn unsettled(&self) -> Result<Vec<sqlite::Unsettled>, StoreError> {
-        let mut unsettled = match &self.engine {
-            Engine::Sqlite(store) => store.unsettled()?,
-            Engine::Memory(_) | Engine::Redis(_) | Engine::Postgres(_) => Vec::new(),
-        };
-        if let Some(sealer) = self.sealer() {
-            for record in &mut unsettled {
-                record.probe_key = match record.probe_key.take() {
-                    Some(kept) => sealer.open_text(&record.key, &kept),
-                    None => None,
-                };
-            }
-        }
-        Ok(unsettled)
-    }
-
     /// The response a completed record holds, opened, and the id of the key that
     /// sealed it: for an operator who asks. `Ok(None)` when the record is absent or
     /// not completed.
     pub async fn opened_response(&self, key: &StoreKey) -> Result<Option<sealed::Opened>, StoreError> {
-        let stored = delegate!(self, store => store.response(key))?;
+        let stored = delegate!(self, store => store.response(key).await)?;
         Ok(stored.map(|stored| sealed::Opened {
             sealed_by: sealed::sealed_by(&stored),
             response: sealed::open(self.sealer(), key, stored),
@@ -683,10 +698,13 @@ impl AnyStore {
 impl RecordStore for AnyStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let (outcome, sent) = match self.sealer() {
-            None => (delegate!(self, store => store.claim(claim))?, claim.fingerprint),
+            None => (delegate!(self, store => store.claim(claim).await)?, claim.fingerprint),
             Some(sealer) => {
                 let sealed = sealed::sealed_claim(sealer, claim)?;
-                (delegate!(self, store => store.claim(&sealed))?, sealed.fingerprint)
+                (
+                    delegate!(self, store => store.claim(&sealed).await)?,
+                    sealed.fingerprint,
+                )
             }
         };
         Ok(sealed::opened(
@@ -705,8 +723,8 @@ impl RecordStore for AnyStore {
         response: &StoredResponse,
     ) -> Result<Write, StoreError> {
         match self.seal(key, response)? {
-            None => delegate!(self, store => store.complete(key, owner, response)),
-            Some(sealed) => delegate!(self, store => store.complete(key, owner, &sealed)),
+            None => delegate!(self, store => store.complete(key, owner, response).await),
+            Some(sealed) => delegate!(self, store => store.complete(key, owner, &sealed).await),
         }
     }
 
@@ -717,19 +735,19 @@ impl RecordStore for AnyStore {
         reason: UnknownReason,
         schedule: Option<ProbeSchedule>,
     ) -> Result<Write, StoreError> {
-        delegate!(self, store => store.mark_unknown(key, owner, reason, schedule))
+        delegate!(self, store => store.mark_unknown(key, owner, reason, schedule).await)
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
-        delegate!(self, store => store.release(key, owner))
+        delegate!(self, store => store.release(key, owner).await)
     }
 
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        delegate!(self, store => store.purge(key))
+        delegate!(self, store => store.purge(key).await)
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        delegate!(self, store => store.inspect(key))
+        delegate!(self, store => store.inspect(key).await)
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
@@ -747,10 +765,10 @@ impl RecordStore for AnyStore {
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
         match self.sealer() {
-            None => delegate!(self, store => store.resolve(key, owner, resolution)),
+            None => delegate!(self, store => store.resolve(key, owner, resolution).await),
             Some(sealer) => {
                 let sealed = sealed::sealed_resolution(sealer, key, resolution)?;
-                delegate!(self, store => store.resolve(key, owner, &sealed))
+                delegate!(self, store => store.resolve(key, owner, &sealed).await)
             }
         }
     }
@@ -761,15 +779,46 @@ impl RecordStore for AnyStore {
         schedule: ProbeSchedule,
         lease: Duration,
     ) -> Result<ProbeStart, StoreError> {
-        delegate!(self, store => store.begin_probe(key, schedule, lease))
+        delegate!(self, store => store.begin_probe(key, schedule, lease).await)
     }
 
     async fn defer_probe(&self, key: &StoreKey, owner: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
-        delegate!(self, store => store.defer_probe(key, owner, every))
+        delegate!(self, store => store.defer_probe(key, owner, every).await)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        delegate!(self, store => store.ping())
+        delegate!(self, store => store.ping().await)
+    }
+
+    async fn warm_up(&self) {
+        delegate!(self, store => store.warm_up().await);
+    }
+
+    fn shared_by_instances(&self) -> bool {
+        delegate!(self, store => store.shared_by_instances())
+    }
+
+    fn usage(&self) -> Option<StoreUsage> {
+        delegate!(self, store => RecordStore::usage(store))
+    }
+
+    fn commit_figures(&self) -> Option<&CommitFigures> {
+        delegate!(self, store => RecordStore::commit_figures(store))
+    }
+
+    /// A probe key sealed with the records is opened; one that does not open is left
+    /// out (its record then waits for a retry or an operator).
+    fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
+        let mut unsettled = delegate!(self, store => RecordStore::unsettled(store))?;
+        if let Some(sealer) = self.sealer() {
+            for record in &mut unsettled {
+                record.probe_key = match record.probe_key.take() {
+                    Some(kept) => sealer.open_text(&record.key, &kept),
+                    None => None,
+                };
+            }
+        }
+        Ok(unsettled)
     }
 }
 

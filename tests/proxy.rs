@@ -1150,11 +1150,8 @@ async fn an_unauthorized_answer_leaves_no_record_by_default() {
         assert!(matches!(answer.status.as_u16(), 401 | 403), "{answer:?}");
         assert!(!answer.replayed());
     }
-    let usage = proxy
-        .running
-        .store()
-        .usage()
-        .expect("the memory store reports its usage");
+    let usage =
+        idemproxy::store::RecordStore::usage(proxy.running.store()).expect("the memory store reports its usage");
     assert_eq!(usage.records, 0, "no refused request kept a record");
     let again = [("idempotency-key", "k-401"), ("authorization", "Bearer made-up-0")];
     assert_eq!(

@@ -2574,7 +2574,7 @@ async fn a_thousand_claims_at_once_share_one_commit() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let dir = tempfile::tempdir().expect("temporary directory");
     let store = sqlite_store(&dir.path().join("records.db"), StoreLimits::unbounded(10_000));
-    let stats = store.commit_stats().clone();
+    let stats = store.commit_figures().clone();
     let hold = store.hold_writer().await;
     let (commits, writes) = (stats.commits.get(), stats.writes.get());
     let asked = Arc::new(AtomicUsize::new(0));
@@ -2723,7 +2723,7 @@ async fn the_sqlite_sweeper_leaves_a_claim_whose_lease_lapsed() {
     // The sweeper runs within a second when idle: once it has deleted the expired
     // record, it has looked at the lapsed one too.
     let started = tokio::time::Instant::now();
-    while store.commit_stats().swept.get() < 1 {
+    while store.commit_figures().swept.get() < 1 {
         assert!(started.elapsed() < Duration::from_secs(10), "the sweeper never ran");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

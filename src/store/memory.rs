@@ -650,4 +650,8 @@ impl RecordStore for MemoryStore {
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
     }
+
+    fn usage(&self) -> Option<StoreUsage> {
+        Some(MemoryStore::usage(self))
+    }
 }

@@ -543,4 +543,8 @@ impl RecordStore for PostgresStore {
             _ => Err(protocol("the readiness claim in Postgres was not taken")),
         }
     }
+
+    fn shared_by_instances(&self) -> bool {
+        true
+    }
 }

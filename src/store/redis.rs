@@ -497,6 +497,14 @@ impl RecordStore for RedisStore {
             Ok(Err(Unready::Topology(why))) => Err(StoreError::Unready(why)),
         }
     }
+
+    async fn warm_up(&self) {
+        self.preload().await;
+    }
+
+    fn shared_by_instances(&self) -> bool {
+        true
+    }
 }
 
 fn millis(duration: Duration) -> u64 {

@@ -28,9 +28,9 @@ use self::writer::{Clock, Millis, Writer, disk};
 use super::lifecycle::{self, Change, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, ProbeSchedule, ProbeStart,
-    RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreUsage, StoredResponse,
-    SummaryState, UnknownReason, Write,
+    ClaimOutcome, ClaimRequest, ClientId, CommitFigures, Deferred, Existing, Fingerprint, OwnerToken, ProbeSchedule,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreUsage,
+    StoredResponse, SummaryState, UnknownReason, Unsettled, Write,
 };
 use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::StoreError;
@@ -42,7 +42,6 @@ mod writer;
 #[cfg(feature = "test-util")]
 pub use self::file::create_at_version;
 pub use self::file::{APPLICATION_ID, VERSION};
-pub use self::writer::CommitStats;
 
 /// What one record costs besides its key and response, as the per-scope byte share
 /// counts it (the same estimate as the memory store's).
@@ -93,7 +92,7 @@ struct Shared {
     timeout: Duration,
     hub: Arc<Hub>,
     clock: Clock,
-    stats: CommitStats,
+    stats: CommitFigures,
     _lock: FileLock,
 }
 
@@ -150,17 +149,6 @@ fn millis(duration: Duration) -> Millis {
 /// How long from `now` until `then` (zero once it has passed).
 fn until(now: Millis, then: Millis) -> Duration {
     Duration::from_millis(u64::try_from(then - now).unwrap_or(0))
-}
-
-/// A record that is unknown for a claim that is not yet on record: an unknown record
-/// the probe can find at start.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Unsettled {
-    pub key: StoreKey,
-    /// The key as the upstream was sent it, where the route's probe path names it.
-    pub probe_key: Option<String>,
-    /// How long until its probe is due: the rest of its lease, or of its schedule.
-    pub due_in: Duration,
 }
 
 const ROW: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
@@ -338,7 +326,7 @@ impl SqliteStore {
         let identity = identity_key(&conn)?;
         super::identity::adopt(identity, &config.path.display());
         let clock = Clock::default();
-        let stats = CommitStats::default();
+        let stats = CommitFigures::default();
         let writer = Writer::start(conn, checkpoints, clock.clone(), stats.clone()).map_err(|source| {
             StoreError::File(crate::error::StoreFileError::Io {
                 path: config.path.clone(),
@@ -384,7 +372,7 @@ impl SqliteStore {
     }
 
     /// What the writer's commits cost.
-    pub fn commit_stats(&self) -> &CommitStats {
+    pub fn commit_figures(&self) -> &CommitFigures {
         &self.shared.stats
     }
 
@@ -1076,5 +1064,19 @@ impl RecordStore for SqliteStore {
             .map(drop)
         })
         .await
+    }
+
+    fn usage(&self) -> Option<StoreUsage> {
+        SqliteStore::usage(self)
+            .inspect_err(|error| tracing::warn!(%error, "cannot read what the store's file holds"))
+            .ok()
+    }
+
+    fn commit_figures(&self) -> Option<&CommitFigures> {
+        Some(&self.shared.stats)
+    }
+
+    fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
+        SqliteStore::unsettled(self)
     }
 }

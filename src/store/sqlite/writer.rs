@@ -14,8 +14,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use crate::store::CommitFigures;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -53,29 +52,6 @@ impl Clock {
     pub(super) fn advance(&self, by: Duration) {
         let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
         self.offset.fetch_add(by, Ordering::Relaxed);
-    }
-}
-
-/// What the writer's commits cost, for `/metrics`.
-#[derive(Debug, Clone)]
-pub struct CommitStats {
-    pub commits: Counter,
-    /// Writes committed (several per commit under load).
-    pub writes: Counter,
-    /// How long each `COMMIT` took: the write-ahead log's fsync, mostly.
-    pub commit_seconds: Histogram,
-    /// Expired records the sweeper deleted.
-    pub swept: Counter,
-}
-
-impl Default for CommitStats {
-    fn default() -> CommitStats {
-        CommitStats {
-            commits: Counter::default(),
-            writes: Counter::default(),
-            commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
-            swept: Counter::default(),
-        }
     }
 }
 
@@ -191,7 +167,7 @@ impl Writer {
         conn: Connection,
         checkpoints: Connection,
         clock: Clock,
-        stats: CommitStats,
+        stats: CommitFigures,
     ) -> std::io::Result<Writer> {
         let (jobs, queue) = mpsc::channel();
         let (pokes, poked) = mpsc::sync_channel(1);
@@ -253,7 +229,7 @@ fn run(
     queue: &mpsc::Receiver<Box<dyn Job>>,
     pokes: &SyncSender<()>,
     clock: &Clock,
-    stats: &CommitStats,
+    stats: &CommitFigures,
 ) -> Connection {
     let mut next_sweep = Instant::now() + SWEEP_EVERY;
     loop {
@@ -304,7 +280,7 @@ fn checkpoint_on(conn: &Connection, poked: &Receiver<()>) {
 /// time); should one fail (a full disk), the transaction is undone and run again with
 /// each write in a savepoint of its own, so that the one that failed is undone alone and
 /// the others still commit.
-fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &CommitStats) {
+fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &CommitFigures) {
     batch.retain(|job| job.wanted());
     if batch.is_empty() {
         return;
@@ -348,7 +324,7 @@ fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &
 
 /// Deletes up to `SWEEP_BATCH` expired records in a transaction of its own: whether
 /// there were as many (more may be left).
-fn sweep(conn: &Connection, now: Millis, stats: &CommitStats) -> bool {
+fn sweep(conn: &Connection, now: Millis, stats: &CommitFigures) -> bool {
     let deleted = conn
         .prepare_cached(
             "DELETE FROM records WHERE rowid IN \
