@@ -461,7 +461,9 @@ impl Proxy {
                 }
                 let name = route.map_or("-", |route| &*route.name);
                 let row = problem.row();
-                let (status, slug) = (row.status.as_u16(), problem.kind.slug());
+                // The status the client gets: the profile's (Stripe answers 400 where
+                // the row says 422).
+                let (status, slug) = (problem.profile.status(problem.kind).as_u16(), problem.kind.slug());
                 let error = DisplayChain(&refusal.rejection);
                 match row.fault.level() {
                     tracing::Level::ERROR => {

@@ -255,3 +255,30 @@ async fn the_access_log_is_off_unless_configured() {
     assert!(log.contains("stopped"), "the shutdown is logged:\n{log}");
     assert!(!log.contains("idemproxy::access"), "no access line:\n{log}");
 }
+
+/// Under the Stripe profile a reused key is answered 400, not 422 (problem.rs, the
+/// profile's status): the proxy's own line about the problem names the status the
+/// client got, as the access line does, never the IETF one.
+#[tokio::test]
+async fn a_problem_is_logged_with_the_status_its_profile_answered() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut config = TestConfig::new(StoreKind::Memory, &upstream.url());
+    config.idempotency = "profile = \"stripe\"".into();
+    config.server = "access_log = true".into();
+    let log = dir.path().join("proxy.log");
+    let proxy = ChildProxy::start_logged(&config, &log, &[]).await;
+    let post = |body: &'static str| send(proxy.addr, "POST", "/v1/payments", &[("idempotency-key", "k-1")], body);
+    assert_eq!(post("{\"amount\":1}").await.status, 201);
+    let reused = post("{\"amount\":2}").await;
+    assert_eq!(reused.status, 400, "{reused:?}");
+    // The access line is written once the response is sent: the problem line before it.
+    let access = access_lines(&log, 2, parse_text).await;
+    assert_eq!(access[1].status, 400);
+    let text = std::fs::read_to_string(&log).expect("read the proxy's log");
+    let problem = text
+        .lines()
+        .find(|line| line.contains("problem response"))
+        .unwrap_or_else(|| panic!("no problem line:\n{text}"));
+    assert!(problem.contains("status=400"), "{problem}");
+}
