@@ -93,7 +93,12 @@ impl Proxy {
             share.take_for_request(bytes)
         });
         match peeked.await {
-            Err(rejection) => Err(Err(rejection.into())),
+            Err(rejection) => {
+                // The body could not be read (the client broke it or stalled, or the
+                // budget could not hold it): answered as enforce mode answers it.
+                let refused: Handled = Err(rejection.into());
+                Err(refused)
+            }
             Ok(Peeked::Whole(body)) => Ok(Read { parts, body, share }),
             Ok(Peeked::Partial { head, rest, .. }) => {
                 drop(share);
