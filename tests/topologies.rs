@@ -35,6 +35,12 @@ fn config(store: StoreKind, upstream: &Upstream, store_extra: &str) -> TestConfi
     config
 }
 
+/// A claim needs one replica's acknowledgement. The wait for it is the store's
+/// timeout, not the 100 ms default: a replica that has just rejoined (after a full
+/// resync) on a loaded two-core machine can take longer than that to acknowledge, and
+/// the 503 the proxy then rightly answers would fall after the outage window ends.
+const REPLICA_ACKS: &str = "min_replica_acks = 1\nreplica_ack_timeout = \"1s\"";
+
 fn sentinel_store(group: &SentinelGroup) -> StoreKind {
     StoreKind::Sentinel(group.urls(), MASTER_NAME.into())
 }
@@ -187,7 +193,7 @@ impl Failover {
 async fn sentinel_the_primary_killed_mid_storm_fails_over_without_a_restart() {
     let mut group = SentinelGroup::start();
     let upstream = Upstream::start().await;
-    let proxies = three_proxies(&config(sentinel_store(&group), &upstream, "min_replica_acks = 1")).await;
+    let proxies = three_proxies(&config(sentinel_store(&group), &upstream, REPLICA_ACKS)).await;
     let storm = storm("sentinel-kill", &proxies, 300);
     let run = storm.start();
     let mut failover = None;
@@ -232,7 +238,7 @@ async fn sentinel_the_primary_killed_mid_storm_fails_over_without_a_restart() {
 async fn cluster_a_primary_killed_mid_storm_its_replica_takes_over() {
     let mut cluster = RedisCluster::start();
     let upstream = Upstream::start().await;
-    let proxies = three_proxies(&config(cluster_store(&cluster), &upstream, "min_replica_acks = 1")).await;
+    let proxies = three_proxies(&config(cluster_store(&cluster), &upstream, REPLICA_ACKS)).await;
     let storm = storm("cluster-kill", &proxies, 300);
     let run = storm.start();
     let mut failover = None;
@@ -285,7 +291,7 @@ async fn cluster_a_primary_killed_mid_storm_its_replica_takes_over() {
 async fn cluster_a_graceful_failover_mid_storm() {
     let cluster = RedisCluster::start();
     let upstream = Upstream::start().await;
-    let proxies = three_proxies(&config(cluster_store(&cluster), &upstream, "min_replica_acks = 1")).await;
+    let proxies = three_proxies(&config(cluster_store(&cluster), &upstream, REPLICA_ACKS)).await;
     let storm = storm("cluster-failover", &proxies, 300);
     let run = storm.start();
     let mut failover = None;

@@ -139,6 +139,39 @@ pub struct Report {
     pub ttl_floor_violations: usize,
     pub raw_key_bytes_in_names: usize,
     pub unavailable_outside_outage: usize,
+    /// Each 503 outside the outage windows: its slug and when it started and ended,
+    /// relative to the end of the last window before it (or the start of the first).
+    pub unavailable_outside: Vec<String>,
+}
+
+/// Where `op` fell against the outage windows, for a failure message.
+fn outside_window(op: &Op, windows: &[(Instant, Instant)]) -> String {
+    let slug = match &op.result {
+        OpResult::Fail { slug, .. } => slug.as_str(),
+        _ => "",
+    };
+    let signed = |at: Instant, mark: Instant| {
+        if at >= mark {
+            format!("+{:.2?}", at - mark)
+        } else {
+            format!("-{:.2?}", mark - at)
+        }
+    };
+    match windows.iter().filter(|(_, to)| *to <= op.started).map(|(_, to)| *to).max() {
+        Some(end) => format!(
+            "{slug}: started {} and ended {} after a window's end",
+            signed(op.started, end),
+            signed(op.ended, end)
+        ),
+        None => match windows.iter().map(|(from, _)| *from).min() {
+            Some(start) => format!(
+                "{slug}: started {} and ended {} against the first window's start",
+                signed(op.started, start),
+                signed(op.ended, start)
+            ),
+            None => format!("{slug}: no outage window"),
+        },
+    }
 }
 
 /// A scoped key as the upstream saw it.
@@ -274,6 +307,9 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
                 .iter()
                 .any(|(from, to)| op.ended >= *from && op.started <= *to + Duration::from_secs(2));
             report.unavailable_outside_outage += usize::from(!inside);
+            if !inside {
+                report.unavailable_outside.push(outside_window(op, &contract.outage_windows));
+            }
         }
     }
 
@@ -338,7 +374,8 @@ impl Report {
         );
         assert_eq!(
             self.unavailable_outside_outage, 0,
-            "{scenario}: 503 while the store was available"
+            "{scenario}: 503 while the store was available: {:?}",
+            self.unavailable_outside
         );
     }
 }
