@@ -157,7 +157,12 @@ fn outside_window(op: &Op, windows: &[(Instant, Instant)]) -> String {
             format!("-{:.2?}", mark - at)
         }
     };
-    match windows.iter().filter(|(_, to)| *to <= op.started).map(|(_, to)| *to).max() {
+    match windows
+        .iter()
+        .filter(|(_, to)| *to <= op.started)
+        .map(|(_, to)| *to)
+        .max()
+    {
         Some(end) => format!(
             "{slug}: started {} and ended {} after a window's end",
             signed(op.started, end),
@@ -308,7 +313,9 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
                 .any(|(from, to)| op.ended >= *from && op.started <= *to + Duration::from_secs(2));
             report.unavailable_outside_outage += usize::from(!inside);
             if !inside {
-                report.unavailable_outside.push(outside_window(op, &contract.outage_windows));
+                report
+                    .unavailable_outside
+                    .push(outside_window(op, &contract.outage_windows));
             }
         }
     }
