@@ -49,7 +49,7 @@ use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::{Probes, Proxy, Waiting};
 use crate::store::notify::Watcher;
-use crate::store::{self, StoreFactory};
+use crate::store::{self, Background, StoreFactory};
 use crate::store::{AnyStore, RecordStore};
 
 use self::listen::{ADMIN_CONNECTIONS, Limits, Listening, bind, bind_workers, serve};
@@ -129,15 +129,20 @@ impl Running {
 /// threads. Must be called inside a Tokio runtime, which runs the admin
 /// listener, the memory store's sweeper and the Redis subscriber.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let (factory, watcher) = store::open(&config.store).await.map_err(StartError::Store)?;
-    launch(config, factory, watcher).await
+    let opened = store::open(&config.store).await.map_err(StartError::Store)?;
+    launch(config, opened).await
 }
 
 /// Like `start`, with stores made by `factory` instead of from `config.store`. Its
 /// waiters get no notifications: they re-read at their deadlines.
 #[cfg(feature = "test-util")]
 pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<Running, StartError> {
-    launch(config, factory, Watcher::None).await
+    let opened = store::Opened {
+        factory,
+        watcher: Watcher::None,
+        background: Background::default(),
+    };
+    launch(config, opened).await
 }
 
 /// What every worker and the admin listener share: the metrics, the shutdown signal,
@@ -210,15 +215,15 @@ impl Process {
 
 /// Binds, starts the workers, then the admin listener; a failure on the way stops
 /// what has started.
-async fn launch(config: Config, factory: StoreFactory, watcher: Watcher) -> Result<Running, StartError> {
-    let store = factory().map_err(StartError::Store)?;
-    let process = Process::new(&config, watcher, &store);
+async fn launch(config: Config, opened: store::Opened) -> Result<Running, StartError> {
+    let store = (opened.factory)().map_err(StartError::Store)?;
+    let process = Process::new(&config, opened.watcher, &store);
     // A memory store is one process's: a second instance must not share its port.
     let (addr, listeners) = bind_workers(config.server.listen, config.server.workers, store.shared_by_instances())?;
     let config = Arc::new(config);
     let live = Arc::new(ArcSwap::new(config.clone()));
     process.metrics.config_loaded(&config.sha256, &config.sha256);
-    let started = start_workers(&process, &config, &factory, listeners).await;
+    let started = start_workers(&process, &config, &opened.factory, listeners).await;
     let (mut stopped, reloads) = started.inspect_err(|_| process.shutdown.cancel())?;
     let admin_addr = match &config.admin {
         None => None,
@@ -264,6 +269,7 @@ async fn launch(config: Config, factory: StoreFactory, watcher: Watcher) -> Resu
             for done in stopped {
                 let _ = done.await;
             }
+            opened.background.stop().await;
         }),
     })
 }

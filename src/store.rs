@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::{Backend, StoreConfig};
 use crate::error::StoreError;
@@ -39,39 +41,95 @@ pub use crate::config::StoreLimits;
 /// the SQLite store one shared file (its writer, and read connections taken in turn).
 pub type StoreFactory = Arc<dyn Fn() -> Result<AnyStore, StoreError> + Send + Sync>;
 
-/// Opens the store `config` names: the factory the workers make their handles with,
-/// and where waiters learn that records changed (on Redis, the process's subscriber,
-/// started here). Must be called inside a Tokio runtime, which runs the memory store's
-/// sweeper, the Redis subscriber, or Postgres's listener and sweeper. Postgres is
-/// connected to here, and its schema made ready (or checked), before anything is served.
-pub(crate) async fn open(config: &StoreConfig) -> Result<(StoreFactory, Watcher), StoreError> {
+/// What `open` hands the server: the factory each worker makes its handle with (sealed
+/// with the process's one sealer), where waiters learn that records changed, and the
+/// store's background work, which the server stops once its workers have stopped.
+pub(crate) struct Opened {
+    pub factory: StoreFactory,
+    pub watcher: Watcher,
+    pub background: Background,
+}
+
+/// Opens the store `config` names, through its backend's `open`, and makes the one
+/// factory every backend's handles come from. Must be called inside a Tokio runtime,
+/// which runs the memory store's sweeper, the Redis subscriber, or Postgres's listener
+/// and sweeper. Postgres is connected to here, and its schema made ready (or checked),
+/// before anything is served.
+pub(crate) async fn open(config: &StoreConfig) -> Result<Opened, StoreError> {
     // One sealer for the process: its counter of unreadable records is one.
     let sealer = sealed::sealer(config.encryption.as_ref());
-    match &config.backend {
-        Backend::Memory(limits) => {
-            let store = MemoryStore::with_limits(*limits);
-            let watcher = store.watcher();
-            let shared = AnyStore::from(store).sealed(sealer);
-            Ok((Arc::new(move || Ok(shared.clone())), watcher))
+    let timeout = config.timeout;
+    Ok(match &config.backend {
+        Backend::Memory(limits) => memory::open(*limits).opened(sealer),
+        Backend::Sqlite(sqlite) => self::sqlite::open(sqlite, timeout)?.opened(sealer),
+        Backend::Redis(redis) => self::redis::open(redis, timeout)?.opened(sealer),
+        Backend::Postgres(postgres) => self::postgres::open(postgres, timeout).await?.opened(sealer),
+    })
+}
+
+/// How a backend hands out handles: one shared by every worker (the memory map, the
+/// SQLite file's writer and readers), or one made for each worker (its own Redis
+/// connection, its own Postgres pool).
+pub(crate) enum Handles<S> {
+    Shared(S),
+    PerWorker(Box<dyn Fn() -> Result<S, StoreError> + Send + Sync>),
+}
+
+/// A backend as its `open` makes it: its handles, where waiters learn that records
+/// changed, and the tasks it runs for the whole process.
+pub(crate) struct Started<S> {
+    pub handles: Handles<S>,
+    pub watcher: Watcher,
+    pub background: Background,
+}
+
+impl<S: Into<AnyStore> + 'static> Started<S> {
+    fn opened(self, sealer: Option<Arc<Sealer>>) -> Opened {
+        let factory: StoreFactory = match self.handles {
+            Handles::Shared(store) => {
+                let shared = store.into().sealed(sealer);
+                Arc::new(move || Ok(shared.clone()))
+            }
+            Handles::PerWorker(make) => Arc::new(move || Ok(make()?.into().sealed(sealer.clone()))),
+        };
+        Opened {
+            factory,
+            watcher: self.watcher,
+            background: self.background,
         }
-        Backend::Sqlite(sqlite) => {
-            let store = SqliteStore::open(sqlite, config.timeout)?;
-            let watcher = store.watcher();
-            let shared = AnyStore::from(store).sealed(sealer);
-            Ok((Arc::new(move || Ok(shared.clone())), watcher))
-        }
-        Backend::Redis(redis) => {
-            let (redis, timeout) = (redis.clone(), config.timeout);
-            let watcher = self::redis::start_subscriber(&redis, timeout)?;
-            let factory: StoreFactory =
-                Arc::new(move || Ok(AnyStore::from(RedisStore::new(&redis, timeout)?).sealed(sealer.clone())));
-            Ok((factory, watcher))
-        }
-        Backend::Postgres(postgres) => {
-            let (factory, watcher) = self::postgres::open(postgres, config.timeout).await?;
-            let factory: StoreFactory = Arc::new(move || Ok(factory()?.sealed(sealer.clone())));
-            Ok((factory, watcher))
-        }
+    }
+}
+
+/// The tasks a store runs for the whole process that no handle's drop ends (Postgres's
+/// sweeper): each runs until `stop`, which the server calls once its workers have
+/// stopped, until this is dropped (a start that failed), or until its runtime ends.
+#[derive(Debug, Default)]
+pub(crate) struct Background {
+    stop: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl Background {
+    /// Runs `task` on the current runtime until it ends or `stop` is called.
+    pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            stop.run_until_cancelled(task).await;
+        });
+    }
+
+    /// Stops every task and returns once each has ended.
+    pub(crate) async fn stop(self) {
+        let tasks = self.tasks.clone();
+        drop(self);
+        tasks.close();
+        tasks.wait().await;
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.stop.cancel();
     }
 }
 

@@ -18,6 +18,7 @@ use std::path::Path;
 use support::client::post;
 use support::pki::{Issued, Pki};
 use support::storm::{Storm, until_progress};
+use support::topology::until;
 use support::{ChildProxy, Mode, PostgresServer, Relay, StoreKind, TestConfig, Upstream};
 use tokio::time::Instant;
 
@@ -305,6 +306,35 @@ async fn a_waiting_duplicate_is_woken_by_notify_and_replays() {
     assert_eq!(second.status, 201);
     assert!(second.replayed());
     assert_eq!(upstream.executions("waited"), 1);
+}
+
+/// The store's work for the process stops with the proxy: once a proxy in this
+/// process has shut down, Postgres holds none of its connections: not its workers'
+/// pools, not its listener, and not its sweeper, which once ran on for as long as the
+/// runtime that started it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_that_has_shut_down_holds_no_connection_to_postgres() {
+    let server = PostgresServer::start();
+    let upstream = Upstream::start().await;
+    let running = idemproxy::start(config(&server.url(), &upstream.url(), "2s").config())
+        .await
+        .expect("start the proxy");
+    let served = post(running.addr, Some("stop-1"), "{}", &[("authorization", "Bearer t")]).await;
+    assert_eq!(served.status, 201, "{served:?}");
+    let held = |what: &str| {
+        server.psql(&format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'idemproxy' AND {what}"
+        ))
+    };
+    until("the sweeper has swept", Duration::from_secs(20), || {
+        held("query LIKE '%.sweep(%'") == "1"
+    });
+    running.shutdown().await;
+    until(
+        "every connection of the proxy is closed",
+        Duration::from_secs(10),
+        || held("true") == "0",
+    );
 }
 
 /// `idemproxy serve` with `config`: it must exit non-zero; its stderr.

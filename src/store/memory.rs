@@ -17,14 +17,25 @@ use tokio::time::Instant;
 use super::lifecycle::{self, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, ClientId, Deferred, Fingerprint, OwnerToken, ProbeSchedule, ProbeStart, RecordStore,
-    RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreLimits, StoreUsage, StoredResponse, SummaryState,
-    UnknownReason, Write,
+    Background, ClaimOutcome, ClaimRequest, ClientId, Deferred, Fingerprint, Handles, OwnerToken, ProbeSchedule,
+    ProbeStart, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, Started, StoreKey, StoreLimits, StoreUsage,
+    StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::StoreError;
 
 /// How often the background sweeper drops expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The process's memory store, shared by every worker; its sweeper ends with its last
+/// handle. Must be called inside a Tokio runtime.
+pub(crate) fn open(limits: StoreLimits) -> Started<MemoryStore> {
+    let store = MemoryStore::with_limits(limits);
+    Started {
+        watcher: store.watcher(),
+        handles: Handles::Shared(store),
+        background: Background::default(),
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct MemoryStore {

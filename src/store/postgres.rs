@@ -22,10 +22,9 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 
 use super::codes;
-use super::notify::Watcher;
 use super::{
-    ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule, ProbeStart,
-    RecordState, RecordStore, RecordSummary, Resolution, Resolved, StoreFactory, StoreKey, StoredResponse,
+    Background, ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, Handles, OwnerToken, Probe, ProbeSchedule,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, Started, StoreKey, StoredResponse,
     SummaryState, UnknownReason, Write,
 };
 use crate::config::PostgresConfig;
@@ -99,23 +98,22 @@ impl Calls {
 }
 
 /// Opens the store `config` names (`PostgresStore::open`), and starts the process's
-/// listener and sweeper on the current runtime. Every worker's pool is made by the
-/// factory.
-pub(crate) async fn open(config: &PostgresConfig, timeout: Duration) -> Result<(StoreFactory, Watcher), StoreError> {
+/// listener (it ends when the last watcher is dropped) and its sweeper (a background
+/// task, stopped with the server). Each worker makes its own pool.
+pub(crate) async fn open(config: &PostgresConfig, timeout: Duration) -> Result<Started<PostgresStore>, StoreError> {
     let first = PostgresStore::open(config, timeout).await?;
     let (pg, connector) = first.dial.as_ref().clone();
     let watcher = listen::start(pg.clone(), connector.clone(), &config.schema, timeout);
-    sweep::start(pg.clone(), connector.clone(), &config.schema, timeout);
+    let background = Background::default();
+    background.spawn(sweep::run(pg.clone(), connector.clone(), &config.schema, timeout));
     let config = config.clone();
-    let factory: StoreFactory = Arc::new(move || {
-        Ok(super::AnyStore::from(PostgresStore::new(
-            &config,
-            pg.clone(),
-            connector.clone(),
-            timeout,
-        )))
-    });
-    Ok((factory, watcher))
+    Ok(Started {
+        handles: Handles::PerWorker(Box::new(move || {
+            Ok(PostgresStore::new(&config, pg.clone(), connector.clone(), timeout))
+        })),
+        watcher,
+        background,
+    })
 }
 
 fn millis(duration: Duration) -> i64 {

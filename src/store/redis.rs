@@ -20,8 +20,8 @@ use tokio::time::Instant;
 use self::topology::{Connection, Unready, is_refused, is_transient};
 use super::codes;
 use super::{
-    ClaimOutcome, ClaimRequest, Deferred, OwnerToken, ProbeSchedule, ProbeStart, RecordStore, RecordSummary,
-    Resolution, Resolved, StoreKey, StoredResponse, UnknownReason, Write,
+    Background, ClaimOutcome, ClaimRequest, Deferred, Handles, OwnerToken, ProbeSchedule, ProbeStart, RecordStore,
+    RecordSummary, Resolution, Resolved, Started, StoreKey, StoredResponse, UnknownReason, Write,
 };
 use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
@@ -35,7 +35,7 @@ use self::seams::Seams;
 #[cfg(feature = "test-util")]
 pub use self::seams::{ClaimPause, ClaimPlant};
 
-pub(crate) use self::subscriber::{publish_command, start as start_subscriber};
+pub(crate) use self::subscriber::publish_command;
 
 /// The first pause between two tries of an operation the store refused for a moment,
 /// and the longest.
@@ -125,6 +125,19 @@ impl std::fmt::Debug for RedisStore {
             .field("durability", &self.durability)
             .finish()
     }
+}
+
+/// The process's Redis store: each worker makes its own handle, with its own
+/// connections, and the process's one subscriber, started here, tells waiters of
+/// changes (it ends when the last watcher is dropped).
+pub(crate) fn open(config: &RedisConfig, timeout: Duration) -> Result<Started<RedisStore>, StoreError> {
+    let watcher = subscriber::start(config, timeout)?;
+    let config = config.clone();
+    Ok(Started {
+        handles: Handles::PerWorker(Box::new(move || RedisStore::new(&config, timeout))),
+        watcher,
+        background: Background::default(),
+    })
 }
 
 impl RedisStore {

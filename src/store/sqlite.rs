@@ -28,9 +28,9 @@ use self::writer::{Clock, Millis, Writer, disk};
 use super::lifecycle::{self, Change, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
-    ClaimOutcome, ClaimRequest, ClientId, CommitFigures, Deferred, Existing, Fingerprint, OwnerToken, ProbeSchedule,
-    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, StoreKey, StoreUsage,
-    StoredResponse, SummaryState, UnknownReason, Unsettled, Write,
+    Background, ClaimOutcome, ClaimRequest, ClientId, CommitFigures, Deferred, Existing, Fingerprint, Handles,
+    OwnerToken, ProbeSchedule, ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId,
+    Started, StoreKey, StoreUsage, StoredResponse, SummaryState, UnknownReason, Unsettled, Write,
 };
 use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::StoreError;
@@ -285,6 +285,17 @@ fn space_due(conn: &Connection, now: Millis) -> Result<Duration, StoreError> {
     Ok(first
         .map_or(Duration::ZERO, |first| until(now, first))
         .max(Duration::from_secs(1)))
+}
+
+/// The process's SQLite store (`SqliteStore::open`), shared by every worker; its writer
+/// and checkpointer threads end with its last handle.
+pub(crate) fn open(config: &SqliteConfig, timeout: Duration) -> Result<Started<SqliteStore>, StoreError> {
+    let store = SqliteStore::open(config, timeout)?;
+    Ok(Started {
+        watcher: store.watcher(),
+        handles: Handles::Shared(store),
+        background: Background::default(),
+    })
 }
 
 impl SqliteStore {

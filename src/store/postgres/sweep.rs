@@ -12,10 +12,16 @@ const BATCH: i32 = 500;
 /// Between two rounds of batches.
 const EVERY: Duration = Duration::from_secs(1);
 
-/// Starts the sweeper on the current runtime: its own connection, made again when lost.
-pub(super) fn start(pg: tokio_postgres::Config, connector: MakeRustlsConnect, schema: &str, timeout: Duration) {
+/// The sweeper, to run until the store's background work is stopped: its own
+/// connection, made again when lost.
+pub(super) fn run(
+    pg: tokio_postgres::Config,
+    connector: MakeRustlsConnect,
+    schema: &str,
+    timeout: Duration,
+) -> impl Future<Output = ()> + Send + 'static {
     let sweep = format!("SELECT {schema}.sweep({BATCH})");
-    tokio::spawn(async move {
+    async move {
         let mut client = None;
         loop {
             tokio::time::sleep(EVERY).await;
@@ -37,5 +43,5 @@ pub(super) fn start(pg: tokio_postgres::Config, connector: MakeRustlsConnect, sc
                 }
             }
         }
-    });
+    }
 }

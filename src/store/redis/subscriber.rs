@@ -39,7 +39,7 @@ enum Source {
 
 /// Starts the process's subscriber on the current runtime and returns the watcher the
 /// proxy's waiters use. Nothing connects until the first waiter.
-pub(crate) fn start(config: &RedisConfig, timeout: Duration) -> Result<Watcher, StoreError> {
+pub(super) fn start(config: &RedisConfig, timeout: Duration) -> Result<Watcher, StoreError> {
     let certificates = config
         .tls
         .as_ref()
