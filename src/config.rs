@@ -225,17 +225,19 @@ pub enum Backend {
     Sqlite(SqliteConfig),
     Redis(RedisConfig),
     /// A Postgres schema that every instance on the database shares (docs/design.md §22).
-    Postgres(PostgresConfig),
+    /// Boxed: its parsed connection settings are several times the size of the others.
+    Postgres(Box<PostgresConfig>),
 }
 
 /// The Postgres store: where it is, how it connects and what it may hold per tenant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PostgresConfig {
-    /// A libpq-style URL (`postgres://user@host:5432/db?sslmode=require`, several hosts
-    /// with `target_session_attrs=read-write`); a password in it is kept, never shown.
-    pub url: String,
-    /// The password read from `password_env` at load.
-    pub password: Option<Secret>,
+    /// Where the store is and as whom: `store.url` as libpq reads it (several hosts
+    /// with `target_session_attrs=read-write`; `sslmode` `verify-ca` and `verify-full`
+    /// read as `require`, which over rustls verifies as strictly), parsed once, at
+    /// load, with `password_env`'s password set in it. Its `Debug` shows no password.
+    pub server: tokio_postgres::Config,
+    /// The variable the password was read from, if not from the URL.
     pub password_env: Option<String>,
     /// The schema the tables and functions live in: `[a-z_][a-z0-9_]*`, at most 48.
     pub schema: String,
@@ -253,11 +255,11 @@ pub struct PostgresConfig {
 }
 
 impl PostgresConfig {
-    /// The store at `url` with every other setting at its default.
-    pub fn at(url: &str) -> PostgresConfig {
-        PostgresConfig {
-            url: url.to_string(),
-            password: None,
+    /// The store at `url` (libpq's syntax, as tokio-postgres reads it) with every other
+    /// setting at its default.
+    pub fn at(url: &str) -> Result<PostgresConfig, tokio_postgres::Error> {
+        Ok(PostgresConfig {
+            server: url.parse()?,
             password_env: None,
             schema: "idemproxy".to_string(),
             migrate: true,
@@ -265,52 +267,28 @@ impl PostgresConfig {
             tls: None,
             min_replica_acks: 0,
             max_records_per_scope: DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE,
-        }
+        })
     }
 
     /// Where the store is, as `check` and the logs show it: user, hosts, ports and
     /// database, never a password.
     pub fn shown(&self) -> String {
-        match self.url.parse::<tokio_postgres::Config>() {
-            Err(_) => "an unreadable URL".to_string(),
-            Ok(pg) => {
-                let hosts: Vec<String> = pg
-                    .get_hosts()
-                    .iter()
-                    .zip(pg.get_ports().iter().chain(std::iter::repeat(&5432)))
-                    .map(|(host, port)| match host {
-                        tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
-                        tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
-                    })
-                    .collect();
-                format!(
-                    "postgres://{}@{}/{}",
-                    pg.get_user().unwrap_or("(the system user)"),
-                    hosts.join(","),
-                    pg.get_dbname().unwrap_or("(the user's database)")
-                )
-            }
-        }
-    }
-}
-
-/// A secret read from the environment: compared and used, never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: String) -> Secret {
-        Secret(value)
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(..)")
+        let pg = &self.server;
+        let hosts: Vec<String> = pg
+            .get_hosts()
+            .iter()
+            .zip(pg.get_ports().iter().chain(std::iter::repeat(&5432)))
+            .map(|(host, port)| match host {
+                tokio_postgres::config::Host::Tcp(name) => format!("{name}:{port}"),
+                tokio_postgres::config::Host::Unix(path) => format!("{}:{port}", path.display()),
+            })
+            .collect();
+        format!(
+            "postgres://{}@{}/{}",
+            pg.get_user().unwrap_or("(the system user)"),
+            hosts.join(","),
+            pg.get_dbname().unwrap_or("(the user's database)")
+        )
     }
 }
 
@@ -1091,10 +1069,7 @@ impl std::fmt::Display for PostgresConfig {
     /// The store as `idemproxy check` prints it: never the password.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "postgres {} schema {}", self.shown(), self.schema)?;
-        let in_url = self
-            .url
-            .parse::<tokio_postgres::Config>()
-            .is_ok_and(|pg| pg.get_password().is_some());
+        let in_url = self.server.get_password().is_some();
         match (&self.password_env, in_url) {
             (Some(variable), _) => write!(f, "; password from ${variable}")?,
             (None, true) => write!(f, "; password in the URL")?,

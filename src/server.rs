@@ -49,7 +49,7 @@ use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::proxy::{Probes, Proxy, Waiting};
 use crate::store::notify::Watcher;
-use crate::store::{self, Background, StoreFactory};
+use crate::store::{self, StoreFactory};
 use crate::store::{AnyStore, RecordStore};
 
 use self::listen::{ADMIN_CONNECTIONS, Limits, Listening, bind, bind_workers, serve};
@@ -140,7 +140,7 @@ pub async fn start_with_store(config: Config, factory: StoreFactory) -> Result<R
     let opened = store::Opened {
         factory,
         watcher: Watcher::None,
-        background: Background::default(),
+        background: store::Background::default(),
     };
     launch(config, opened).await
 }

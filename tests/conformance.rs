@@ -688,7 +688,7 @@ fn the_postgres_store_conforms_to_the_model() {
         .build()
         .expect("runtime");
     let (store, control) = runtime.block_on(async {
-        let config = idemproxy::config::PostgresConfig::at(&server.url());
+        let config = idemproxy::config::PostgresConfig::at(&server.url()).expect("the test server's URL");
         let store = PostgresStore::open(&config, Duration::from_secs(5))
             .await
             .expect("the postgres store");

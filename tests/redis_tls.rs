@@ -277,7 +277,7 @@ fn bad_store_tls_files_are_named_by_their_field() {
         ),
         (
             format!("[store]\ntls_ca_file = \"{}\"\n{route}", pki.ca_file.display()),
-            "t.toml:2: store.tls_ca_file: only the redis and postgres backends take this",
+            "t.toml:2: store.tls_ca_file: the memory backend has no such setting (redis, redis-sentinel, redis-cluster and postgres use it)",
         ),
     ] {
         let error = idemproxy::Config::parse(&text, Path::new("t.toml")).expect_err("refused");

@@ -1148,7 +1148,7 @@ fn sqlite_store(path: &std::path::Path, limits: StoreLimits) -> SqliteStore {
 
 /// A Postgres store on `server`'s `postgres` database, schema `idemproxy`, 2 s timeout.
 async fn postgres_store(server: &PostgresServer) -> PostgresStore {
-    PostgresStore::open(&PostgresConfig::at(&server.url()), Duration::from_secs(2))
+    PostgresStore::open(&PostgresConfig::at(&server.url()).expect("the test server's URL"), Duration::from_secs(2))
         .await
         .expect("open the postgres store")
 }
@@ -2649,7 +2649,7 @@ async fn a_full_disk_refuses_claims_keeps_replays_and_recovers_by_itself() {
 #[tokio::test]
 async fn a_scope_past_its_share_of_the_postgres_store_is_refused_until_its_records_go() {
     let server = PostgresServer::start();
-    let mut config = PostgresConfig::at(&server.url());
+    let mut config = PostgresConfig::at(&server.url()).expect("the test server's URL");
     config.max_records_per_scope = 2;
     let store = PostgresStore::open(&config, Duration::from_secs(2))
         .await

@@ -3,6 +3,7 @@
 //! at a value. Nothing here checks a value; `validate` does.
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -146,6 +147,66 @@ pub(super) struct RawStore {
     pub(super) password_env: Option<Spanned<String>>,
     pub(super) schema: Option<Spanned<String>>,
     pub(super) migrate: Option<Spanned<bool>>,
+}
+
+impl BackendKind {
+    /// The backend as `store.backend` names it.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            BackendKind::Memory => "memory",
+            BackendKind::Sqlite => "sqlite",
+            BackendKind::Redis => "redis",
+            BackendKind::RedisSentinel => "redis-sentinel",
+            BackendKind::RedisCluster => "redis-cluster",
+            BackendKind::Postgres => "postgres",
+        }
+    }
+}
+
+impl RawStore {
+    /// Each setting of the table that the file gives, by its key, with where.
+    pub(super) fn given(&self) -> Vec<(&'static str, Range<usize>)> {
+        let spans = [
+            ("store.url", self.url.as_ref().map(Spanned::span)),
+            ("store.urls", self.urls.as_ref().map(Spanned::span)),
+            ("store.master_name", self.master_name.as_ref().map(Spanned::span)),
+            ("store.max_records", self.max_records.as_ref().map(Spanned::span)),
+            ("store.max_bytes", self.max_bytes.as_ref().map(Spanned::span)),
+            (
+                "store.max_records_per_scope",
+                self.max_records_per_scope.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.max_bytes_per_scope",
+                self.max_bytes_per_scope.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.max_records_per_client",
+                self.max_records_per_client.as_ref().map(Spanned::span),
+            ),
+            ("store.path", self.path.as_ref().map(Spanned::span)),
+            ("store.cache_bytes", self.cache_bytes.as_ref().map(Spanned::span)),
+            (
+                "store.min_replica_acks",
+                self.min_replica_acks.as_ref().map(Spanned::span),
+            ),
+            (
+                "store.replica_ack_timeout",
+                self.replica_ack_timeout.as_ref().map(Spanned::span),
+            ),
+            ("store.connections", self.connections.as_ref().map(Spanned::span)),
+            ("store.tls_ca_file", self.tls_ca_file.as_ref().map(Spanned::span)),
+            ("store.tls_cert_file", self.tls_cert_file.as_ref().map(Spanned::span)),
+            ("store.tls_key_file", self.tls_key_file.as_ref().map(Spanned::span)),
+            ("store.password_env", self.password_env.as_ref().map(Spanned::span)),
+            ("store.schema", self.schema.as_ref().map(Spanned::span)),
+            ("store.migrate", self.migrate.as_ref().map(Spanned::span)),
+        ];
+        spans
+            .into_iter()
+            .filter_map(|(key, span)| span.map(|span| (key, span)))
+            .collect()
+    }
 }
 
 /// `[store.encryption]`: the environment variables the record keys are read from.

@@ -67,7 +67,7 @@ fn the_redis_backend_needs_a_redis_url() {
     );
     assert!(
         error(&format!("[store]\nurl = \"redis://x\"\n{ROUTE}"))
-            .contains("store.url: only the redis and postgres backends")
+            .contains("store.url: the memory backend has no such setting (redis and postgres use it)")
     );
     assert!(
         error(&format!(
@@ -196,7 +196,7 @@ fn bounds_are_inclusive_where_the_design_says_so() {
         "[store]\nbackend = \"redis\"\nurl = \"redis://x\"\nmax_bytes = 5000000\n{ROUTE}"
     ));
     assert!(
-        message.contains("store.max_bytes: only the memory and sqlite backends take this; bound Redis with maxmemory"),
+        message.contains("store.max_bytes: the redis backend has no such setting (memory and sqlite use it); bound Redis with maxmemory"),
         "{message}"
     );
 }
@@ -371,7 +371,7 @@ fn each_topology_refuses_the_fields_of_the_others() {
         ),
         (
             "backend = \"redis-sentinel\"\nurl = \"redis://s:26379\"\nmaster_name = \"m\"",
-            "t.toml:3: store.url: the redis-sentinel backend takes urls",
+            "t.toml:3: store.url: the redis-sentinel backend has no such setting (redis and postgres use it); redis-sentinel and redis-cluster take urls = [...]",
         ),
         (
             "backend = \"redis-sentinel\"\nurls = []\nmaster_name = \"m\"",
@@ -387,11 +387,11 @@ fn each_topology_refuses_the_fields_of_the_others() {
         ),
         (
             "backend = \"redis-cluster\"\nurls = [\"redis://n:6379\"]\nmaster_name = \"m\"",
-            "t.toml:4: store.master_name: only the redis-sentinel backend",
+            "t.toml:4: store.master_name: the redis-cluster backend has no such setting (redis-sentinel uses it)",
         ),
         (
             "backend = \"redis\"\nurl = \"redis://n:6379\"\nurls = [\"redis://n:6379\"]",
-            "t.toml:4: store.urls: the redis backend takes one url",
+            "t.toml:4: store.urls: the redis backend has no such setting (redis-sentinel and redis-cluster use it); redis takes one url",
         ),
         (
             "backend = \"redis\"\nurl = \"redis://n\"\nreplica_ack_timeout = \"500us\"",
@@ -399,11 +399,11 @@ fn each_topology_refuses_the_fields_of_the_others() {
         ),
         (
             "min_replica_acks = 1",
-            "t.toml:2: store.min_replica_acks: only the redis and postgres backends",
+            "t.toml:2: store.min_replica_acks: the memory backend has no such setting (redis, redis-sentinel, redis-cluster and postgres use it)",
         ),
         (
             "urls = [\"redis://n:6379\"]",
-            "t.toml:2: store.urls: only the redis backends",
+            "t.toml:2: store.urls: the memory backend has no such setting",
         ),
     ] {
         let message = error(&format!("[store]\n{store}\n{ROUTE}"));
@@ -963,6 +963,80 @@ fn the_reference_lists_every_setting_the_validator_accepts() {
     assert_eq!(keys.len(), count, "a setting listed twice");
 }
 
+/// The reference's `backends` column is what the validator does: each `[store]`
+/// setting it limits, given to each of the six backends, is refused by exactly those
+/// the column leaves out, naming the ones it lists.
+#[test]
+fn each_store_setting_is_taken_by_the_backends_the_reference_names() {
+    use super::reference::{Backends, SETTINGS, split};
+    let backends: [(&str, &[(&str, &str)]); 6] = [
+        ("memory", &[]),
+        ("sqlite", &[("path", "\"r.db\"")]),
+        ("redis", &[("url", "\"redis://127.0.0.1:6379\"")]),
+        (
+            "redis-sentinel",
+            &[("urls", "[\"redis://127.0.0.1:26379\"]"), ("master_name", "\"m\"")],
+        ),
+        ("redis-cluster", &[("urls", "[\"redis://127.0.0.1:7000\"]")]),
+        ("postgres", &[("url", "\"postgres://app@db/orders\"")]),
+    ];
+    let sample = |name: &str| match name {
+        "url" => "\"redis://127.0.0.1:6379\"",
+        "urls" => "[\"redis://127.0.0.1:6379\"]",
+        "master_name" | "schema" => "\"m\"",
+        "min_replica_acks" | "connections" => "2",
+        "replica_ack_timeout" => "\"250ms\"",
+        "tls_ca_file" | "tls_cert_file" | "tls_key_file" => "\"missing.pem\"",
+        "password_env" => "\"IDEMPROXY_TEST_UNSET\"",
+        "migrate" => "false",
+        "max_records" | "max_records_per_scope" | "max_records_per_client" => "10",
+        "max_bytes" | "max_bytes_per_scope" | "cache_bytes" => "\"2MiB\"",
+        "path" => "\"x.db\"",
+        other => panic!("no sample value for store.{other}"),
+    };
+    let mut refused = 0;
+    let mut limited = 0;
+    for setting in SETTINGS {
+        let Backends::Only { .. } = setting.backends else {
+            continue;
+        };
+        limited += 1;
+        let name = split(setting.key).1;
+        for (backend, base) in backends {
+            let mut without = format!("[store]\nbackend = \"{backend}\"\n");
+            for (key, value) in base.iter().filter(|(key, _)| *key != name) {
+                without.push_str(&format!("{key} = {value}\n"));
+            }
+            let with = format!("{without}{name} = {}\n{ROUTE}", sample(name));
+            let parsed = parse(&with);
+            let outcome = parsed.as_ref().err().map(ToString::to_string);
+            let refusal = format!("{}: the {backend} backend has no such setting (", setting.key);
+            let named = outcome.as_deref().is_some_and(|message| message.contains(&refusal));
+            if setting.backends.take(backend) {
+                assert!(!named, "{backend} refused {}: {outcome:?}", setting.key);
+                // A backend the column names reads the setting: it changes what is
+                // loaded, or is refused for its value, by its name.
+                let read = match (parsed, parse(&format!("{without}{ROUTE}"))) {
+                    (Ok(with), Ok(without)) => format!("{:?}", with.store) != format!("{:?}", without.store),
+                    (Ok(_), Err(_)) => true,
+                    (Err(error), _) => error.to_string().contains(&format!("{}:", setting.key)),
+                };
+                assert!(read, "{backend} ignores {}: {outcome:?}", setting.key);
+            } else {
+                assert!(named, "{backend} took {}: {outcome:?}", setting.key);
+                let message = outcome.unwrap_or_default();
+                assert!(
+                    message.contains(&format!("{refusal}{} use", setting.backends.named())),
+                    "{message}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!(limited, 19, "the [store] settings some backends refuse");
+    assert!(refused > 50, "only {refused} refusals checked");
+}
+
 /// Each default the reference gives as a value is the default the validator applies:
 /// writing it out changes nothing.
 #[test]
@@ -1213,7 +1287,7 @@ fn the_sqlite_backend_takes_a_file_and_the_embedded_bounds() {
         ),
         (
             format!("{sqlite}path = \"r.db\"\nurl = \"redis://x\"\n{ROUTE}"),
-            "store.url: only the redis and postgres backends take this",
+            "store.url: the sqlite backend has no such setting (redis and postgres use it)",
         ),
         (
             format!("{sqlite}path = \"r.db\"\ncache_bytes = \"512KiB\"\n{ROUTE}"),
@@ -1221,11 +1295,11 @@ fn the_sqlite_backend_takes_a_file_and_the_embedded_bounds() {
         ),
         (
             format!("[store]\npath = \"r.db\"\n{ROUTE}"),
-            "store.path: only the sqlite backend takes this",
+            "store.path: the memory backend has no such setting (sqlite uses it)",
         ),
         (
             format!("[store]\nbackend = \"redis\"\nurl = \"redis://x\"\ncache_bytes = \"8MiB\"\n{ROUTE}"),
-            "store.cache_bytes: only the sqlite backend takes this",
+            "store.cache_bytes: the redis backend has no such setting (sqlite uses it)",
         ),
         (
             format!("{sqlite}path = \"r.db\"\nmax_bytes = \"4MiB\"\n{ROUTE}[route.idempotency]\n"),
@@ -1286,8 +1360,8 @@ fn the_postgres_backend_takes_its_settings_and_never_shows_a_password() {
             panic!("not postgres");
         };
         assert_eq!(
-            postgres.url,
-            "postgres://app@db/orders?application_name=x&sslmode=require"
+            (postgres.server.get_ssl_mode(), postgres.server.get_application_name()),
+            (tokio_postgres::config::SslMode::Require, Some("x"))
         );
     }
     for (lines, expected) in [
@@ -1315,11 +1389,11 @@ fn the_postgres_backend_takes_its_settings_and_never_shows_a_password() {
         ("url = \"postgres://a@db/x\"\nschema = \"pg_catalog\"", "store.schema"),
         (
             "url = \"postgres://a@db/x\"\nmax_records = 5",
-            "store.max_records: only the memory and sqlite",
+            "store.max_records: the postgres backend has no such setting (memory and sqlite use it); bound Redis with maxmemory; Postgres is bounded by its disk",
         ),
         (
             "url = \"postgres://a@db/x\"\npath = \"r.db\"",
-            "store.path: only the sqlite backend",
+            "store.path: the postgres backend has no such setting (sqlite uses it)",
         ),
         (
             "url = \"postgres://a@db/x\"\nconnections = 0",
@@ -1346,5 +1420,8 @@ fn the_postgres_backend_takes_its_settings_and_never_shows_a_password() {
         assert!(refused.contains(expected), "{lines}: {refused}");
         assert!(!refused.contains("hunter2"), "{refused}");
     }
-    assert!(error(&format!("[store]\nschema = \"x\"\n{ROUTE}")).contains("store.schema: only the postgres backend"));
+    assert!(
+        error(&format!("[store]\nschema = \"x\"\n{ROUTE}"))
+            .contains("store.schema: the memory backend has no such setting (postgres uses it)")
+    );
 }

@@ -178,7 +178,7 @@ impl PostgresStore {
     /// newer version is an error naming it.
     pub async fn open(config: &PostgresConfig, timeout: Duration) -> Result<PostgresStore, StoreError> {
         let connector = connector(config)?;
-        let pg = connect::pg_config(config, timeout)?;
+        let pg = connect::pg_config(config, timeout);
         let client = connect::connect(&pg, &connector, timeout.max(Duration::from_secs(10))).await?;
         let identity = schema::prepare(&client, &config.schema, config.migrate).await?;
         drop(client);

@@ -6,11 +6,12 @@ use std::time::Duration;
 use toml::Spanned;
 
 use crate::config::raw::{BackendKind, RawEncryption, RawStore};
+use crate::config::reference::{Backends, SETTINGS};
 use crate::config::{
     Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_POSTGRES_CONNECTIONS,
     DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE, DEFAULT_REPLICA_ACK_TIMEOUT, DEFAULT_SQLITE_CACHE_BYTES,
     DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS, Encryption, PostgresConfig,
-    RecordKey, RedisConfig, RedisTopology, Secret, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
+    RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::tls::{self, TlsError};
@@ -30,22 +31,10 @@ impl Validator<'_> {
         if raw.timeout.get_ref().0.is_zero() {
             return Err(self.error(raw.timeout.span(), "store.timeout", "must be greater than 0"));
         }
+        self.refuse_settings_of_other_backends(&raw)?;
         let backend = match *raw.backend.get_ref() {
-            BackendKind::Memory => {
-                self.refuse_redis_settings(&raw)?;
-                self.refuse_postgres_settings(&raw)?;
-                let sqlite_only = [
-                    ("store.path", raw.path.as_ref().map(Spanned::span)),
-                    ("store.cache_bytes", raw.cache_bytes.as_ref().map(Spanned::span)),
-                ];
-                if let Some((field, Some(span))) = sqlite_only.into_iter().find(|(_, span)| span.is_some()) {
-                    return Err(self.error(span, field, "only the sqlite backend takes this"));
-                }
-                Backend::Memory(self.limits(&raw, DEFAULT_MAX_RECORDS, DEFAULT_MAX_BYTES)?)
-            }
+            BackendKind::Memory => Backend::Memory(self.limits(&raw, DEFAULT_MAX_RECORDS, DEFAULT_MAX_BYTES)?),
             BackendKind::Sqlite => {
-                self.refuse_redis_settings(&raw)?;
-                self.refuse_postgres_settings(&raw)?;
                 let Some(path) = &raw.path else {
                     return Err(self.error(
                         raw.backend.span(),
@@ -71,11 +60,8 @@ impl Validator<'_> {
                     response_budget: usize::MAX,
                 })
             }
-            BackendKind::Postgres => Backend::Postgres(self.postgres(&raw)?),
-            kind => {
-                self.refuse_postgres_settings(&raw)?;
-                Backend::Redis(self.redis(kind, &raw)?)
-            }
+            BackendKind::Postgres => Backend::Postgres(Box::new(self.postgres(&raw)?)),
+            kind => Backend::Redis(self.redis(kind, &raw)?),
         };
         let encryption = match &raw.encryption {
             None => None,
@@ -94,19 +80,6 @@ impl Validator<'_> {
     /// bytes; an unset variable, or a value that is not, refuses the config naming the
     /// variable (never its value).
     fn encryption(&self, raw: &RawEncryption) -> Result<Encryption, ConfigError> {
-        let read = |variable: &Spanned<String>, field: &str| {
-            std::env::var(variable.get_ref()).map_err(|error| {
-                let reason = match error {
-                    std::env::VarError::NotPresent => "is not set",
-                    std::env::VarError::NotUnicode(_) => "is not text",
-                };
-                self.error(
-                    variable.span(),
-                    field,
-                    format!("the environment variable {} {reason}", variable.get_ref()),
-                )
-            })
-        };
         let key = |text: &str, variable: &Spanned<String>, field: &str| {
             RecordKey::from_base64(text).ok_or_else(|| {
                 self.error(
@@ -123,14 +96,14 @@ impl Validator<'_> {
             return Err(self.error(raw.key_env.span(), "store.encryption.key_env", "must name a variable"));
         }
         let current = key(
-            &read(&raw.key_env, "store.encryption.key_env")?,
+            &self.environment(&raw.key_env, "store.encryption.key_env")?,
             &raw.key_env,
             "store.encryption.key_env",
         )?;
         let mut previous: Vec<RecordKey> = Vec::new();
         if let Some(variable) = &raw.previous_keys_env {
             let field = "store.encryption.previous_keys_env";
-            let text = read(variable, field)?;
+            let text = self.environment(variable, field)?;
             for part in text.split(',').map(str::trim).filter(|part| !part.is_empty()) {
                 let old = key(part, variable, field)?;
                 if old.id() != current.id() && !previous.iter().any(|known| known.id() == old.id()) {
@@ -147,6 +120,22 @@ impl Validator<'_> {
             current,
             previous,
             accept_clear_records: raw.accept_clear_records,
+        })
+    }
+
+    /// The value of the environment variable `variable` names (for `field`); unset or
+    /// not text refuses the config, naming the variable, never a value.
+    fn environment(&self, variable: &Spanned<String>, field: &str) -> Result<String, ConfigError> {
+        std::env::var(variable.get_ref()).map_err(|error| {
+            let reason = match error {
+                std::env::VarError::NotPresent => "is not set",
+                std::env::VarError::NotUnicode(_) => "is not text",
+            };
+            self.error(
+                variable.span(),
+                field,
+                format!("the environment variable {} {reason}", variable.get_ref()),
+            )
         })
     }
 
@@ -203,117 +192,34 @@ impl Validator<'_> {
         })
     }
 
-    /// An embedded backend takes none of the networked stores' settings.
-    fn refuse_redis_settings(&self, raw: &RawStore) -> Result<(), ConfigError> {
-        const REDIS: &str = "only the redis backends take this";
-        const NETWORKED: &str = "only the redis and postgres backends take this";
-        let networked_only = [
-            ("store.url", raw.url.as_ref().map(Spanned::span), NETWORKED),
-            ("store.urls", raw.urls.as_ref().map(Spanned::span), REDIS),
-            ("store.master_name", raw.master_name.as_ref().map(Spanned::span), REDIS),
-            (
-                "store.min_replica_acks",
-                raw.min_replica_acks.as_ref().map(Spanned::span),
-                NETWORKED,
-            ),
-            (
-                "store.replica_ack_timeout",
-                raw.replica_ack_timeout.as_ref().map(Spanned::span),
-                REDIS,
-            ),
-            (
-                "store.tls_ca_file",
-                raw.tls_ca_file.as_ref().map(Spanned::span),
-                NETWORKED,
-            ),
-            (
-                "store.tls_cert_file",
-                raw.tls_cert_file.as_ref().map(Spanned::span),
-                NETWORKED,
-            ),
-            (
-                "store.tls_key_file",
-                raw.tls_key_file.as_ref().map(Spanned::span),
-                NETWORKED,
-            ),
-            (
-                "store.connections",
-                raw.connections.as_ref().map(Spanned::span),
-                NETWORKED,
-            ),
-        ];
-        match networked_only.into_iter().find(|(_, span, _)| span.is_some()) {
-            Some((field, Some(span), reason)) => Err(self.error(span, field, reason)),
-            _ => Ok(()),
+    /// A setting the chosen backend does not take is refused, naming the backends that
+    /// do (the reference's `backends` column) and what this one uses instead.
+    fn refuse_settings_of_other_backends(&self, raw: &RawStore) -> Result<(), ConfigError> {
+        let backend = raw.backend.get_ref().name();
+        for (key, span) in raw.given() {
+            let Some(setting) = SETTINGS.iter().find(|setting| setting.key == key) else {
+                continue;
+            };
+            if let Backends::Only { backends, instead } = setting.backends
+                && !setting.backends.take(backend)
+            {
+                let verb = if backends.len() == 1 { "uses" } else { "use" };
+                let mut reason = format!(
+                    "the {backend} backend has no such setting ({} {verb} it)",
+                    setting.backends.named()
+                );
+                if !instead.is_empty() {
+                    reason = format!("{reason}; {instead}");
+                }
+                return Err(self.error(span, key, reason));
+            }
         }
-    }
-
-    /// The Postgres settings on another backend.
-    fn refuse_postgres_settings(&self, raw: &RawStore) -> Result<(), ConfigError> {
-        let postgres_only = [
-            ("store.password_env", raw.password_env.as_ref().map(Spanned::span)),
-            ("store.schema", raw.schema.as_ref().map(Spanned::span)),
-            ("store.migrate", raw.migrate.as_ref().map(Spanned::span)),
-        ];
-        match postgres_only.into_iter().find(|(_, span)| span.is_some()) {
-            Some((field, Some(span))) => Err(self.error(span, field, "only the postgres backend takes this")),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 
     /// The Postgres backend: its URL (libpq's syntax), password, schema, pool, TLS,
     /// standbys and per-scope share.
     fn postgres(&self, raw: &RawStore) -> Result<PostgresConfig, ConfigError> {
-        let not_here = [
-            (
-                "store.urls",
-                raw.urls.as_ref().map(Spanned::span),
-                "the postgres backend takes one url (several hosts go in it: postgres://a,b/db?target_session_attrs=read-write)",
-            ),
-            (
-                "store.master_name",
-                raw.master_name.as_ref().map(Spanned::span),
-                "only the redis-sentinel backend takes this",
-            ),
-            (
-                "store.replica_ack_timeout",
-                raw.replica_ack_timeout.as_ref().map(Spanned::span),
-                "the postgres backend waits for its synchronous standbys within store.timeout",
-            ),
-            (
-                "store.path",
-                raw.path.as_ref().map(Spanned::span),
-                "only the sqlite backend takes this",
-            ),
-            (
-                "store.cache_bytes",
-                raw.cache_bytes.as_ref().map(Spanned::span),
-                "only the sqlite backend takes this",
-            ),
-            (
-                "store.max_records",
-                raw.max_records.as_ref().map(Spanned::span),
-                "only the memory and sqlite backends take this; the postgres backend is bounded by its disk, and per tenant by max_records_per_scope",
-            ),
-            (
-                "store.max_bytes",
-                raw.max_bytes.as_ref().map(Spanned::span),
-                "only the memory and sqlite backends take this; the postgres backend is bounded by its disk, and per tenant by max_records_per_scope",
-            ),
-            (
-                "store.max_bytes_per_scope",
-                raw.max_bytes_per_scope.as_ref().map(Spanned::span),
-                "only the memory and sqlite backends take this; on postgres a tenant is bounded by max_records_per_scope",
-            ),
-            (
-                "store.max_records_per_client",
-                raw.max_records_per_client.as_ref().map(Spanned::span),
-                "only the memory and sqlite backends take this; on postgres a tenant is bounded by max_records_per_scope",
-            ),
-        ];
-        if let Some((field, Some(span), reason)) = not_here.into_iter().find(|(_, span, _)| span.is_some()) {
-            return Err(self.error(span, field, reason));
-        }
         let Some(url) = &raw.url else {
             return Err(self.error(
                 raw.backend.span(),
@@ -343,35 +249,20 @@ impl Validator<'_> {
         if parsed.get_hosts().is_empty() {
             return Err(self.error(url.span(), "store.url", "must name a host"));
         }
-        let password = match &raw.password_env {
-            None => None,
-            Some(variable) if variable.get_ref().is_empty() => {
+        let mut server = parsed;
+        if let Some(variable) = &raw.password_env {
+            if variable.get_ref().is_empty() {
                 return Err(self.error(variable.span(), "store.password_env", "must name a variable"));
             }
-            Some(variable) => {
-                if parsed.get_password().is_some() {
-                    return Err(self.error(
-                        variable.span(),
-                        "store.password_env",
-                        "store.url holds a password too: keep it in one place",
-                    ));
-                }
-                match std::env::var(variable.get_ref()) {
-                    Ok(value) => Some(Secret::new(value)),
-                    Err(error) => {
-                        let reason = match error {
-                            std::env::VarError::NotPresent => "is not set",
-                            std::env::VarError::NotUnicode(_) => "is not text",
-                        };
-                        return Err(self.error(
-                            variable.span(),
-                            "store.password_env",
-                            format!("the environment variable {} {reason}", variable.get_ref()),
-                        ));
-                    }
-                }
+            if server.get_password().is_some() {
+                return Err(self.error(
+                    variable.span(),
+                    "store.password_env",
+                    "store.url holds a password too: keep it in one place",
+                ));
             }
-        };
+            server.password(self.environment(variable, "store.password_env")?);
+        }
         let schema = match &raw.schema {
             None => "idemproxy".to_string(),
             Some(schema) => {
@@ -407,18 +298,13 @@ impl Validator<'_> {
             Some(max) => *max.get_ref(),
             None => DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE,
         };
-        let sslmode = url
-            .get_ref()
-            .split_once('?')
-            .map(|(_, query)| query.split('&').any(|pair| pair == "sslmode=disable"));
         let tls = self.store_tls(
             raw,
-            sslmode != Some(true),
+            server.get_ssl_mode() != tokio_postgres::config::SslMode::Disable,
             "TLS settings with sslmode=disable in store.url would never be used",
         )?;
         Ok(PostgresConfig {
-            url: url_text,
-            password,
+            server,
             password_env: raw.password_env.as_ref().map(|variable| variable.get_ref().clone()),
             schema,
             migrate: raw.migrate.as_ref().is_none_or(|migrate| *migrate.get_ref()),
@@ -431,54 +317,8 @@ impl Validator<'_> {
 
     /// The Redis backends: which fields each topology takes, every URL checked.
     pub(super) fn redis(&self, kind: BackendKind, raw: &RawStore) -> Result<RedisConfig, ConfigError> {
-        for (field, span) in [
-            ("store.max_records", raw.max_records.as_ref().map(Spanned::span)),
-            ("store.max_bytes", raw.max_bytes.as_ref().map(Spanned::span)),
-            (
-                "store.max_records_per_scope",
-                raw.max_records_per_scope.as_ref().map(Spanned::span),
-            ),
-            (
-                "store.max_bytes_per_scope",
-                raw.max_bytes_per_scope.as_ref().map(Spanned::span),
-            ),
-            (
-                "store.max_records_per_client",
-                raw.max_records_per_client.as_ref().map(Spanned::span),
-            ),
-        ] {
-            if let Some(span) = span {
-                return Err(self.error(
-                    span,
-                    field,
-                    "only the memory and sqlite backends take this; bound Redis with maxmemory",
-                ));
-            }
-        }
-        for (field, span) in [
-            ("store.path", raw.path.as_ref().map(Spanned::span)),
-            ("store.cache_bytes", raw.cache_bytes.as_ref().map(Spanned::span)),
-        ] {
-            if let Some(span) = span {
-                return Err(self.error(span, field, "only the sqlite backend takes this"));
-            }
-        }
-        let refuse = |value: Option<Range<usize>>, field: &str, reason: &str| match value {
-            Some(span) => Err(self.error(span, field, reason)),
-            None => Ok(()),
-        };
         let topology = match kind {
             BackendKind::Redis => {
-                refuse(
-                    raw.urls.as_ref().map(Spanned::span),
-                    "store.urls",
-                    "the redis backend takes one url; urls is for redis-sentinel and redis-cluster",
-                )?;
-                refuse(
-                    raw.master_name.as_ref().map(Spanned::span),
-                    "store.master_name",
-                    "only the redis-sentinel backend takes master_name",
-                )?;
                 let Some(url) = &raw.url else {
                     return Err(self.error(
                         raw.backend.span(),
@@ -492,16 +332,6 @@ impl Validator<'_> {
                 }
             }
             BackendKind::RedisSentinel | BackendKind::RedisCluster => {
-                let name = if kind == BackendKind::RedisSentinel {
-                    "redis-sentinel"
-                } else {
-                    "redis-cluster"
-                };
-                refuse(
-                    raw.url.as_ref().map(Spanned::span),
-                    "store.url",
-                    &format!("the {name} backend takes urls = [...], not url"),
-                )?;
                 let urls = match &raw.urls {
                     Some(urls) if !urls.get_ref().is_empty() => urls,
                     Some(urls) => return Err(self.error(urls.span(), "store.urls", "must name at least one node")),
@@ -519,11 +349,6 @@ impl Validator<'_> {
                 }
                 let urls = urls.get_ref().clone();
                 if kind == BackendKind::RedisCluster {
-                    refuse(
-                        raw.master_name.as_ref().map(Spanned::span),
-                        "store.master_name",
-                        "only the redis-sentinel backend takes master_name",
-                    )?;
                     RedisTopology::Cluster { urls }
                 } else {
                     let master_name = match &raw.master_name {

@@ -17,13 +17,8 @@ use crate::error::{PostgresError, StoreError};
 pub(super) const CANCEL_GRACE: Duration = Duration::from_millis(250);
 
 /// The connection settings of `config`, bounded by `timeout`.
-pub(super) fn pg_config(config: &PostgresConfig, timeout: Duration) -> Result<tokio_postgres::Config, StoreError> {
-    let mut pg: tokio_postgres::Config = config.url.parse().map_err(|error: tokio_postgres::Error| {
-        StoreError::Postgres(PostgresError::setup(format!("store.url: {error}")))
-    })?;
-    if let Some(password) = &config.password {
-        pg.password(password.expose());
-    }
+pub(super) fn pg_config(config: &PostgresConfig, timeout: Duration) -> tokio_postgres::Config {
+    let mut pg = config.server.clone();
     let mut options = pg.get_options().map(str::to_string).unwrap_or_default();
     let bound = timeout.as_millis().max(1);
     options.push_str(&format!(
@@ -38,7 +33,7 @@ pub(super) fn pg_config(config: &PostgresConfig, timeout: Duration) -> Result<to
     }
     pg.connect_timeout(timeout.max(Duration::from_millis(100)));
     pg.keepalives_idle(Duration::from_secs(30));
-    Ok(pg)
+    pg
 }
 
 /// rustls on ring, trusting `store.tls_ca_file` (else the webpki roots), presenting
