@@ -3,14 +3,19 @@
 //! the key in a store, forwards once, records the response and replays it to retries.
 //!
 //! `server` accepts connections and hands each request to `proxy`, the one module that
-//! ties the others together: it asks `router` for the route, `idempotency` (with
-//! `scope` and `jwt`) for the record and the decision, `store` to claim and resolve the
-//! record, and `upstream` to forward. Below them sit the leaves that import nothing
-//! upward: `config` and the values it owns, `error`, `record`, `body`,
-//! `canonical_json`, `tls`. `admin` serves health, metrics and the records API, whose
-//! contract (`records`) the CLI shares. `trace` makes the spans and exports them. A unit test below keeps the modules free of
-//! import cycles. The binary in `main.rs` only parses the command line. Test seams sit
-//! behind the `test-util` feature.
+//! ties the others together: it asks `router` for the route (over the canonical path
+//! `request_target` makes), `idempotency` (with `scope` and `jwt`) for the record and
+//! the decision, `bounds` for a place among the guarded requests in flight, `store` to
+//! claim and resolve the record, and `upstream` to forward; it answers its own refusals
+//! as `problem` rows say and counts in `metrics`. Below them sit the leaves that import
+//! nothing upward: `config` and the values it owns, `error`, `problem`, `record`,
+//! `body`, `canonical_json`, `tls`. `admin` serves health, metrics and the records API,
+//! whose contract (`records`) the CLI shares. `contract` makes the published
+//! idempotency contract from the config (the well-known document, OpenAPI, Markdown);
+//! `conformance` runs that contract's black-box cases against any endpoint. `trace`
+//! makes the spans and exports them. A unit test below keeps the modules free of import
+//! cycles. The binary in `main.rs` only parses the command line. Test seams sit behind
+//! the `test-util` feature.
 
 #![forbid(unsafe_code)]
 
@@ -246,6 +251,35 @@ mod tests {
         for node in graph.keys() {
             visit(node, &graph, &mut Vec::new(), &mut done);
         }
+    }
+
+    /// Every file that starts a task or a thread (`tokio::spawn(`, `thread::Builder`)
+    /// outside its tests is named in `server.rs`'s list of what runs and what stops
+    /// it, so that a new one cannot be left out of the map.
+    #[test]
+    fn every_file_that_spawns_is_in_the_servers_list_of_tasks() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let main = std::fs::read_to_string(src.join("main.rs")).expect("read main.rs");
+        let mut spawning: Vec<String> = modules()
+            .into_iter()
+            .map(|(name, code)| (format!("{}.rs", name.replace("::", "/")), code))
+            .chain(std::iter::once(("main.rs".to_string(), main)))
+            .filter(|(_, code)| code.contains("tokio::spawn(") || code.contains("thread::Builder"))
+            .map(|(file, _)| file)
+            .collect();
+        spawning.sort();
+        let server = std::fs::read_to_string(src.join("server.rs")).expect("read server.rs");
+        let list: String = server
+            .lines()
+            .take_while(|line| line.starts_with("//!"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let missing: Vec<&String> = spawning
+            .iter()
+            .filter(|file| !list.contains(&format!("`{file}`")))
+            .collect();
+        assert!(spawning.len() >= 12, "only {spawning:?} found");
+        assert!(missing.is_empty(), "not in server.rs's list of tasks: {missing:?}");
     }
 
     /// The hub and the server read as steps: no function in `src/proxy*` or

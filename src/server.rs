@@ -2,23 +2,40 @@
 //! serving its own listening socket (`listen`), the admin listener on the caller's
 //! runtime, and the handle (`Running`) that reloads and stops them.
 //!
-//! Every long-lived task, and what stops it:
-//! - a worker thread: its accept loop stops at shutdown; its runtime then drains the
-//!   connections and waits for its exchanges, and ends.
-//! - a client connection (a task of its worker): asked to close at shutdown, dropped
-//!   at `shutdown_grace`; it also closes when idle past `header_read_timeout`.
+//! Every task and thread that outlives the call that starts it, where it is started,
+//! and what stops it (a test holds every file that spawns one to this list):
+//! - a worker thread (`server.rs`): its accept loop stops at shutdown; its runtime then
+//!   drains the connections and waits for its exchanges, and ends.
+//! - a client connection (a task of its worker, `server.rs`): asked to close at
+//!   shutdown, dropped at `shutdown_grace`; it also closes when idle past
+//!   `header_read_timeout`.
 //! - an exchange and a background store write (the worker's `TaskTracker`): they write
 //!   to the store, so shutdown waits for them, within `shutdown_grace`, after the
 //!   connections; a background write also stops when its record has expired.
-//! - a worker's reload listener and its script warm-up (one-shot): end with the
-//!   worker's runtime.
-//! - an upstream connection (the pool's task): ends when the connection closes, or
-//!   with the worker's runtime.
-//! - the admin listener (the caller's runtime): stops at shutdown and drains like a
-//!   worker's.
-//! - the memory store's sweeper: ends when the last handle on the store is dropped.
-//! - the Redis subscriber: ends when the last watcher is dropped (its command channel
-//!   closes).
+//! - a worker's reload listener, and its one-shot script warm-up and resumption of
+//!   unsettled records (`server.rs`): end with the worker's runtime.
+//! - the task that waits for the workers to stop (`server.rs`): ends once they have,
+//!   after stopping the store's background work.
+//! - an upstream connection (the pool's task, `upstream/pool.rs`): ends when the
+//!   connection closes, or with the worker's runtime.
+//! - the admin listener (the caller's runtime, `server.rs`): stops at shutdown and
+//!   drains like a worker's.
+//! - the memory store's sweeper (`store/memory.rs`): ends when the last handle on the
+//!   store is dropped.
+//! - the SQLite store's writer and checkpointer threads (`idemproxy-sqlite-writer`,
+//!   `idemproxy-checkpoints`; `store/sqlite/writer.rs`): the writer ends when the last
+//!   handle on the store is dropped (its job queue closes), after committing what was
+//!   asked; the checkpointer ends when the writer does, and the writer's connection,
+//!   closed last, checkpoints the log. A test's hold on the writer (`store/sqlite.rs`,
+//!   `test-util` only) ends when the test releases it.
+//! - the Redis subscriber and the Postgres listener (`store/redis/subscriber.rs`,
+//!   `store/postgres/listen.rs`, each running the loop in `store/notify.rs`): end when
+//!   the last watcher is dropped (their command channel closes). The listener's
+//!   connection task ends with its connection.
+//! - the Postgres sweeper (`store/postgres/sweep.rs`, run by `store::Background`):
+//!   stopped by the task that waits for the workers, once they have stopped.
+//! - a Postgres connection's task (`store/postgres/connect.rs`): ends when its client
+//!   (a pool's, the sweeper's) is dropped or the server closes it.
 //! - a chain of reconciliation probes (one per unknown record, on the worker that
 //!   marked it or found it due; `proxy/reconcile.rs`): not tracked for shutdown, since
 //!   a chain may wait minutes between probes. It ends when the record is resolved,
@@ -28,6 +45,10 @@
 //! - the trace export thread (`idemproxy-trace`, only with `[tracing]`;
 //!   `trace/export.rs`): the binary shuts it down after the proxy stops, sending what
 //!   is queued within 3 s.
+//! - the binary's SIGHUP reloader and its shutdown signal task (`main.rs`): end with
+//!   the binary's runtime, once the proxy has stopped.
+//! - the CLI's connection to the admin listener (`records.rs`, `idemproxy records`):
+//!   ends with its one exchange.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

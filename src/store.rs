@@ -1,8 +1,13 @@
 //! The record store: claim, complete, mark unknown and release, and the resolution and
 //! probe lease of an unknown record, each one atomic operation on one record under one
-//! store key. `redis` and `memory` implement the
-//! same trait with the same semantics, and one test suite runs against both. `open`
-//! picks the backend the config names, so that nothing outside this module names one.
+//! store key. Four backends implement `RecordStore` with the same semantics, and one
+//! test suite runs against each: `memory` and `sqlite` decide in Rust, through the pure
+//! transitions of `lifecycle`; `redis` in Lua scripts and `postgres` in SQL functions,
+//! whose numeric answers `codes` decodes for both. What a backend can do besides the
+//! lifecycle (usage, commit figures, unsettled records, warm-up) is a default method it
+//! overrides. `AnyStore` is what callers hold: it dispatches to the backend and seals
+//! and opens records (`sealed`). `open` picks the backend the config names, so that
+//! nothing outside this module names one; `notify` tells waiters that a record changed.
 //! The store knows nothing of HTTP routing or of how store keys are derived.
 
 use std::fmt;
@@ -675,7 +680,7 @@ macro_rules! delegate {
         }
     };
 }
-/// The configured store: one of the three backends, and the keys its records are
+/// The configured store: one of the four backends, and the keys its records are
 /// sealed with, if any (`sealed`). Every response it is given is sealed before the
 /// backend sees it, every one it returns opened, and every fingerprint kept as an HMAC.
 #[derive(Clone)]

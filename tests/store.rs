@@ -1148,9 +1148,12 @@ fn sqlite_store(path: &std::path::Path, limits: StoreLimits) -> SqliteStore {
 
 /// A Postgres store on `server`'s `postgres` database, schema `idemproxy`, 2 s timeout.
 async fn postgres_store(server: &PostgresServer) -> PostgresStore {
-    PostgresStore::open(&PostgresConfig::at(&server.url()).expect("the test server's URL"), Duration::from_secs(2))
-        .await
-        .expect("open the postgres store")
+    PostgresStore::open(
+        &PostgresConfig::at(&server.url()).expect("the test server's URL"),
+        Duration::from_secs(2),
+    )
+    .await
+    .expect("open the postgres store")
 }
 
 /// A `redis-server` with `tls-auth-clients yes` and a store that trusts its private CA

@@ -3,8 +3,9 @@
 //! them, and every fingerprint is an HMAC under the same key, so that what the store
 //! holds (a Redis RDB, a replica, a backup, the SQLite file) reveals neither a response
 //! nor a low-entropy request body. The status, state, expiry, owner and probe schedule
-//! stay clear, so each backend's atomic steps are unchanged: `SealedStore` wraps the
-//! configured store, seals on the way in and opens on the way out.
+//! stay clear, so each backend's atomic steps are unchanged: `AnyStore`, which every
+//! caller holds, seals with its `Sealer` on the way in and opens on the way out, the
+//! same for every backend.
 //!
 //! A sealed response is stored as a response whose only field is `idemproxy-sealed:
 //! <key id>` and whose body is `[version][nonce][ciphertext and tag]`; the plaintext is
