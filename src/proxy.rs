@@ -168,11 +168,10 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient, probes: &Prob
             None => client.clone(),
             Some(tls) => upstream::client(Some(tls.clone()))?,
         };
-        let mut state = RouteState::new(route, metrics, client, body);
-        state.probes = route
+        let limit = route
             .reconcile()
             .map(|reconcile| probes.limit(&route.name, reconcile.max_concurrent));
-        routes.push(state);
+        routes.push(RouteState::new(route, metrics, client, body, limit));
     }
     Ok(Router::new(
         routes,

@@ -25,19 +25,25 @@ pub(crate) struct RouteState {
     /// The server's bounds on reading a guarded request's body.
     pub(crate) body: BodyLimits,
     /// The permits of the route's probes in this process (its `max_concurrent`),
-    /// shared by every worker: set by the proxy for a route with a probe.
+    /// shared by every worker: for a route with a probe.
     pub(crate) probes: Option<Arc<crate::bounds::ProbeLimit>>,
 }
 
 impl RouteState {
-    pub(crate) fn new(route: &Route, metrics: &Metrics, client: HttpClient, body: BodyLimits) -> RouteState {
+    pub(crate) fn new(
+        route: &Route,
+        metrics: &Metrics,
+        client: HttpClient,
+        body: BodyLimits,
+        probes: Option<Arc<crate::bounds::ProbeLimit>>,
+    ) -> RouteState {
         RouteState {
             config: route.clone(),
             name: Arc::from(route.name.as_str()),
             metrics: metrics.route(&route.name, route.shadow(), route.reconcile().is_some()),
             client,
             body,
-            probes: None,
+            probes,
         }
     }
 }
@@ -169,7 +175,7 @@ mod tests {
                         timeout: Duration::from_secs(1),
                         idle: Duration::from_secs(1),
                     };
-                    RouteState::new(route, &metrics, client.clone(), body)
+                    RouteState::new(route, &metrics, client.clone(), body, None)
                 })
                 .collect(),
             PathPolicy::default(),

@@ -47,7 +47,7 @@ pub(crate) async fn handle(
             "the route guards nothing: it has no records",
         ));
     };
-    let Named {
+    let Target {
         record,
         verdict,
         owner,
@@ -92,7 +92,7 @@ pub(crate) fn door(config: &Config, path: &str, headers: &HeaderMap) -> Option<R
 /// What a records call's query names: the record, and for `release` and `resolve` the
 /// owner of the claim it is fenced on (`claim=`, as `show` gives it; none: whichever
 /// claim is unknown when the store resolves it), and `resolve`'s verdict.
-struct Named {
+struct Target {
     record: StoreKey,
     verdict: Option<Verdict>,
     owner: Option<OwnerToken>,
@@ -109,7 +109,7 @@ fn record_key(
     policy: &IdempotencyPolicy,
     query: &str,
     action: RecordsAction,
-) -> Result<Named, String> {
+) -> Result<Target, String> {
     let query = RecordsQuery::parse(action, query)?;
     let key = idempotency::parse_key_value(query.key.as_bytes()).map_err(|error| format!("key: {error}"))?;
     let mut headers = HeaderMap::new();
@@ -152,7 +152,7 @@ fn record_key(
         ));
     }
     let scope = scope::values(&headers, &policy.scope_headers, scope_claim.as_ref());
-    Ok(Named {
+    Ok(Target {
         record: idempotency::store_key(&config.store.key_prefix, route, &scope, &key),
         verdict: query.verdict,
         body: query.body,
