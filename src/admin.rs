@@ -126,6 +126,9 @@ impl Admin {
                 let ping = self.store.ping().await;
                 let ok = ping.is_ok();
                 self.metrics.store_op(StoreOp::Ping, ok, started.elapsed());
+                if let Err(error) = &ping {
+                    self.metrics.store_error(StoreOp::Ping, error.cause());
+                }
                 self.readiness_changed(&ping);
                 if ok {
                     text(StatusCode::OK, "ready\n")

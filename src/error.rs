@@ -69,31 +69,54 @@ pub enum SourceError {
     Missing { sources: String },
 }
 
-/// The store did not answer as it should.
+/// The store did not answer as it should, by cause: the same cause has the same
+/// variant, `kind`, span attribute, metric label and log field on every backend, and
+/// each adapter (`store/redis.rs`, `store/postgres/connect.rs`, the SQLite writer)
+/// classifies its own failures into it. Each says whether the operation may have been
+/// applied all the same (`may_have_written`).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("the store did not answer within {0:?}")]
-    Timeout(Duration),
+    /// No connection could be made, or the one in use was lost: the store down, a node
+    /// unreachable, a pool that cannot connect. Lost after the operation was sent, it
+    /// may have run.
     #[error("the store is unreachable")]
-    Unavailable(#[source] redis::RedisError),
-    /// The TLS handshake with a store node failed, or the node refused our certificate:
-    /// nothing reached Redis, and every attempt fails alike until the configuration
-    /// changes.
+    Unreachable {
+        #[source]
+        source: BoxError,
+        may_have_written: bool,
+    },
+    /// A connection's handshake failed: TLS (a certificate not trusted, ours refused)
+    /// or the login (a password, a role or a database the store does not know).
+    /// Nothing reached the store, and every attempt fails alike until the
+    /// configuration changes.
     #[error(
-        "the store's TLS handshake failed (see store.url or urls, store.tls_ca_file, store.tls_cert_file and store.tls_key_file)"
+        "the store's handshake failed (see store.url or urls, store.password_env, store.tls_ca_file, store.tls_cert_file and store.tls_key_file)"
     )]
-    Tls(#[source] redis::RedisError),
+    Handshake(#[source] BoxError),
+    /// No answer within the bound. It may have been applied, unless the store itself
+    /// cancelled it (Postgres's `statement_timeout` rolls the statement back).
+    #[error("the store did not answer within {after:?}")]
+    Timeout { after: Duration, may_have_written: bool },
+    /// The store answered, and refused the operation: a replica or a read-only
+    /// database, a missing permission, no memory left, a cluster that is down. Only an
+    /// error a script raised after it wrote may have written.
+    #[error("the store refused the operation")]
+    Refused {
+        #[source]
+        source: BoxError,
+        may_have_written: bool,
+    },
     /// An embedded store holds its maximum; its first record expires in `retry_after`.
-    #[error("the store holds its maximum of {limit} {what}")]
+    #[error("the store holds its maximum of {limit} {}", what.unit())]
     Full {
-        what: &'static str,
+        what: Held,
         limit: usize,
         retry_after: Duration,
     },
-    /// One client's records hold its share of an embedded store (`max_records_per_scope`
-    /// or `max_bytes_per_scope`); its oldest expires in `retry_after`.
-    #[error("the client's records hold their share of the store ({what})")]
-    ScopeFull { what: &'static str, retry_after: Duration },
+    /// One client's records hold its share of the store (`max_records_per_scope` or
+    /// `max_bytes_per_scope`); its oldest expires in `retry_after`.
+    #[error("the client's records hold their share of the store ({})", what.per_scope())]
+    ScopeFull { what: Held, retry_after: Duration },
     /// One client address's records, across the scopes it sends (or on routes without
     /// scope), hold its share of an embedded store (`max_records_per_client`); its
     /// oldest expires in `retry_after`.
@@ -105,9 +128,6 @@ pub enum StoreError {
     /// The SQLite store's file cannot be used: at start, before anything is served.
     #[error(transparent)]
     File(#[from] StoreFileError),
-    /// The Postgres store refused a statement, failed it, or cannot be reached.
-    #[error(transparent)]
-    Postgres(PostgresError),
     #[error("the store returned an unexpected reply: {0}")]
     Protocol(&'static str),
     /// A claim was written, and fewer replicas than `min_replica_acks` acknowledged it
@@ -120,99 +140,113 @@ pub enum StoreError {
     Unready(&'static str),
 }
 
-/// What the Postgres store said or could not do: the server's message and SQLSTATE,
-/// or the connection's failure. Never a password: the server's messages name the user
-/// and the database, and the connection's name the host.
-#[derive(Debug, thiserror::Error)]
-#[error("postgres: {detail}")]
-pub struct PostgresError {
-    detail: String,
-    may_have_written: bool,
+/// What a store's bound counts: its records, or the bytes they hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    Records,
+    Bytes,
 }
 
-impl PostgresError {
-    /// A setting that cannot be used, found before anything was sent.
-    pub(crate) fn setup(detail: String) -> PostgresError {
-        PostgresError {
-            detail,
-            may_have_written: false,
+impl Held {
+    /// The unit, as a full store's message names it.
+    pub fn unit(self) -> &'static str {
+        match self {
+            Held::Records => "records",
+            Held::Bytes => "bytes",
         }
     }
 
-    /// No connection to send on.
-    pub(crate) fn unreachable(detail: &str) -> PostgresError {
-        PostgresError::setup(detail.to_string())
-    }
-
-    /// A connection that could not be made: refused, a wrong password, a database that
-    /// does not exist, a TLS handshake that failed.
-    pub(crate) fn from_connect(error: &tokio_postgres::Error) -> PostgresError {
-        PostgresError::setup(PostgresError::describe(error))
-    }
-
-    /// A statement that failed: refused by the server (rolled back, so nothing was
-    /// written), or lost with its connection after it was `sent` (it may have run).
-    pub(crate) fn from_query(error: &tokio_postgres::Error, sent: bool) -> PostgresError {
-        PostgresError {
-            detail: PostgresError::describe(error),
-            may_have_written: sent && error.as_db_error().is_none(),
+    /// The setting that bounds one scope's share of it.
+    pub fn per_scope(self) -> &'static str {
+        match self {
+            Held::Records => "store.max_records_per_scope",
+            Held::Bytes => "store.max_bytes_per_scope",
         }
     }
+}
 
-    fn describe(error: &tokio_postgres::Error) -> String {
-        use std::error::Error as _;
-        match error.as_db_error() {
-            Some(db) if db.code() == &tokio_postgres::error::SqlState::QUERY_CANCELED => format!(
-                "the statement ran past store.timeout and the server cancelled it ({})",
-                db.message()
-            ),
-            Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-            None => match error.source() {
-                Some(source) => format!("{error}: {source}"),
-                None => error.to_string(),
-            },
-        }
+/// What a store said or could not do, as the source of a `StoreError`: the server's
+/// message (and Postgres's SQLSTATE), or the connection's failure, in words. Never a
+/// password: the servers' messages name the user and the database, and the
+/// connection's name the host.
+#[derive(Debug, thiserror::Error)]
+#[error("{backend}: {detail}")]
+pub struct StoreFailure {
+    pub backend: &'static str,
+    pub detail: String,
+}
+
+impl StoreFailure {
+    /// `detail` from `backend`, boxed as a source.
+    pub(crate) fn boxed(backend: &'static str, detail: impl Into<String>) -> BoxError {
+        Box::new(StoreFailure {
+            backend,
+            detail: detail.into(),
+        })
     }
 }
 
 impl StoreError {
-    /// The failure in one word, as a span's `error.type` says it.
+    /// The cause in one word: a span's `error.type`, the `cause` label of
+    /// `idemproxy_store_errors_total`, and the `cause` of a problem's log line.
     pub fn kind(&self) -> &'static str {
+        self.cause().as_str()
+    }
+
+    /// The cause, as a metric label.
+    pub(crate) fn cause(&self) -> StoreCause {
         match self {
-            StoreError::Timeout(_) => "timeout",
-            StoreError::Unavailable(_) => "unavailable",
-            StoreError::Tls(_) => "tls",
-            StoreError::Full { .. } => "full",
-            StoreError::ScopeFull { .. } => "scope_full",
-            StoreError::ClientFull { .. } => "client_full",
-            StoreError::Protocol(_) => "protocol",
-            StoreError::Postgres(_) => "postgres",
-            StoreError::NotReplicated { .. } => "not_replicated",
-            StoreError::Unready(_) => "unready",
-            StoreError::Disk(_) => "disk",
-            StoreError::File(_) => "file",
+            StoreError::Unreachable { .. } => StoreCause::Unreachable,
+            StoreError::Handshake(_) => StoreCause::Handshake,
+            StoreError::Timeout { .. } => StoreCause::Timeout,
+            StoreError::Refused { .. } => StoreCause::Refused,
+            StoreError::Full { .. } => StoreCause::Full,
+            StoreError::ScopeFull { .. } => StoreCause::ScopeFull,
+            StoreError::ClientFull { .. } => StoreCause::ClientFull,
+            StoreError::Disk(_) => StoreCause::Disk,
+            StoreError::File(_) => StoreCause::File,
+            StoreError::Protocol(_) => StoreCause::Protocol,
+            StoreError::NotReplicated { .. } => StoreCause::NotReplicated,
+            StoreError::Unready(_) => StoreCause::Unready,
         }
     }
 
     /// Whether the operation may have been applied although it failed: a timeout or a
     /// lost connection says nothing about what the store did. Only a refusal the store
-    /// itself gave before writing (a full memory store), or a connection that never
-    /// passed its TLS handshake, rules it out.
+    /// gave before writing, or a connection that never passed its handshake, rules it
+    /// out.
     pub fn may_have_written(&self) -> bool {
         match self {
-            StoreError::Timeout(_)
-            | StoreError::Unavailable(_)
-            | StoreError::Protocol(_)
-            | StoreError::NotReplicated { .. } => true,
+            StoreError::Unreachable { may_have_written, .. }
+            | StoreError::Timeout { may_have_written, .. }
+            | StoreError::Refused { may_have_written, .. } => *may_have_written,
             StoreError::Disk(failure) => failure.may_have_written,
-            StoreError::Postgres(failure) => failure.may_have_written,
+            StoreError::Protocol(_) | StoreError::NotReplicated { .. } => true,
             StoreError::Full { .. }
             | StoreError::ScopeFull { .. }
             | StoreError::ClientFull { .. }
             | StoreError::Unready(_)
-            | StoreError::Tls(_)
+            | StoreError::Handshake(_)
             | StoreError::File(_) => false,
         }
+    }
+}
+
+label_values! {
+    /// Why a store operation failed (`StoreError::kind`).
+    pub(crate) enum StoreCause {
+        Unreachable => "unreachable",
+        Handshake => "handshake",
+        Timeout => "timeout",
+        Refused => "refused",
+        Full => "full",
+        ScopeFull => "scope_full",
+        ClientFull => "client_full",
+        Disk => "disk",
+        File => "file",
+        Protocol => "protocol",
+        NotReplicated => "not_replicated",
+        Unready => "unready",
     }
 }
 
@@ -407,14 +441,14 @@ impl Rejection {
             Rejection::Store(StoreError::ScopeFull { .. }) => ProblemKind::ScopeFull,
             Rejection::Store(StoreError::ClientFull { .. }) => ProblemKind::ClientFull,
             Rejection::Store(
-                StoreError::Unavailable(_)
-                | StoreError::Tls(_)
+                StoreError::Unreachable { .. }
+                | StoreError::Handshake(_)
+                | StoreError::Timeout { .. }
+                | StoreError::Refused { .. }
                 | StoreError::Protocol(_)
-                | StoreError::Timeout(_)
                 | StoreError::NotReplicated { .. }
                 | StoreError::Unready(_)
                 | StoreError::Disk(_)
-                | StoreError::Postgres(_)
                 | StoreError::File(_),
             ) => ProblemKind::StoreUnavailable,
             Rejection::Upstream(UpstreamError::Unavailable(_)) => ProblemKind::UpstreamUnavailable,
@@ -423,6 +457,17 @@ impl Rejection {
             Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => {
                 ProblemKind::Internal
             }
+        }
+    }
+
+    /// What failed under a store's or an upstream's failure, in the one word spans
+    /// and metrics use (`StoreError::kind`, `UpstreamError::kind`): the `cause` of the
+    /// problem's log line.
+    pub(crate) fn cause(&self) -> Option<&'static str> {
+        match self {
+            Rejection::Store(error) => Some(error.kind()),
+            Rejection::Upstream(error) => Some(error.kind()),
+            _ => None,
         }
     }
 
@@ -508,7 +553,7 @@ mod tests {
     #[test]
     fn the_memory_store_capacity_never_reaches_a_client() {
         let problem = Rejection::Store(StoreError::Full {
-            what: "records",
+            what: Held::Records,
             limit: 12345,
             retry_after: Duration::from_secs(90),
         })
@@ -584,22 +629,37 @@ mod tests {
     }
 
     #[test]
-    fn only_a_full_store_or_a_failed_handshake_rules_out_a_write() {
+    fn only_a_full_store_a_refusal_before_writing_or_a_failed_handshake_rules_out_a_write() {
         assert!(
             !StoreError::Full {
-                what: "bytes",
+                what: Held::Bytes,
                 limit: 1,
                 retry_after: Duration::from_secs(1),
             }
             .may_have_written()
         );
-        let refused = || redis::RedisError::from((redis::ErrorKind::Io, "handshake"));
+        let failure = || StoreFailure::boxed("redis", "x");
         assert!(
-            !StoreError::Tls(refused()).may_have_written(),
+            !StoreError::Handshake(failure()).may_have_written(),
             "a failed handshake wrote nothing"
         );
-        assert!(StoreError::Unavailable(refused()).may_have_written());
-        assert!(StoreError::Timeout(Duration::from_secs(1)).may_have_written());
+        for written in [false, true] {
+            let unreachable = StoreError::Unreachable {
+                source: failure(),
+                may_have_written: written,
+            };
+            let refused = StoreError::Refused {
+                source: failure(),
+                may_have_written: written,
+            };
+            let timeout = StoreError::Timeout {
+                after: Duration::from_secs(1),
+                may_have_written: written,
+            };
+            for error in [unreachable, refused, timeout] {
+                assert_eq!(error.may_have_written(), written, "{error:?}");
+            }
+        }
         assert!(StoreError::Protocol("x").may_have_written());
     }
 }

@@ -10,6 +10,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Metric, Registry};
 
+use crate::error::StoreCause;
 use crate::problem::{Outcome, Would};
 use crate::store::StoreUsage;
 
@@ -127,6 +128,12 @@ struct OpLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StoreErrorLabels {
+    op: &'static str,
+    cause: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BackendLabels {
     backend: &'static str,
 }
@@ -145,6 +152,9 @@ pub(crate) struct Metrics {
     store_latency: [[Histogram; 2]; StoreOp::ALL.len()],
     /// Writes refused by compare-and-set, by op: only for the ops that compare and set.
     fenced_writes: [Option<Counter>; StoreOp::ALL.len()],
+    /// Failed store operations by op and cause (`StoreError::kind`), the same words on
+    /// every backend; a series appears with its first failure.
+    store_errors: Family<StoreErrorLabels, Counter>,
     pending_releases: Gauge,
     replica_acks_missed: Counter,
     tls_handshakes_failed: Counter,
@@ -293,6 +303,12 @@ impl Metrics {
             "Store writes refused because the record no longer belonged to the writer or was no longer in flight",
             Family::<OpLabels, Counter>::default(),
         );
+        let store_errors = register(
+            r,
+            "store_errors",
+            "Failed store operations, by op and cause (unreachable, handshake, timeout, refused, full, scope_full, client_full, disk, protocol, not_replicated, unready), the same on every backend",
+            Family::<StoreErrorLabels, Counter>::default(),
+        );
         let fenced_writes = StoreOp::ALL.map(|op| {
             op.fenceable()
                 .then(|| fenced_family.get_or_create(&OpLabels { op: op.as_str() }).clone())
@@ -339,6 +355,7 @@ impl Metrics {
                 }),
             ),
             fenced_writes,
+            store_errors,
             pending_releases: register(
                 r,
                 "pending_releases",
@@ -487,6 +504,15 @@ impl Metrics {
 
     pub(crate) fn store_op(&self, op: StoreOp, ok: bool, elapsed: Duration) {
         self.store_latency[op as usize][usize::from(ok)].observe(elapsed.as_secs_f64());
+    }
+
+    pub(crate) fn store_error(&self, op: StoreOp, cause: StoreCause) {
+        self.store_errors
+            .get_or_create(&StoreErrorLabels {
+                op: op.as_str(),
+                cause: cause.as_str(),
+            })
+            .inc();
     }
 
     pub(crate) fn fenced_write(&self, op: StoreOp) {

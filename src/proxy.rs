@@ -463,13 +463,13 @@ impl Proxy {
                 // The status the client gets: the profile's (Stripe answers 400 where
                 // the row says 422).
                 let (status, slug) = (problem.profile.status(problem.kind).as_u16(), problem.kind.slug());
-                let error = DisplayChain(&refusal.rejection);
+                let (error, cause) = (DisplayChain(&refusal.rejection), refusal.rejection.cause());
                 match row.fault.level() {
                     tracing::Level::ERROR => {
-                        tracing::error!(route = name, status, problem = slug, %error, "problem response")
+                        tracing::error!(route = name, status, problem = slug, cause, %error, "problem response")
                     }
                     tracing::Level::WARN => {
-                        tracing::warn!(route = name, status, problem = slug, %error, "problem response")
+                        tracing::warn!(route = name, status, problem = slug, cause, %error, "problem response")
                     }
                     _ => tracing::info!(route = name, status, problem = slug, "problem response"),
                 }

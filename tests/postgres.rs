@@ -337,6 +337,87 @@ async fn a_proxy_that_has_shut_down_holds_no_connection_to_postgres() {
     );
 }
 
+/// How a proxy named the failure of its next guarded request after `fault`: the
+/// problem it answered, the `cause` of its log line, and the causes counted in
+/// `idemproxy_store_errors_total{op="claim"}`.
+async fn failure_named(
+    store: StoreKind,
+    upstream: &Upstream,
+    tag: &str,
+    fault: impl FnOnce(),
+) -> (String, Vec<String>, Vec<String>) {
+    let mut config = TestConfig::new(store, &upstream.url());
+    config.store_timeout = "1s".into();
+    let dir = tempfile::tempdir().expect("a directory");
+    let log = dir.path().join("proxy.log");
+    let proxy = ChildProxy::start_logged(&config, &log, &[]).await;
+    assert_eq!(
+        support::post_key(proxy.addr, &format!("{tag}-before")).await.status,
+        201
+    );
+    fault();
+    let failed = support::post_key(proxy.addr, &format!("{tag}-after")).await;
+    assert_eq!(failed.status, 503, "{tag}: {failed:?}");
+    let metrics = support::send(proxy.admin, "GET", "/metrics", &[], "").await;
+    let counted: Vec<String> = String::from_utf8_lossy(&metrics.body)
+        .lines()
+        .filter(|line| line.starts_with("idemproxy_store_errors_total{") && line.contains("op=\"claim\""))
+        .filter_map(|line| Some(line.split("cause=\"").nth(1)?.split('"').next()?.to_string()))
+        .collect();
+    drop(proxy);
+    let logged: Vec<String> = std::fs::read_to_string(&log)
+        .expect("read the proxy's log")
+        .lines()
+        .filter(|line| line.contains("problem response"))
+        .filter_map(|line| Some(line.split("cause=\"").nth(1)?.split('"').next()?.to_string()))
+        .collect();
+    (failed.problem(), logged, counted)
+}
+
+/// The same failure is named alike on Redis and on Postgres (the store's errors are by
+/// cause, not by backend): a store that is gone is `unreachable`, and one that answers
+/// but refuses every write (a Redis made a replica, a Postgres whose records table a
+/// trigger guards) is `refused`, in the problem's log line and in the metric's label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_failure_is_named_by_its_cause_alike_on_redis_and_postgres() {
+    let upstream = Upstream::start().await;
+    let mut redis = support::RedisServer::start();
+    let gone = failure_named(StoreKind::Redis(redis.url()), &upstream, "redis-gone", || redis.kill()).await;
+    let replica = support::RedisServer::start();
+    let read_only = failure_named(StoreKind::Redis(replica.url()), &upstream, "redis-replica", || {
+        let _: () = redis::cmd("REPLICAOF")
+            .arg("127.0.0.1")
+            .arg(1)
+            .query(&mut replica.connection())
+            .expect("REPLICAOF");
+    })
+    .await;
+    let store_unavailable = "store-unavailable".to_string();
+    let named = |cause: &str| {
+        (
+            store_unavailable.clone(),
+            vec![cause.to_string()],
+            vec![cause.to_string()],
+        )
+    };
+    assert_eq!((gone, read_only), (named("unreachable"), named("refused")), "redis");
+
+    let mut server = PostgresServer::start();
+    let gone = failure_named(StoreKind::Postgres(server.url()), &upstream, "pg-gone", || {
+        server.stop("fast")
+    })
+    .await;
+    server.start_again();
+    let read_only = failure_named(StoreKind::Postgres(server.url()), &upstream, "pg-read-only", || {
+        server.psql(
+            "CREATE FUNCTION public.no_writes() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no writes here'; END $$; \
+             CREATE TRIGGER no_writes BEFORE INSERT OR UPDATE ON idemproxy.records FOR EACH ROW EXECUTE FUNCTION public.no_writes()",
+        );
+    })
+    .await;
+    assert_eq!((gone, read_only), (named("unreachable"), named("refused")), "postgres");
+}
+
 /// `idemproxy serve` with `config`: it must exit non-zero; its stderr.
 fn refused_at_start(config: &TestConfig) -> String {
     let file = config.write_temp();

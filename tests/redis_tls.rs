@@ -102,7 +102,8 @@ async fn a_redis_certificate_from_an_untrusted_ca_is_refused_and_nothing_is_forw
         assert!(
             named[0].contains("WARN")
                 && named[0].contains("problem=\"store-unavailable\"")
-                && named[0].contains("the store's TLS handshake failed"),
+                && named[0].contains("cause=\"handshake\"")
+                && named[0].contains("the store's handshake failed"),
             "{name}: {}",
             named[0]
         );

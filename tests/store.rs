@@ -15,7 +15,7 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use idemproxy::config::{
     ClientIdentity, Encryption, PostgresConfig, RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreTls,
 };
-use idemproxy::error::StoreError;
+use idemproxy::error::{Held, StoreError};
 use idemproxy::idempotency::{parse_key_value, store_key};
 use idemproxy::record::ExecutionTrace;
 use idemproxy::store::redis::ClaimPause;
@@ -1270,7 +1270,7 @@ async fn a_full_memory_store_refuses_new_claims_and_never_evicts_live_records() 
         matches!(
             refused,
             Err(StoreError::Full {
-                what: "records",
+                what: Held::Records,
                 limit: 2,
                 ..
             })
@@ -1337,7 +1337,7 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
         matches!(
             refused,
             Err(StoreError::Full {
-                what: "bytes",
+                what: Held::Bytes,
                 limit: MAX,
                 ..
             })
@@ -1610,7 +1610,7 @@ async fn a_scope_past_its_share_of_the_memory_store_is_refused_until_its_records
     store.claim(&scoped("s1-b", 1)).await.expect("claim");
     match store.claim(&scoped("s1-c", 1)).await {
         Err(StoreError::ScopeFull {
-            what: "records",
+            what: Held::Records,
             retry_after,
         }) => {
             assert_eq!(retry_after, Duration::from_secs(50), "until s1-a expires")
@@ -2380,7 +2380,10 @@ async fn an_older_file_is_migrated_forward_and_a_failed_migration_changes_nothin
     assert!(
         matches!(
             store.claim(&scoped).await,
-            Err(StoreError::ScopeFull { what: "records", .. })
+            Err(StoreError::ScopeFull {
+                what: Held::Records,
+                ..
+            })
         ),
         "the migrated record counts against its scope's share"
     );
@@ -2441,7 +2444,7 @@ async fn a_sqlite_store_holds_its_shares_across_a_reopen_and_gives_room_back_as_
     store.claim(&scoped("s1-b", 1, 1)).await.expect("claim");
     match store.claim(&scoped("s1-c", 1, 2)).await {
         Err(StoreError::ScopeFull {
-            what: "records",
+            what: Held::Records,
             retry_after,
         }) => assert!(
             retry_after > Duration::from_secs(49) && retry_after <= Duration::from_secs(50),
@@ -2479,7 +2482,7 @@ async fn a_sqlite_store_holds_its_shares_across_a_reopen_and_gives_room_back_as_
     assert!(matches!(
         store.claim(&claim(&key("u-4"), new_owner(), LONG)).await,
         Err(StoreError::Full {
-            what: "records",
+            what: Held::Records,
             limit: 6,
             ..
         })
@@ -2534,7 +2537,7 @@ async fn a_sqlite_file_stays_within_max_bytes_and_reuses_the_space_of_expired_re
             let (record, owner) = (key(&format!("bytes-{round}-{taken}")), new_owner());
             match store.claim(&claim(&record, owner, LONG)).await {
                 Ok(ClaimOutcome::Acquired(())) => {}
-                Err(StoreError::Full { what: "bytes", .. }) => break,
+                Err(StoreError::Full { what: Held::Bytes, .. }) => break,
                 other => panic!("{other:?}"),
             }
             assert_eq!(
@@ -2666,7 +2669,7 @@ async fn a_scope_past_its_share_of_the_postgres_store_is_refused_until_its_recor
     store.claim(&scoped("s1-b", 1)).await.expect("claim");
     match store.claim(&scoped("s1-c", 1)).await {
         Err(StoreError::ScopeFull { what, retry_after }) => {
-            assert_eq!(what, "store.max_records_per_scope");
+            assert_eq!(what, Held::Records);
             assert!(
                 retry_after > Duration::from_secs(50),
                 "until s1-a expires: {retry_after:?}"
@@ -2749,7 +2752,7 @@ async fn a_write_whose_caller_gave_up_is_never_committed() {
     let abandoned: Vec<StoreKey> = (0..5).map(|n| key(&format!("abandoned-{n}"))).collect();
     for record in &abandoned {
         match store.claim(&claim(record, new_owner(), LONG)).await {
-            Err(StoreError::Timeout(_)) => {}
+            Err(StoreError::Timeout { .. }) => {}
             other => panic!("a claim past the stalled writer: {other:?}"),
         }
     }
@@ -2811,7 +2814,7 @@ async fn a_sqlite_store_admits_no_claim_whose_response_could_not_be_recorded() {
         let request = limited(&format!("flight-{n}"));
         match store.claim(&request).await {
             Ok(ClaimOutcome::Acquired(())) => admitted.push(request),
-            Err(StoreError::Full { what: "bytes", .. }) => refused += 1,
+            Err(StoreError::Full { what: Held::Bytes, .. }) => refused += 1,
             other => panic!("{other:?}"),
         }
     }

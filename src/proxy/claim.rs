@@ -96,6 +96,7 @@ impl Ledger {
         let result = call.instrument(span.clone()).await;
         if let Err(error) = &result {
             span.record("error.type", error.kind());
+            self.metrics.store_error(op, error.cause());
         }
         self.metrics.store_op(op, result.is_ok(), started.elapsed());
         result

@@ -11,7 +11,7 @@ use super::{
     ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
     ProbeStart, RecordState, Resolved, ScopeId, StoreLimits, StoredResponse, SummaryState, UnknownReason,
 };
-use crate::error::StoreError;
+use crate::error::{Held, StoreError};
 
 /// A store's clock: the memory store's `Instant`, the SQLite file's milliseconds.
 pub(crate) trait Moment: Copy + Ord {
@@ -297,9 +297,9 @@ pub(crate) enum Share {
 
 /// What an embedded store knows of its shares, for `admit`.
 pub(crate) trait Ledger {
-    /// Which bound of `share` is reached (`"records"` or `"bytes"`), counting records
+    /// Which bound of `share` is reached (its records or its bytes), counting records
     /// that expired but are not yet removed.
-    fn full(&mut self, share: Share) -> Result<Option<&'static str>, StoreError>;
+    fn full(&mut self, share: Share) -> Result<Option<Held>, StoreError>;
     /// Removes `share`'s expired records (where that may make room).
     fn sweep(&mut self, share: Share) -> Result<(), StoreError>;
     /// How long until the first of `share`'s records expires.
@@ -329,10 +329,9 @@ pub(crate) fn admit(ledger: &mut impl Ledger, claim: &ClaimRequest, limits: &Sto
                 return Err(match share {
                     Share::Store => StoreError::Full {
                         what,
-                        limit: if what == "records" {
-                            limits.max_records
-                        } else {
-                            limits.max_bytes
+                        limit: match what {
+                            Held::Records => limits.max_records,
+                            Held::Bytes => limits.max_bytes,
                         },
                         retry_after,
                     },
@@ -345,7 +344,7 @@ pub(crate) fn admit(ledger: &mut impl Ledger, claim: &ClaimRequest, limits: &Sto
             && let Some(retry_after) = ledger.reserve(claim)?
         {
             return Err(StoreError::Full {
-                what: "bytes",
+                what: Held::Bytes,
                 limit: limits.max_bytes,
                 retry_after,
             });

@@ -21,7 +21,7 @@ use super::{
     ProbeStart, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, Started, StoreKey, StoreLimits, StoreUsage,
     StoredResponse, SummaryState, UnknownReason, Write,
 };
-use crate::error::StoreError;
+use crate::error::{Held, StoreError};
 
 /// How often the background sweeper drops expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -395,7 +395,7 @@ struct Ledger<'a> {
 }
 
 impl lifecycle::Ledger for Ledger<'_> {
-    fn full(&mut self, share: Share) -> Result<Option<&'static str>, StoreError> {
+    fn full(&mut self, share: Share) -> Result<Option<Held>, StoreError> {
         let (records, bytes, max_records, max_bytes) = match share {
             Share::Store => (
                 self.records.map.len(),
@@ -419,9 +419,9 @@ impl lifecycle::Ledger for Ledger<'_> {
             },
         };
         Ok(if records >= max_records {
-            Some("records")
+            Some(Held::Records)
         } else if bytes >= max_bytes {
-            Some("bytes")
+            Some(Held::Bytes)
         } else {
             None
         })

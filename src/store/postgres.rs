@@ -28,7 +28,7 @@ use super::{
     SummaryState, UnknownReason, Write,
 };
 use crate::config::PostgresConfig;
-use crate::error::{PostgresError, StoreError};
+use crate::error::{Held, StoreError};
 
 mod connect;
 mod listen;
@@ -180,7 +180,7 @@ impl PostgresStore {
         let connector = connector(config)?;
         let pg = connect::pg_config(config, timeout);
         let client = connect::connect(&pg, &connector, timeout.max(Duration::from_secs(10))).await?;
-        let identity = schema::prepare(&client, &config.schema, config.migrate).await?;
+        let identity = schema::prepare(&client, &config.schema, config.migrate, timeout).await?;
         drop(client);
         super::identity::adopt(identity, &format!("postgres schema {}", config.schema));
         Ok(PostgresStore::new(config, pg, connector, timeout))
@@ -221,22 +221,30 @@ impl PostgresStore {
     /// Runs `sql` with `params` on one of the pool's connections, within the store's
     /// timeout (the server cancels it at the same bound: `statement_timeout`).
     async fn query(&self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+        let timeout = self.timeout;
         let work = async {
-            let client = self.pool.get().await.map_err(connect::pool_error)?;
+            let client = self
+                .pool
+                .get()
+                .await
+                .map_err(|error| connect::pool_failed(error, timeout))?;
             let statement = client
                 .prepare_cached(sql)
                 .await
-                .map_err(|error| PostgresError::from_query(&error, false))?;
+                .map_err(|error| connect::query_failed(&error, false, timeout))?;
             client
                 .query(&statement, params)
                 .await
-                .map_err(|error| PostgresError::from_query(&error, true))
+                .map_err(|error| connect::query_failed(&error, true, timeout))
         };
         // A little past the server's own bound, so that a statement stalled on a lock
         // is cancelled there (and rolled back) before the proxy gives up on it.
-        match tokio::time::timeout(self.timeout + connect::CANCEL_GRACE, work).await {
-            Ok(result) => result.map_err(StoreError::Postgres),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        match tokio::time::timeout(timeout + connect::CANCEL_GRACE, work).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout {
+                after: timeout,
+                may_have_written: true,
+            }),
         }
     }
 
@@ -307,7 +315,7 @@ impl RecordStore for PostgresStore {
             codes::claim::ACQUIRED => Ok(ClaimOutcome::Acquired(())),
             codes::claim::EXISTING => PostgresStore::existing(&row),
             codes::claim::SCOPE_FULL => Err(StoreError::ScopeFull {
-                what: "store.max_records_per_scope",
+                what: Held::Records,
                 retry_after: remaining(get(&row, "retry_ms")?),
             }),
             codes::claim::NOT_REPLICATED => Err(StoreError::NotReplicated {
@@ -496,16 +504,16 @@ impl RecordStore for PostgresStore {
         let key = format!("idemproxy readiness {}", const_hex::encode(owner.as_bytes()));
         let second = 1000_i64;
         let no_scope: Option<i64> = None;
+        let timeout = self.timeout;
+        let failed = |error: tokio_postgres::Error| connect::query_failed(&error, false, timeout);
         let work = async {
-            let mut client = self.pool.get().await.map_err(connect::pool_error)?;
-            let statement = client
-                .prepare_cached(&self.calls.claim)
+            let mut client = self
+                .pool
+                .get()
                 .await
-                .map_err(|error| PostgresError::from_query(&error, false))?;
-            let transaction = client
-                .transaction()
-                .await
-                .map_err(|error| PostgresError::from_query(&error, false))?;
+                .map_err(|error| connect::pool_failed(error, timeout))?;
+            let statement = client.prepare_cached(&self.calls.claim).await.map_err(failed)?;
+            let transaction = client.transaction().await.map_err(failed)?;
             let row = transaction
                 .query_one(
                     &statement,
@@ -521,16 +529,19 @@ impl RecordStore for PostgresStore {
                     ],
                 )
                 .await
-                .map_err(|error| PostgresError::from_query(&error, false))?;
-            transaction
-                .rollback()
-                .await
-                .map_err(|error| PostgresError::from_query(&error, false))?;
-            Ok::<_, PostgresError>(row)
+                .map_err(failed)?;
+            // Rolled back: the readiness claim never commits.
+            transaction.rollback().await.map_err(failed)?;
+            Ok::<_, StoreError>(row)
         };
-        let row = match tokio::time::timeout(self.timeout + connect::CANCEL_GRACE, work).await {
-            Ok(result) => result.map_err(StoreError::Postgres)?,
-            Err(_) => return Err(StoreError::Timeout(self.timeout)),
+        let row = match tokio::time::timeout(timeout + connect::CANCEL_GRACE, work).await {
+            Ok(result) => result?,
+            Err(_) => {
+                return Err(StoreError::Timeout {
+                    after: timeout,
+                    may_have_written: false,
+                });
+            }
         };
         match i64::from(get::<i32>(&row, "code")?) {
             codes::claim::ACQUIRED => Ok(()),

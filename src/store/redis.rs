@@ -149,7 +149,7 @@ impl RedisStore {
         let connections = (0..config.connections.max(1))
             .map(|_| Connection::new(&config.topology, config.tls.as_ref(), timeout))
             .collect::<RedisResult<Vec<_>>>()
-            .map_err(unavailable)?;
+            .map_err(failed)?;
         Ok(RedisStore {
             connections: connections.into(),
             next: Arc::default(),
@@ -240,7 +240,7 @@ impl RedisStore {
         let mut pause = FIRST_PAUSE;
         loop {
             let error = match tokio::time::timeout_at(deadline, op(self.connection())).await {
-                Err(_) => return Err(StoreError::Timeout(budget)),
+                Err(_) => return Err(timed_out(budget)),
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(error)) => error,
             };
@@ -249,7 +249,7 @@ impl RedisStore {
                 Retry::Transient => is_transient(&error),
             };
             if !again || Instant::now() + pause >= deadline {
-                return Err(unavailable(error));
+                return Err(failed(error));
             }
             tracing::debug!(%error, "the store refused for a moment; trying again");
             tokio::time::sleep(pause).await;
@@ -343,13 +343,50 @@ impl RedisStore {
     }
 }
 
-/// The store error for a Redis error that ends an operation: a TLS failure is told
-/// apart, because nothing reached Redis and only the configuration can fix it.
-fn unavailable(error: RedisError) -> StoreError {
-    if topology::tls_failure(&error).is_some() {
-        StoreError::Tls(error)
+/// No answer within `after`: a command sent may have run.
+fn timed_out(after: Duration) -> StoreError {
+    StoreError::Timeout {
+        after,
+        may_have_written: true,
+    }
+}
+
+/// The store error for a Redis error that ends an operation, by its cause: a failed
+/// TLS handshake or login (only the configuration fixes it); a refusal Redis gave
+/// before running the command (a replica, no memory left, a cluster that is down,
+/// no permission: nothing written); any other error reply (a script's, which may
+/// have written before it failed); or a connection that could not be made or was
+/// lost (which may have run what was sent).
+pub(super) fn failed(error: RedisError) -> StoreError {
+    use redis::{ErrorKind, ServerErrorKind};
+    if topology::tls_failure(&error).is_some() || error.kind() == ErrorKind::AuthenticationFailed {
+        return StoreError::Handshake(Box::new(error));
+    }
+    let before_running = is_refused(&error)
+        || matches!(
+            error.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::NoScript | ServerErrorKind::NoPerm | ServerErrorKind::Moved | ServerErrorKind::Ask
+            )
+        )
+        || matches!(error.code(), Some("OOM" | "NOPERM" | "WRONGPASS"));
+    let connection = error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || error.is_timeout()
+        || error.kind() == ErrorKind::ClusterConnectionNotFound;
+    if connection {
+        // Refused at connect: nothing was sent.
+        let may_have_written = !error.is_connection_refusal();
+        StoreError::Unreachable {
+            source: Box::new(error),
+            may_have_written,
+        }
     } else {
-        StoreError::Unavailable(error)
+        StoreError::Refused {
+            source: Box::new(error),
+            may_have_written: !before_running,
+        }
     }
 }
 
@@ -361,7 +398,7 @@ impl RecordStore for RedisStore {
         let left = || deadline.saturating_duration_since(Instant::now());
         let budget = self.timeout + self.durability.map_or(Duration::ZERO, |durability| durability.timeout);
         let timed_out = |error| match error {
-            StoreError::Timeout(_) => StoreError::Timeout(budget),
+            StoreError::Timeout { .. } => timed_out(budget),
             error => error,
         };
         let mut vanished = 0;
@@ -504,9 +541,9 @@ impl RecordStore for RedisStore {
     async fn ping(&self) -> Result<(), StoreError> {
         let mut connection = self.connection();
         match tokio::time::timeout(self.timeout, connection.readiness()).await {
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => Err(timed_out(self.timeout)),
             Ok(Ok(())) => Ok(()),
-            Ok(Err(Unready::Redis(error))) => Err(unavailable(error)),
+            Ok(Err(Unready::Redis(error))) => Err(failed(error)),
             Ok(Err(Unready::Topology(why))) => Err(StoreError::Unready(why)),
         }
     }

@@ -33,7 +33,7 @@ use super::{
     Started, StoreKey, StoreUsage, StoredResponse, SummaryState, UnknownReason, Unsettled, Write,
 };
 use crate::config::{SqliteConfig, StoreLimits};
-use crate::error::StoreError;
+use crate::error::{Held, StoreError};
 
 mod file;
 mod replays;
@@ -678,7 +678,7 @@ struct Ledger<'a> {
 }
 
 impl lifecycle::Ledger for Ledger<'_> {
-    fn full(&mut self, of: Share) -> Result<Option<&'static str>, StoreError> {
+    fn full(&mut self, of: Share) -> Result<Option<Held>, StoreError> {
         let bound = |limit: usize| i64::try_from(limit).unwrap_or(i64::MAX);
         let (records, bytes) = share(self.conn, of)?;
         let (full_of_records, full_of_bytes) = match of {
@@ -698,9 +698,9 @@ impl lifecycle::Ledger for Ledger<'_> {
             Share::Client(_) => (records >= bound(self.limits.max_records_per_client), false),
         };
         Ok(if full_of_records {
-            Some("records")
+            Some(Held::Records)
         } else if full_of_bytes {
-            Some("bytes")
+            Some(Held::Bytes)
         } else {
             None
         })

@@ -307,14 +307,14 @@ fn a_change_is_made_only_to_the_state_it_was_decided_on() {
 #[derive(Default)]
 struct Book {
     /// Full before a sweep, and after it.
-    full: Vec<(Share, Option<&'static str>, Option<&'static str>)>,
+    full: Vec<(Share, Option<Held>, Option<Held>)>,
     swept: Vec<Share>,
     asked: Vec<Share>,
     reserve: Option<Duration>,
 }
 
 impl Ledger for Book {
-    fn full(&mut self, share: Share) -> Result<Option<&'static str>, StoreError> {
+    fn full(&mut self, share: Share) -> Result<Option<Held>, StoreError> {
         self.asked.push(share);
         let swept = self.swept.contains(&share);
         Ok(self
@@ -381,16 +381,16 @@ fn admission_asks_store_then_scope_then_client_and_sweeps_before_it_refuses() {
     // Full until swept: admitted, each share swept once.
     let mut sweepable = Book {
         full: vec![
-            (store, Some("records"), None),
-            (scope, Some("bytes"), None),
-            (client, Some("records"), None),
+            (store, Some(Held::Records), None),
+            (scope, Some(Held::Bytes), None),
+            (client, Some(Held::Records), None),
         ],
         ..Book::default()
     };
     assert_eq!(admitted(&mut sweepable), Ok(()));
     assert_eq!(sweepable.swept, [store, scope, client]);
 
-    let refused = |full: Vec<(Share, Option<&'static str>, Option<&'static str>)>, reserve| {
+    let refused = |full: Vec<(Share, Option<Held>, Option<Held>)>, reserve| {
         let mut book = Book {
             full,
             reserve,
@@ -398,30 +398,21 @@ fn admission_asks_store_then_scope_then_client_and_sweeps_before_it_refuses() {
         };
         admitted(&mut book).expect_err("refused")
     };
-    let error = refused(vec![(store, Some("records"), Some("records"))], None);
-    assert!(
-        error.contains("what: \"records\", limit: 10, retry_after: 1s"),
-        "{error}"
-    );
-    let error = refused(vec![(store, Some("bytes"), Some("bytes"))], None);
-    assert!(
-        error.contains("what: \"bytes\", limit: 1000, retry_after: 1s"),
-        "{error}"
-    );
+    let error = refused(vec![(store, Some(Held::Records), Some(Held::Records))], None);
+    assert!(error.contains("what: Records, limit: 10, retry_after: 1s"), "{error}");
+    let error = refused(vec![(store, Some(Held::Bytes), Some(Held::Bytes))], None);
+    assert!(error.contains("what: Bytes, limit: 1000, retry_after: 1s"), "{error}");
     let error = refused(Vec::new(), Some(Duration::from_secs(3)));
-    assert!(
-        error.contains("what: \"bytes\", limit: 1000, retry_after: 3s"),
-        "{error}"
-    );
-    let error = refused(vec![(scope, Some("bytes"), Some("bytes"))], None);
+    assert!(error.contains("what: Bytes, limit: 1000, retry_after: 3s"), "{error}");
+    let error = refused(vec![(scope, Some(Held::Bytes), Some(Held::Bytes))], None);
     assert!(
         error.starts_with("ScopeFull") && error.contains("retry_after: 7s"),
         "{error}"
     );
     let error = refused(
         vec![
-            (scope, Some("records"), Some("records")),
-            (client, Some("records"), Some("records")),
+            (scope, Some(Held::Records), Some(Held::Records)),
+            (client, Some(Held::Records), Some(Held::Records)),
         ],
         None,
     );
@@ -429,17 +420,17 @@ fn admission_asks_store_then_scope_then_client_and_sweeps_before_it_refuses() {
         error.starts_with("ScopeFull"),
         "the scope is asked before the client: {error}"
     );
-    let error = refused(vec![(client, Some("records"), Some("records"))], None);
+    let error = refused(vec![(client, Some(Held::Records), Some(Held::Records))], None);
     assert!(
         error.starts_with("ClientFull") && error.contains("retry_after: 9s"),
         "{error}"
     );
     // The store's bound comes before the room kept for claims in flight.
     let error = refused(
-        vec![(store, Some("records"), Some("records"))],
+        vec![(store, Some(Held::Records), Some(Held::Records))],
         Some(Duration::from_secs(3)),
     );
-    assert!(error.contains("what: \"records\""), "{error}");
+    assert!(error.contains("what: Records"), "{error}");
 }
 
 #[test]

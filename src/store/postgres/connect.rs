@@ -10,7 +10,7 @@ use tokio_postgres::Client;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::config::PostgresConfig;
-use crate::error::{PostgresError, StoreError};
+use crate::error::{BoxError, StoreError, StoreFailure};
 
 /// How much longer than `store.timeout` the proxy waits for a statement, so that the
 /// server's cancellation at `statement_timeout` (which rolls it back) comes first.
@@ -45,7 +45,7 @@ pub fn connector(config: &PostgresConfig) -> Result<MakeRustlsConnect, StoreErro
         tls.and_then(|tls| tls.ca_file.as_deref()),
         client.map(|client| (client.cert_file.as_path(), client.key_file.as_path())),
     )
-    .map_err(|error| StoreError::Postgres(PostgresError::setup(error.to_string())))?;
+    .map_err(|error| StoreError::Handshake(failure(error.to_string())))?;
     Ok(MakeRustlsConnect::new(built))
 }
 
@@ -56,8 +56,8 @@ pub(super) async fn connect(
     timeout: Duration,
 ) -> Result<Client, StoreError> {
     let (client, connection) = match tokio::time::timeout(timeout, pg.connect(connector.clone())).await {
-        Err(_) => return Err(StoreError::Timeout(timeout)),
-        Ok(result) => result.map_err(|error| StoreError::Postgres(PostgresError::from_connect(&error)))?,
+        Err(_) => return Err(no_connection_within(timeout)),
+        Ok(result) => result.map_err(|error| connect_failed(&error))?,
     };
     tokio::spawn(async move {
         if let Err(error) = connection.await {
@@ -67,14 +67,104 @@ pub(super) async fn connect(
     Ok(client)
 }
 
-/// A pool that could not hand out a connection.
-pub(super) fn pool_error(error: deadpool_postgres::PoolError) -> PostgresError {
+/// A pool that could not hand out a connection: nothing was sent.
+pub(super) fn pool_failed(error: deadpool_postgres::PoolError, timeout: Duration) -> StoreError {
     use deadpool_postgres::PoolError;
     match error {
-        PoolError::Backend(error) => PostgresError::from_connect(&error),
-        PoolError::Timeout(_) => PostgresError::unreachable("no connection to Postgres within store.timeout"),
-        PoolError::Closed | PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => {
-            PostgresError::unreachable("the pool of Postgres connections cannot connect")
+        PoolError::Backend(error) => connect_failed(&error),
+        PoolError::Timeout(_) => no_connection_within(timeout),
+        PoolError::Closed | PoolError::NoRuntimeSpecified | PoolError::PostCreateHook(_) => StoreError::Unreachable {
+            source: failure("the pool of Postgres connections cannot connect"),
+            may_have_written: false,
+        },
+    }
+}
+
+fn no_connection_within(timeout: Duration) -> StoreError {
+    StoreError::Unreachable {
+        source: failure(format!("no connection within {timeout:?}")),
+        may_have_written: false,
+    }
+}
+
+/// A connection that could not be made, so nothing was sent: its TLS handshake or its
+/// login failed (a password, a role or a database the server does not know), which
+/// only the configuration fixes; or the server could not be reached or took no more
+/// connections.
+pub(super) fn connect_failed(error: &tokio_postgres::Error) -> StoreError {
+    let login = error.as_db_error().is_some_and(|db| {
+        let code = db.code().code();
+        code.starts_with("28") || code == tokio_postgres::error::SqlState::INVALID_CATALOG_NAME.code()
+    });
+    if login || is_tls(error) {
+        StoreError::Handshake(failure(describe(error)))
+    } else {
+        StoreError::Unreachable {
+            source: failure(describe(error)),
+            may_have_written: false,
         }
     }
+}
+
+/// A statement that failed: refused by the server (rolled back, so nothing was
+/// written), cancelled by it at `statement_timeout` (`timeout`; rolled back too), or
+/// lost with its connection after it was `sent` (it may have run).
+pub(super) fn query_failed(error: &tokio_postgres::Error, sent: bool, timeout: Duration) -> StoreError {
+    match error.as_db_error() {
+        Some(db) if db.code() == &tokio_postgres::error::SqlState::QUERY_CANCELED => StoreError::Timeout {
+            after: timeout,
+            may_have_written: false,
+        },
+        Some(_) => StoreError::Refused {
+            source: failure(describe(error)),
+            may_have_written: false,
+        },
+        None if is_tls(error) => StoreError::Handshake(failure(describe(error))),
+        None => StoreError::Unreachable {
+            source: failure(describe(error)),
+            may_have_written: sent,
+        },
+    }
+}
+
+/// Whether the connection failed in its TLS handshake: tokio-postgres's TLS error, or
+/// a rustls error anywhere under it.
+fn is_tls(error: &tokio_postgres::Error) -> bool {
+    if error.to_string().starts_with("error performing TLS handshake") {
+        return true;
+    }
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        let rustls = cause.downcast_ref::<rustls::Error>().is_some()
+            || cause
+                .downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some());
+        if rustls {
+            return true;
+        }
+        source = cause.source();
+    }
+    false
+}
+
+/// The server's message and SQLSTATE, or the connection's failure: never a password.
+fn describe(error: &tokio_postgres::Error) -> String {
+    use std::error::Error as _;
+    match error.as_db_error() {
+        Some(db) if db.code() == &tokio_postgres::error::SqlState::QUERY_CANCELED => format!(
+            "the statement ran past store.timeout and the server cancelled it ({})",
+            db.message()
+        ),
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => match error.source() {
+            Some(source) => format!("{error}: {source}"),
+            None => error.to_string(),
+        },
+    }
+}
+
+/// `detail` as a Postgres failure, the source of a `StoreError`.
+pub(super) fn failure(detail: impl Into<String>) -> BoxError {
+    StoreFailure::boxed("postgres", detail)
 }

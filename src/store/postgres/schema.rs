@@ -5,7 +5,9 @@
 
 use tokio_postgres::Client;
 
-use crate::error::{PostgresError, StoreError};
+use std::time::Duration;
+
+use crate::error::StoreError;
 
 /// The schema version this build creates and reads.
 pub const VERSION: i32 = 1;
@@ -47,27 +49,33 @@ pub fn fresh_identity() -> Option<[u8; 16]> {
     super::super::identity::random_key()
 }
 
-fn failed(error: &tokio_postgres::Error) -> StoreError {
-    StoreError::Postgres(PostgresError::from_query(error, false))
+/// A statement of the start's that failed; `timeout` is the session's
+/// `statement_timeout`.
+fn failed(error: &tokio_postgres::Error, timeout: Duration) -> StoreError {
+    super::connect::query_failed(error, false, timeout)
 }
 
+/// A schema the store cannot use as it is: nothing is changed.
 fn refused(detail: String) -> StoreError {
-    StoreError::Postgres(PostgresError::setup(detail))
+    StoreError::Refused {
+        source: super::connect::failure(detail),
+        may_have_written: false,
+    }
 }
 
 /// The version `schema` is at and its key, `None` when it has no meta table.
-async fn version(client: &Client, schema: &str) -> Result<Option<(i32, Vec<u8>)>, StoreError> {
+async fn version(client: &Client, schema: &str, timeout: Duration) -> Result<Option<(i32, Vec<u8>)>, StoreError> {
     let exists = client
         .query_one("SELECT to_regclass($1) IS NOT NULL", &[&format!("{schema}.meta")])
         .await
-        .map_err(|error| failed(&error))?;
+        .map_err(|error| failed(&error, timeout))?;
     if !exists.get::<_, bool>(0) {
         return Ok(None);
     }
     let row = client
         .query_opt(&format!("SELECT version, identity FROM {schema}.meta"), &[])
         .await
-        .map_err(|error| failed(&error))?;
+        .map_err(|error| failed(&error, timeout))?;
     Ok(row.map(|row| (row.get(0), row.get(1))))
 }
 
@@ -84,10 +92,16 @@ fn identity(bytes: &[u8]) -> Result<[u8; 16], StoreError> {
 /// Makes `schema` ready for this version and returns its key for scope numbers. With
 /// `migrate`, creates or upgrades it in one transaction under an advisory lock (its
 /// functions replaced by this version's); without, only checks that it is at this
-/// version, and says how to create it when it is not.
-pub(crate) async fn prepare(client: &Client, schema: &str, migrate: bool) -> Result<[u8; 16], StoreError> {
+/// version, and says how to create it when it is not. `timeout` is the session's
+/// `statement_timeout`.
+pub(crate) async fn prepare(
+    client: &Client,
+    schema: &str,
+    migrate: bool,
+    timeout: Duration,
+) -> Result<[u8; 16], StoreError> {
     if !migrate {
-        return match version(client, schema).await? {
+        return match version(client, schema, timeout).await? {
             Some((found, _)) if found > VERSION => Err(newer(schema, found)),
             Some((VERSION, key)) => identity(&key),
             Some((found, _)) => Err(refused(format!(
@@ -103,20 +117,19 @@ pub(crate) async fn prepare(client: &Client, schema: &str, migrate: bool) -> Res
     client
         .batch_execute(&format!("BEGIN; SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))
         .await
-        .map_err(|error| failed(&error))?;
+        .map_err(|error| failed(&error, timeout))?;
     let migrated = async {
         // Checked under the lock, before anything is changed.
-        if let Some((found, _)) = version(client, schema).await?
+        if let Some((found, _)) = version(client, schema, timeout).await?
             && found > VERSION
         {
             return Err(newer(schema, found));
         }
         let apply = format!("{}\n{}", ddl(schema), meta_row(schema, fresh));
         client.batch_execute(&apply).await.map_err(|error| {
-            refused(format!(
-                "cannot create or upgrade the schema {schema}: {}",
-                PostgresError::from_query(&error, false)
-            ))
+            let cause = failed(&error, timeout);
+            let detail = std::error::Error::source(&cause).map_or_else(|| cause.to_string(), ToString::to_string);
+            refused(format!("cannot create or upgrade the schema {schema}: {detail}"))
         })
     }
     .await;
@@ -124,8 +137,8 @@ pub(crate) async fn prepare(client: &Client, schema: &str, migrate: bool) -> Res
         .batch_execute(if migrated.is_ok() { "COMMIT" } else { "ROLLBACK" })
         .await;
     migrated?;
-    ended.map_err(|error| failed(&error))?;
-    match version(client, schema).await? {
+    ended.map_err(|error| failed(&error, timeout))?;
+    match version(client, schema, timeout).await? {
         Some((VERSION, key)) => identity(&key),
         Some((found, _)) if found > VERSION => Err(newer(schema, found)),
         _ => Err(StoreError::Protocol("the schema's version did not take")),

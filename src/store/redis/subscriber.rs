@@ -45,17 +45,17 @@ pub(super) fn start(config: &RedisConfig, timeout: Duration) -> Result<Watcher, 
         .as_ref()
         .map(certificates)
         .transpose()
-        .map_err(super::unavailable)?;
+        .map_err(super::failed)?;
     let source = match &config.topology {
         RedisTopology::Standalone { url } => Source::Standalone(
             match certificates {
                 Some(certificates) => redis::Client::build_with_tls(url.as_str(), certificates),
                 None => redis::Client::open(url.as_str()),
             }
-            .map_err(super::unavailable)?,
+            .map_err(super::failed)?,
         ),
         RedisTopology::Sentinel { urls, master_name } => Source::Sentinel(Mutex::new(
-            sentinel_client(urls, master_name, certificates).map_err(super::unavailable)?,
+            sentinel_client(urls, master_name, certificates).map_err(super::failed)?,
         )),
         RedisTopology::Cluster { urls } => Source::Cluster {
             urls: urls.clone(),

@@ -210,7 +210,10 @@ impl Writer {
         match tokio::time::timeout(timeout, answer).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(StoreError::Unready("the store's writer has stopped")),
-            Err(_) => Err(StoreError::Timeout(timeout)),
+            Err(_) => Err(StoreError::Timeout {
+                after: timeout,
+                may_have_written: true,
+            }),
         }
     }
 }
