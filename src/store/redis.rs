@@ -238,6 +238,8 @@ impl RedisStore {
     {
         let deadline = Instant::now() + budget;
         let mut pause = FIRST_PAUSE;
+        // Whether an attempt that failed may have run all the same.
+        let mut ran = false;
         loop {
             let error = match tokio::time::timeout_at(deadline, op(self.connection())).await {
                 Err(_) => return Err(timed_out(budget)),
@@ -249,8 +251,9 @@ impl RedisStore {
                 Retry::Transient => is_transient(&error),
             };
             if !again || Instant::now() + pause >= deadline {
-                return Err(failed(error));
+                return Err(failed_after(error, ran));
             }
+            ran |= may_have_run(&error);
             tracing::debug!(%error, "the store refused for a moment; trying again");
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(MAX_PAUSE);
@@ -352,32 +355,28 @@ fn timed_out(after: Duration) -> StoreError {
 }
 
 /// The store error for a Redis error that ends an operation, by its cause: a failed
-/// TLS handshake or login (only the configuration fixes it); a refusal Redis gave
-/// before running the command (a replica, no memory left, a cluster that is down,
-/// no permission: nothing written); any other error reply (a script's, which may
-/// have written before it failed); or a connection that could not be made or was
-/// lost (which may have run what was sent).
+/// TLS handshake or login (only the configuration fixes it); an error reply (a
+/// refusal Redis gave before running the command writes nothing: a replica, no memory
+/// left, a cluster that is down, no permission; a script's own error may follow a
+/// write); or a connection that could not be made or was lost.
 pub(super) fn failed(error: RedisError) -> StoreError {
-    use redis::{ErrorKind, ServerErrorKind};
-    if topology::tls_failure(&error).is_some() || error.kind() == ErrorKind::AuthenticationFailed {
-        return StoreError::Handshake(Box::new(error));
+    failed_after(error, false)
+}
+
+/// `failed`, for the last of several attempts: when an earlier one may have run
+/// (`ran`), so may the operation, whatever the last one says.
+fn failed_after(error: RedisError, ran: bool) -> StoreError {
+    let may_have_written = ran || may_have_run(&error);
+    if topology::tls_failure(&error).is_some() || error.kind() == redis::ErrorKind::AuthenticationFailed {
+        if !may_have_written {
+            return StoreError::Handshake(Box::new(error));
+        }
+        return StoreError::Unreachable {
+            source: Box::new(error),
+            may_have_written,
+        };
     }
-    let before_running = is_refused(&error)
-        || matches!(
-            error.kind(),
-            ErrorKind::Server(
-                ServerErrorKind::NoScript | ServerErrorKind::NoPerm | ServerErrorKind::Moved | ServerErrorKind::Ask
-            )
-        )
-        || matches!(error.code(), Some("OOM" | "NOPERM" | "WRONGPASS"));
-    let connection = error.is_io_error()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || error.is_timeout()
-        || error.kind() == ErrorKind::ClusterConnectionNotFound;
-    if connection {
-        // Refused at connect: nothing was sent.
-        let may_have_written = !error.is_connection_refusal();
+    if is_connection(&error) {
         StoreError::Unreachable {
             source: Box::new(error),
             may_have_written,
@@ -385,9 +384,43 @@ pub(super) fn failed(error: RedisError) -> StoreError {
     } else {
         StoreError::Refused {
             source: Box::new(error),
-            may_have_written: !before_running,
+            may_have_written,
         }
     }
+}
+
+/// Whether the connection failed, rather than Redis answering with an error.
+fn is_connection(error: &RedisError) -> bool {
+    error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || error.is_timeout()
+        || error.kind() == redis::ErrorKind::ClusterConnectionNotFound
+}
+
+/// Whether the command that failed with `error` may have run: a connection lost after
+/// it was sent, or an error reply other than the refusals Redis gives before running
+/// anything (a script's error may follow its writes).
+fn may_have_run(error: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    if topology::tls_failure(error).is_some()
+        || error.kind() == ErrorKind::AuthenticationFailed
+        || error.is_connection_refusal()
+    {
+        return false;
+    }
+    if is_connection(error) {
+        return true;
+    }
+    let before_running = is_refused(error)
+        || matches!(
+            error.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::NoScript | ServerErrorKind::NoPerm | ServerErrorKind::Moved | ServerErrorKind::Ask
+            )
+        )
+        || matches!(error.code(), Some("OOM" | "NOPERM" | "WRONGPASS"));
+    !before_running
 }
 
 impl RecordStore for RedisStore {
@@ -559,4 +592,69 @@ impl RecordStore for RedisStore {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+    use super::*;
+
+    fn server(kind: ServerErrorKind) -> RedisError {
+        RedisError::from((ErrorKind::Server(kind), "refused"))
+    }
+
+    fn io(kind: std::io::ErrorKind) -> RedisError {
+        RedisError::from(std::io::Error::from(kind))
+    }
+
+    /// Each Redis failure by its cause, and whether what was sent may have run: a
+    /// refusal Redis gives before running anything wrote nothing; a script's error, or
+    /// a connection lost once the command was sent, may have.
+    #[test]
+    fn a_redis_failure_is_classified_by_its_cause() {
+        let named = |error: StoreError| (error.kind(), error.may_have_written());
+        for kind in [
+            ServerErrorKind::ReadOnly,
+            ServerErrorKind::ClusterDown,
+            ServerErrorKind::BusyLoading,
+            ServerErrorKind::TryAgain,
+            ServerErrorKind::MasterDown,
+            ServerErrorKind::Moved,
+            ServerErrorKind::NoScript,
+            ServerErrorKind::NoPerm,
+        ] {
+            assert_eq!(named(failed(server(kind))), ("refused", false), "{kind:?}");
+        }
+        assert_eq!(
+            named(failed(server(ServerErrorKind::ResponseError))),
+            ("refused", true),
+            "a script's error may follow its writes"
+        );
+        assert_eq!(
+            named(failed(io(std::io::ErrorKind::ConnectionRefused))),
+            ("unreachable", false)
+        );
+        assert_eq!(
+            named(failed(io(std::io::ErrorKind::ConnectionReset))),
+            ("unreachable", true)
+        );
+        assert_eq!(
+            named(failed(RedisError::from((
+                ErrorKind::AuthenticationFailed,
+                "wrong password"
+            )))),
+            ("handshake", false)
+        );
+        // The last of several attempts: an earlier one lost with its connection may
+        // have run, whatever the last says.
+        assert_eq!(
+            named(failed_after(server(ServerErrorKind::ReadOnly), true)),
+            ("refused", true)
+        );
+        assert_eq!(
+            named(failed_after(io(std::io::ErrorKind::ConnectionRefused), true)),
+            ("unreachable", true)
+        );
+    }
 }
