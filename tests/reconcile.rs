@@ -367,6 +367,57 @@ async fn an_instance_killed_mid_probe_is_taken_over_by_another() {
     upstream.release("first-probe");
 }
 
+/// SQLite, one process per file: a proxy SIGKILLed while its requests are held at the
+/// upstream leaves their records in flight, and no other instance will find them.
+/// Restarted on its file, it probes the payments record itself once its lease is over,
+/// with no client retry (docs/design.md §21): the probe finds the one execution, and
+/// the retry that comes later replays it. The orders route has no probe: its record is
+/// left for an operator, and the start's log line counts both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_its_file() {
+    let upstream = Upstream::start().await;
+    let files = tempfile::tempdir().expect("a directory");
+    let store = StoreKind::Sqlite(files.path().join("records.db"));
+    let (config, _dir) = config(store, &upstream, "give_up_after = \"60s\"");
+    let mut killed = ChildProxy::start(&config).await;
+    for (path, key) in [("/v1/payments", "k-left"), ("/v1/orders", "k-orders")] {
+        let addr = killed.addr;
+        let headers = [("idempotency-key", key), ("x-test-hold", "left")];
+        tokio::spawn(async move { support::client::try_send(addr, "POST", path, &headers, "{\"amount\":1}").await });
+        upstream.wait_for_key(key).await;
+    }
+    killed.kill();
+    upstream.release("left");
+    let log = files.path().join("restarted.log");
+    let restarted = ChildProxy::start_logged(&config, &log, &[]).await;
+    until_metric(restarted.admin, &counter("applied"), 1.0).await;
+    let replay = retry(restarted.addr, "k-left").await;
+    assert_eq!(replay.status, 200, "{replay:?}");
+    assert_eq!(replay.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(upstream.executions("k-left"), 1);
+    assert_eq!(upstream.lookups().len(), 1, "one probe, by the restarted proxy");
+    let orders = send(
+        restarted.addr,
+        "POST",
+        "/v1/orders",
+        &[("idempotency-key", "k-orders")],
+        "{\"amount\":1}",
+    )
+    .await;
+    assert_eq!(
+        (orders.status.as_u16(), orders.problem()),
+        (409, "outcome-unknown".to_string())
+    );
+    assert_eq!(upstream.executions("k-orders"), 1);
+    drop(restarted);
+    let text = std::fs::read_to_string(&log).expect("read the log");
+    let counted = text
+        .lines()
+        .find(|line| line.contains("records the last run left unknown or in flight"))
+        .unwrap_or_else(|| panic!("no line counts the records left: {text}"));
+    assert!(counted.contains("scheduled=1 left=1"), "{counted}");
+}
+
 /// Three proxy processes on one Redis. The one whose request timed out is SIGKILLed
 /// before its first probe, so the record stays due with nobody probing it; once it is
 /// overdue by more than a probe lease, retries reach the two others at once and each
