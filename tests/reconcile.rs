@@ -186,6 +186,47 @@ async fn a_timeout_before_the_effect_releases_the_key_and_the_retry_runs_redis()
     not_applied_before_the_effect(StoreKind::Redis(redis.url())).await;
 }
 
+/// A record the probe released can become unknown again, and the same process probes
+/// it again: a chain gives up its place when it ends. The first request never takes
+/// effect (the probe releases the key); the retry takes effect and times out too; a
+/// second chain finds that execution, and its answer is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_unknown_a_second_time_is_probed_again_by_the_same_process() {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(StoreKind::Memory, &upstream, "give_up_after = \"30s\"");
+    let proxy = config.start().await;
+    first(proxy.addr(), "k-twice", false).await;
+    until_metric(proxy.admin(), &counter("not_applied"), 1.0).await;
+    first(proxy.addr(), "k-twice", true).await;
+    until_metric(proxy.admin(), &counter("applied"), 1.0).await;
+    let replay = retry(proxy.addr(), "k-twice").await;
+    assert_eq!(replay.status, 200, "{replay:?}");
+    assert_eq!(replay.header("idempotency-reconciled"), Some("true"));
+    assert_eq!(upstream.executions("k-twice"), 2);
+}
+
+/// A retry that comes before the first probe is due is told when it is (its
+/// `Retry-After` is the time to that probe, not a second) and begins no probe itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_before_the_first_probe_is_due_is_told_when_it_is() {
+    let upstream = Upstream::start().await;
+    let (config, _dir) = config(
+        StoreKind::Memory,
+        &upstream,
+        "first_after = \"5s\", give_up_after = \"30s\"",
+    );
+    let proxy = config.start().await;
+    first(proxy.addr(), "k-later", true).await;
+    let early = retry(proxy.addr(), "k-later").await;
+    assert_eq!(early.status, 409, "{early:?}");
+    let retry_after: u64 = early
+        .header("retry-after")
+        .and_then(|value| value.parse().ok())
+        .expect("a Retry-After while reconciling");
+    assert!((4..=5).contains(&retry_after), "Retry-After {retry_after}");
+    assert!(upstream.lookups().is_empty(), "no probe before it is due");
+}
+
 async fn gives_up(store: StoreKind) {
     let upstream = Upstream::start().await;
     upstream.set_lookups(Lookups::Fail(503));
