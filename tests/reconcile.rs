@@ -410,18 +410,31 @@ async fn an_instance_killed_mid_probe_is_taken_over_by_another() {
 
 /// SQLite, one process per file: a proxy SIGKILLed while its requests are held at the
 /// upstream leaves their records in flight, and no other instance will find them.
-/// Restarted on its file, it probes the payments record itself once its lease is over,
-/// with no client retry (docs/design.md §21): the probe finds the one execution, and
-/// the retry that comes later replays it. The orders route has no probe: its record is
-/// left for an operator, and the start's log line counts both.
+/// Restarted on its file, it probes them itself once their leases are over, with no
+/// client retry (docs/design.md §21): the payments probe (by `{key}`, the key its
+/// record kept) finds the one execution, and the retry that comes later replays it;
+/// the refunds probe (by `{record}`, no key kept) finds nothing and releases its key.
+/// The orders route has no probe: its record is left for an operator, and the start's
+/// log line counts them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_its_file() {
     let upstream = Upstream::start().await;
     let files = tempfile::tempdir().expect("a directory");
     let store = StoreKind::Sqlite(files.path().join("records.db"));
-    let (config, _dir) = config(store, &upstream, "give_up_after = \"60s\"");
+    let (mut config, _dir) = config(store, &upstream, "give_up_after = \"60s\"");
+    config.extra_routes = format!(
+        "[[route]]\nname = \"refunds\"\npath_prefix = \"/v1/refunds\"\nupstream = \"{}\"\nupstream_timeout = \"500ms\"\n\n\
+         [route.idempotency]\nreconcile = {{ path = \"/v1/payments/by-key/{{record}}\", first_after = \"200ms\", \
+         every = \"200ms\", give_up_after = \"60s\" }}\n",
+        upstream.url()
+    );
     let mut killed = ChildProxy::start(&config).await;
-    for (path, key) in [("/v1/payments", "k-left"), ("/v1/orders", "k-orders")] {
+    let held = [
+        ("/v1/payments", "k-left"),
+        ("/v1/refunds", "k-refund"),
+        ("/v1/orders", "k-orders"),
+    ];
+    for (path, key) in held {
         let addr = killed.addr;
         let headers = [("idempotency-key", key), ("x-test-hold", "left")];
         tokio::spawn(async move { support::client::try_send(addr, "POST", path, &headers, "{\"amount\":1}").await });
@@ -432,19 +445,21 @@ async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_it
     let log = files.path().join("restarted.log");
     let restarted = ChildProxy::start_logged(&config, &log, &[]).await;
     until_metric(restarted.admin, &counter("applied"), 1.0).await;
+    let refunds = "idemproxy_reconciliations_total{route=\"refunds\",result=\"not_applied\"}";
+    until_metric(restarted.admin, refunds, 1.0).await;
     let replay = retry(restarted.addr, "k-left").await;
     assert_eq!(replay.status, 200, "{replay:?}");
     assert_eq!(replay.header("idempotency-reconciled"), Some("true"));
     assert_eq!(upstream.executions("k-left"), 1);
-    assert_eq!(upstream.lookups().len(), 1, "one probe, by the restarted proxy");
-    let orders = send(
-        restarted.addr,
-        "POST",
-        "/v1/orders",
-        &[("idempotency-key", "k-orders")],
-        "{\"amount\":1}",
-    )
-    .await;
+    assert_eq!(upstream.lookups().len(), 2, "one probe of each, by the restarted proxy");
+    let again = |path: &'static str, key: &'static str| {
+        let addr = restarted.addr;
+        async move { send(addr, "POST", path, &[("idempotency-key", key)], "{\"amount\":1}").await }
+    };
+    let refund = again("/v1/refunds", "k-refund").await;
+    assert_eq!(refund.status, 201, "released, so the retry runs: {refund:?}");
+    assert_eq!(upstream.executions("k-refund"), 2);
+    let orders = again("/v1/orders", "k-orders").await;
     assert_eq!(
         (orders.status.as_u16(), orders.problem()),
         (409, "outcome-unknown".to_string())
@@ -456,7 +471,7 @@ async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_it
         .lines()
         .find(|line| line.contains("records the last run left unknown or in flight"))
         .unwrap_or_else(|| panic!("no line counts the records left: {text}"));
-    assert!(counted.contains("scheduled=1 left=1"), "{counted}");
+    assert!(counted.contains("scheduled=2 left=1"), "{counted}");
 }
 
 /// Three proxy processes on one Redis. The one whose request timed out is SIGKILLed
