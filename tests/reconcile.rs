@@ -414,8 +414,8 @@ async fn an_instance_killed_mid_probe_is_taken_over_by_another() {
 /// client retry (docs/design.md §21): the payments probe (by `{key}`, the key its
 /// record kept) finds the one execution, and the retry that comes later replays it;
 /// the refunds probe (by `{record}`, no key kept) finds nothing and releases its key.
-/// The orders route has no probe: its record is left for an operator, and the start's
-/// log line counts them all.
+/// The orders route has no probe: its two records are left for an operator, and the
+/// start's log line counts them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_its_file() {
     let upstream = Upstream::start().await;
@@ -433,6 +433,7 @@ async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_it
         ("/v1/payments", "k-left"),
         ("/v1/refunds", "k-refund"),
         ("/v1/orders", "k-orders"),
+        ("/v1/orders", "k-orders-2"),
     ];
     for (path, key) in held {
         let addr = killed.addr;
@@ -471,7 +472,7 @@ async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_it
         .lines()
         .find(|line| line.contains("records the last run left unknown or in flight"))
         .unwrap_or_else(|| panic!("no line counts the records left: {text}"));
-    assert!(counted.contains("scheduled=2 left=1"), "{counted}");
+    assert!(counted.contains("scheduled=2 left=2"), "{counted}");
 }
 
 /// Three proxy processes on one Redis. The one whose request timed out is SIGKILLed
