@@ -13,6 +13,43 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 
+/// The rustls error a connection's handshake failed with, found anywhere under `error`:
+/// itself, inside an I/O error, or behind the `Arc` the redis crate keeps an I/O error
+/// in. Only what a handshake fails with (a certificate not trusted, none presented, an
+/// alert, nothing in common): a record error on an established connection, which may
+/// have carried a request, is not a handshake's. Such a failure repeats on every
+/// attempt: a configuration to fix, not a moment to wait.
+pub fn handshake_failure<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    type Shared = Arc<dyn std::error::Error + Send + Sync>;
+    let mut next = Some(error);
+    while let Some(cause) = next {
+        let tls = cause
+            .downcast_ref::<rustls::Error>()
+            .or_else(|| {
+                cause
+                    .downcast_ref::<std::io::Error>()?
+                    .get_ref()?
+                    .downcast_ref::<rustls::Error>()
+            })
+            .or_else(|| {
+                let shared: &(dyn std::error::Error + 'static) = &**cause.downcast_ref::<Shared>()?;
+                handshake_failure(shared)
+            });
+        if let Some(tls) = tls {
+            return matches!(
+                tls,
+                rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::NoCertificatesPresented
+                    | rustls::Error::AlertReceived(_)
+                    | rustls::Error::PeerIncompatible(_)
+            )
+            .then_some(tls);
+        }
+        next = cause.source();
+    }
+    None
+}
+
 /// Why a certificate, key or CA file cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -237,6 +274,37 @@ mod tests {
             }
         }
         Err(rustls::Error::General("the handshake did not finish".into()))
+    }
+
+    /// A handshake's failure is found however deep the crates wrap it (inside an I/O
+    /// error, behind an `Arc`); a record error on an established connection is not one.
+    #[test]
+    fn a_handshake_failure_is_found_under_its_wrappers_and_a_record_error_is_not() {
+        let untrusted = || rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        let in_io = std::io::Error::other(untrusted());
+        assert!(handshake_failure(&in_io).is_some());
+        let shared: Arc<dyn std::error::Error + Send + Sync> = Arc::new(std::io::Error::other(untrusted()));
+        let wrapped = std::io::Error::other(WrappedShared(shared));
+        assert!(handshake_failure(&wrapped).is_some());
+        let record = std::io::Error::other(rustls::Error::DecryptError);
+        assert!(handshake_failure(&record).is_none());
+        assert!(handshake_failure(&std::io::Error::other("reset")).is_none());
+    }
+
+    /// An error whose source is the `Arc` itself, as the redis crate gives it.
+    #[derive(Debug)]
+    struct WrappedShared(Arc<dyn std::error::Error + Send + Sync>);
+
+    impl std::fmt::Display for WrappedShared {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("wrapped")
+        }
+    }
+
+    impl std::error::Error for WrappedShared {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
     }
 
     /// With client roots, the listener takes a client certificate they signed and

@@ -17,7 +17,7 @@ use bytes::Bytes;
 use redis::{RedisError, RedisResult, Script};
 use tokio::time::Instant;
 
-use self::topology::{Connection, Unready, is_refused, is_transient};
+use self::topology::{Connection, Unready, is_connection, is_refused, is_transient, may_have_run, tls_failure};
 use super::codes;
 use super::{
     Background, ClaimOutcome, ClaimRequest, Deferred, Handles, OwnerToken, ProbeSchedule, ProbeStart, RecordStore,
@@ -367,16 +367,10 @@ pub(super) fn failed(error: RedisError) -> StoreError {
 /// (`ran`), so may the operation, whatever the last one says.
 fn failed_after(error: RedisError, ran: bool) -> StoreError {
     let may_have_written = ran || may_have_run(&error);
-    if topology::tls_failure(&error).is_some() || error.kind() == redis::ErrorKind::AuthenticationFailed {
-        if !may_have_written {
-            return StoreError::Handshake(Box::new(error));
-        }
-        return StoreError::Unreachable {
-            source: Box::new(error),
-            may_have_written,
-        };
-    }
-    if is_connection(&error) {
+    let handshake = tls_failure(&error).is_some() || error.kind() == redis::ErrorKind::AuthenticationFailed;
+    if handshake && !may_have_written {
+        StoreError::Handshake(Box::new(error))
+    } else if handshake || is_connection(&error) {
         StoreError::Unreachable {
             source: Box::new(error),
             may_have_written,
@@ -387,40 +381,6 @@ fn failed_after(error: RedisError, ran: bool) -> StoreError {
             may_have_written,
         }
     }
-}
-
-/// Whether the connection failed, rather than Redis answering with an error.
-fn is_connection(error: &RedisError) -> bool {
-    error.is_io_error()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-        || error.is_timeout()
-        || error.kind() == redis::ErrorKind::ClusterConnectionNotFound
-}
-
-/// Whether the command that failed with `error` may have run: a connection lost after
-/// it was sent, or an error reply other than the refusals Redis gives before running
-/// anything (a script's error may follow its writes).
-fn may_have_run(error: &RedisError) -> bool {
-    use redis::{ErrorKind, ServerErrorKind};
-    if topology::tls_failure(error).is_some()
-        || error.kind() == ErrorKind::AuthenticationFailed
-        || error.is_connection_refusal()
-    {
-        return false;
-    }
-    if is_connection(error) {
-        return true;
-    }
-    let before_running = is_refused(error)
-        || matches!(
-            error.kind(),
-            ErrorKind::Server(
-                ServerErrorKind::NoScript | ServerErrorKind::NoPerm | ServerErrorKind::Moved | ServerErrorKind::Ask
-            )
-        )
-        || matches!(error.code(), Some("OOM" | "NOPERM" | "WRONGPASS"));
-    !before_running
 }
 
 impl RecordStore for RedisStore {

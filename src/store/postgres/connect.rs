@@ -108,7 +108,8 @@ pub(super) fn connect_failed(error: &tokio_postgres::Error) -> StoreError {
 
 /// A statement that failed: refused by the server (rolled back, so nothing was
 /// written), cancelled by it at `statement_timeout` (`timeout`; rolled back too), or
-/// lost with its connection after it was `sent` (it may have run).
+/// lost with its connection after it was `sent` (it may have run; a TLS error there is
+/// the established connection's, not a handshake's: those come from `connect_failed`).
 pub(super) fn query_failed(error: &tokio_postgres::Error, sent: bool, timeout: Duration) -> StoreError {
     match error.as_db_error() {
         Some(db) if db.code() == &tokio_postgres::error::SqlState::QUERY_CANCELED => StoreError::Timeout {
@@ -119,7 +120,6 @@ pub(super) fn query_failed(error: &tokio_postgres::Error, sent: bool, timeout: D
             source: failure(describe(error)),
             may_have_written: false,
         },
-        None if is_tls(error) => StoreError::Handshake(failure(describe(error))),
         None => StoreError::Unreachable {
             source: failure(describe(error)),
             may_have_written: sent,
@@ -127,25 +127,11 @@ pub(super) fn query_failed(error: &tokio_postgres::Error, sent: bool, timeout: D
     }
 }
 
-/// Whether the connection failed in its TLS handshake: tokio-postgres's TLS error, or
-/// a rustls error anywhere under it.
+/// Whether the connection failed in its TLS handshake: tokio-postgres's own TLS error
+/// (a server that offers no TLS where it is required, among them), or a rustls
+/// handshake error under it.
 fn is_tls(error: &tokio_postgres::Error) -> bool {
-    if error.to_string().starts_with("error performing TLS handshake") {
-        return true;
-    }
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
-        let rustls = cause.downcast_ref::<rustls::Error>().is_some()
-            || cause
-                .downcast_ref::<std::io::Error>()
-                .and_then(std::io::Error::get_ref)
-                .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some());
-        if rustls {
-            return true;
-        }
-        source = cause.source();
-    }
-    false
+    error.to_string().starts_with("error performing TLS handshake") || crate::tls::handshake_failure(error).is_some()
 }
 
 /// The server's message and SQLSTATE, or the connection's failure: never a password.

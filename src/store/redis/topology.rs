@@ -183,28 +183,43 @@ pub(super) fn is_transient(error: &RedisError) -> bool {
         || error.is_connection_dropped()
 }
 
+/// Whether the connection failed (could not be made, was lost, or timed out), rather
+/// than Redis answering with an error.
+pub(super) fn is_connection(error: &RedisError) -> bool {
+    error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || error.is_timeout()
+        || error.kind() == ErrorKind::ClusterConnectionNotFound
+}
+
+/// Whether the command that failed with `error` may have run: a connection lost after
+/// it was sent, or an error reply other than a refusal Redis gives before running
+/// anything (a script's own error may follow its writes). A failed handshake or login,
+/// or a refused connection, sent nothing.
+pub(super) fn may_have_run(error: &RedisError) -> bool {
+    if tls_failure(error).is_some() || error.kind() == ErrorKind::AuthenticationFailed || error.is_connection_refusal()
+    {
+        return false;
+    }
+    if is_connection(error) {
+        return true;
+    }
+    let before_running = is_refused(error)
+        || matches!(
+            error.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::NoScript | ServerErrorKind::NoPerm | ServerErrorKind::Moved | ServerErrorKind::Ask
+            )
+        )
+        || matches!(error.code(), Some("OOM" | "NOPERM" | "WRONGPASS"));
+    !before_running
+}
+
 /// The TLS error under `error`, if the connection failed in its handshake or was
-/// refused by the node's TLS layer (a certificate not trusted, none presented). Such a
-/// failure repeats on every attempt: it is a configuration to fix, not a moment to wait.
+/// refused by the node's TLS layer (`tls::handshake_failure`).
 pub(super) fn tls_failure(error: &RedisError) -> Option<&rustls::Error> {
-    type Shared = Arc<dyn std::error::Error + Send + Sync>;
-    // The redis crate keeps an I/O error behind an `Arc`, and gives that as the source.
-    let source = std::error::Error::source(error)?;
-    let io = match source.downcast_ref::<Shared>() {
-        Some(shared) => shared.downcast_ref::<std::io::Error>()?,
-        None => source.downcast_ref::<std::io::Error>()?,
-    };
-    let tls = io.get_ref()?.downcast_ref::<rustls::Error>()?;
-    // Only what a handshake fails with: a record error on an established connection
-    // (which may have carried a command) stays an ordinary lost connection.
-    matches!(
-        tls,
-        rustls::Error::InvalidCertificate(_)
-            | rustls::Error::NoCertificatesPresented
-            | rustls::Error::AlertReceived(_)
-            | rustls::Error::PeerIncompatible(_)
-    )
-    .then_some(tls)
+    crate::tls::handshake_failure(error)
 }
 
 // === impl ConnectionLike ===
