@@ -275,10 +275,6 @@ async fn a_problem_is_logged_with_the_status_its_profile_answered() {
     // The access line is written once the response is sent: the problem line before it.
     let access = access_lines(&log, 2, parse_text).await;
     assert_eq!(access[1].status, 400);
-    let text = std::fs::read_to_string(&log).expect("read the proxy's log");
-    let problem = text
-        .lines()
-        .find(|line| line.contains("problem response"))
-        .unwrap_or_else(|| panic!("no problem line:\n{text}"));
+    let problem = support::proxy::log_line(&log, "problem response");
     assert!(problem.contains("status=400"), "{problem}");
 }

@@ -467,11 +467,7 @@ async fn records_a_killed_proxy_left_in_flight_are_probed_when_it_restarts_on_it
     );
     assert_eq!(upstream.executions("k-orders"), 1);
     drop(restarted);
-    let text = std::fs::read_to_string(&log).expect("read the log");
-    let counted = text
-        .lines()
-        .find(|line| line.contains("records the last run left unknown or in flight"))
-        .unwrap_or_else(|| panic!("no line counts the records left: {text}"));
+    let counted = support::proxy::log_line(&log, "records the last run left unknown or in flight");
     assert!(counted.contains("scheduled=2 left=2"), "{counted}");
 }
 

@@ -191,6 +191,16 @@ impl ProxyHandle {
     }
 }
 
+/// The first line of the proxy's log at `log` that contains `needle`; the whole log in
+/// the failure when none does.
+pub fn log_line(log: &Path, needle: &str) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_else(|error| panic!("read {}: {error}", log.display()));
+    text.lines()
+        .find(|line| line.contains(needle))
+        .map(str::to_string)
+        .unwrap_or_else(|| panic!("no line with {needle:?} in the log:\n{text}"))
+}
+
 /// Where a child proxy's log goes: nowhere, or with `IDEMPROXY_TEST_LOGS=DIR` set (to
 /// debug a failing test) into `DIR/idemproxy-PORT.log`.
 fn child_log(port: u16) -> std::process::Stdio {
