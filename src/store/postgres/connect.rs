@@ -135,13 +135,11 @@ fn is_tls(error: &tokio_postgres::Error) -> bool {
 }
 
 /// The server's message and SQLSTATE, or the connection's failure: never a password.
+/// (A statement the server cancelled at `statement_timeout` is a timeout, named by
+/// `query_failed` without it.)
 fn describe(error: &tokio_postgres::Error) -> String {
     use std::error::Error as _;
     match error.as_db_error() {
-        Some(db) if db.code() == &tokio_postgres::error::SqlState::QUERY_CANCELED => format!(
-            "the statement ran past store.timeout and the server cancelled it ({})",
-            db.message()
-        ),
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
         None => match error.source() {
             Some(source) => format!("{error}: {source}"),
