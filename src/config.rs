@@ -453,7 +453,12 @@ pub struct IdempotencyPolicy {
     /// With the `body` source: how long two identical requests are one operation.
     pub dedup_window: Option<Duration>,
     pub required: bool,
+    /// How long a recorded response is kept and replayed (docs/design.md §24).
     pub retention: Duration,
+    /// How long the key is known: past `retention` the record keeps what the guard
+    /// needs (its fingerprint, status and completion time) and a retry gets 410
+    /// `response-expired`, never a second run. At least `retention`.
+    pub remember: Duration,
     /// How long a duplicate waits for the first request in flight before 409.
     pub wait_for_in_flight: Duration,
     pub fingerprint_headers: Vec<HeaderName>,
@@ -963,7 +968,7 @@ impl std::fmt::Display for Config {
             let guard = match &route.idempotency {
                 None => "unguarded".to_string(),
                 Some(policy) => format!(
-                    "{} {} by {} (retention {}){}{}",
+                    "{} {} by {} (retention {}{}){}{}",
                     match policy.mode {
                         Mode::Enforce => "guards",
                         Mode::Shadow => "shadows",
@@ -971,6 +976,10 @@ impl std::fmt::Display for Config {
                     policy.methods.iter().map(Method::as_str).collect::<Vec<_>>().join(","),
                     policy.describe_key(),
                     humantime::format_duration(policy.retention),
+                    match policy.remember > policy.retention {
+                        true => format!(", remember {}", humantime::format_duration(policy.remember)),
+                        false => String::new(),
+                    },
                     policy
                         .scope_jwt
                         .as_ref()

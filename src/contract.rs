@@ -59,7 +59,8 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
             "repeated": "refused: one field line, one key",
         },
         "retention_seconds": policy.retention.as_secs(),
-        "expiry": "a key lives retention_seconds from its first request; after that it is free, and a request with it runs as new",
+        "remember_seconds": policy.remember.as_secs(),
+        "expiry": expiry(policy),
         "scope": {
             "headers": policy.scope_headers.iter().map(|name| name.as_str()).collect::<Vec<_>>(),
             "jwt_claim": policy.scope_jwt.as_ref().map(|jwt| jwt.describe()),
@@ -90,6 +91,7 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
             })),
             "marker": "Idempotent-Replayed: true",
             "reconciled_marker": "Idempotency-Reconciled: true",
+            "expires_header": "Idempotency-Expires",
             "meaning": replay_meaning(policy),
         },
         "upstream_key": match policy.upstream_key {
@@ -169,6 +171,9 @@ fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, ProblemKind
             Listed::WhenRequired => policy.required,
             Listed::WhenScopeJwt => policy.scope_jwt.is_some(),
             Listed::WhenRefetch => policy.replay == crate::config::ReplayKind::Refetch,
+            Listed::WhenRemembered => {
+                policy.remember > policy.retention && policy.replay != crate::config::ReplayKind::Refetch
+            }
             Listed::Never => false,
         })
         .map(|kind| (policy.profile.status(kind).as_u16(), kind))
@@ -230,6 +235,17 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
                     "Idempotency-Reconciled": {
                         "description": "On a replay of a response learned by resolving an unknown outcome (the route's probe, or an operator).",
                         "schema": {"type": "string", "enum": ["true"]},
+                    },
+                    "Idempotency-Expires": {
+                        "description": format!(
+                            "On a recorded response and every replay of it: when its replays stop (an HTTP date, the first request's time plus {} s){}.",
+                            policy.retention.as_secs(),
+                            match policy.remember > policy.retention && policy.replay != ReplayKind::Refetch {
+                                true => format!("; until {} s from it, the same request then gets 410 response-expired", policy.remember.as_secs()),
+                                false => String::new(),
+                            }
+                        ),
+                        "schema": {"type": "string"},
                     },
                 },
             }),
@@ -295,6 +311,21 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
     })
 }
 
+/// How long a route's key and its response last, in words (docs/design.md §24).
+fn expiry(policy: &IdempotencyPolicy) -> String {
+    let retention = humantime::format_duration(policy.retention);
+    if policy.replay == ReplayKind::Refetch || policy.remember <= policy.retention {
+        let horizon = humantime::format_duration(policy.remember.max(policy.retention));
+        return format!(
+            "A key lives {horizon} from its first request (its answer replayed until then, as Idempotency-Expires says); after that it is free, and a request with it runs as new."
+        );
+    }
+    format!(
+        "A key's answer is replayed for {retention} from its first request (Idempotency-Expires says until when); the key is remembered for {} from it: in between, the same request gets 410 response-expired (naming when the operation completed and its status) and is never run again, another request with the key 422. After that it is free, and a request with it runs as new.",
+        humantime::format_duration(policy.remember)
+    )
+}
+
 /// Where a client sends its key on one route, as OpenAPI says it.
 struct KeyInputs {
     /// A component parameter for each `header:` and `query:` source, by its name.
@@ -310,8 +341,15 @@ struct KeyInputs {
 fn key_inputs(route: &Route, policy: &IdempotencyPolicy) -> KeyInputs {
     let required = policy.required && policy.key.len() == 1;
     let retention = policy.retention.as_secs();
+    let remembered = match policy.remember > policy.retention && policy.replay != ReplayKind::Refetch {
+        true => format!(
+            " After that, until {} seconds, it gets 410 response-expired and never runs again.",
+            policy.remember.as_secs()
+        ),
+        false => String::new(),
+    };
     let meaning = format!(
-        "A unique key per operation: a retry with the same key and the same request gets the first answer again (with Idempotent-Replayed: true) for {retention} seconds."
+        "A unique key per operation: a retry with the same key and the same request gets the first answer again (with Idempotent-Replayed: true, and Idempotency-Expires saying until when) for {retention} seconds.{remembered}"
     );
     let token = json!({"type": "string", "minLength": 1, "maxLength": MAX_KEY_LEN, "pattern": "^[\\x21-\\x7E]+$"});
     let mut parameters = Vec::new();
@@ -447,8 +485,8 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
             ));
         }
         page.push_str(&format!(
-            "- A key is 1 to {MAX_KEY_LEN} visible ASCII characters; in a header, bare (`abc`) or quoted (`\"abc\"`, the same key), one field line.\n- A key lives {} from its first request; after that it is free again.\n",
-            humantime::format_duration(policy.retention),
+            "- A key is 1 to {MAX_KEY_LEN} visible ASCII characters; in a header, bare (`abc`) or quoted (`\"abc\"`, the same key), one field line.\n- {}\n",
+            expiry(policy),
         ));
         if let Some(window) = policy.dedup_window {
             page.push_str(&format!(

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::jwt::JwtError;
 use crate::problem::Detail;
-pub(crate) use crate::problem::{Outcome, Problem, ProblemKind, Profile};
+pub(crate) use crate::problem::{Completion, Outcome, Problem, ProblemKind, Profile};
 use crate::request_target::RequestTargetError;
 
 /// Any error, boxed, where the cause only goes to the log.
@@ -372,6 +372,10 @@ pub(crate) enum Rejection {
         /// response cannot be opened).
         reason: Option<&'static str>,
     },
+    /// The same request again, after the route's retention and within its
+    /// `remember`: the operation ran, its response is gone, and nothing runs again.
+    #[error("{}", expired(.0))]
+    ResponseExpired(Completion),
     #[error("the proxy is at its bound on {0}")]
     Overloaded(Bound),
     /// A retry on a `replay = "refetch"` route, whose refetch failed: nothing ran again.
@@ -435,6 +439,7 @@ impl Rejection {
             Rejection::KeyReused => ProblemKind::KeyReused,
             Rejection::InProgress { .. } => ProblemKind::InProgress,
             Rejection::OutcomeUnknown { .. } => ProblemKind::OutcomeUnknown,
+            Rejection::ResponseExpired(_) => ProblemKind::ResponseExpired,
             Rejection::Overloaded(_) => ProblemKind::Overloaded,
             Rejection::ReplayUnavailable(_) => ProblemKind::ReplayUnavailable,
             Rejection::Store(StoreError::Full { .. }) => ProblemKind::StoreFull,
@@ -505,6 +510,10 @@ impl Rejection {
             Rejection::OutcomeUnknown { reconciling, reason } => (Some(reconciling.is_some()), *reason),
             _ => (None, None),
         };
+        let completed = match self {
+            Rejection::ResponseExpired(completed) => Some(*completed),
+            _ => None,
+        };
         Problem {
             kind,
             detail,
@@ -513,10 +522,22 @@ impl Rejection {
             operation: None,
             reconciling,
             reason,
+            completed,
             docs_url: None,
             profile: Profile::Ietf,
         }
     }
+}
+
+/// What a 410 `response-expired` tells its client.
+fn expired(completed: &Completion) -> String {
+    let when = completed.at.map_or_else(String::new, |at| {
+        format!(" at {}", humantime::format_rfc3339_seconds(at))
+    });
+    format!(
+        "the operation with this key completed{when} with status {}, and its response is no longer kept; it was not run again (a new operation needs a new key)",
+        completed.status
+    )
 }
 
 /// `duration` in whole seconds, rounded up.

@@ -10,7 +10,7 @@ use ring::digest;
 
 use crate::canonical_json;
 use crate::config::{FingerprintBody, OnServerError, OnUnauthorized};
-use crate::error::{KeyError, Rejection};
+use crate::error::{Completion, KeyError, Rejection};
 use crate::store::{
     ClaimOutcome, ClientId, Existing, Fingerprint, Probe, RecordState, ScopeId, StoreKey, StoredResponse, UnknownReason,
 };
@@ -293,6 +293,11 @@ pub(crate) fn decide<C>(outcome: ClaimOutcome<C>, fingerprint: Fingerprint) -> D
     }
     match state {
         RecordState::Completed(response) => Decision::Replay(response),
+        // Past its retention: never run again, and never a made-up answer.
+        RecordState::Spent(spent) => Decision::Reject(Rejection::ResponseExpired(Completion {
+            status: spent.status.as_u16(),
+            at: spent.completed_at,
+        })),
         // Most requests finish long before their lease ends: ask for a retry soon.
         RecordState::InFlight { lease_remaining } => Decision::Reject(Rejection::InProgress {
             retry_after: lease_remaining.clamp(Duration::from_millis(1), IN_PROGRESS_RETRY_AFTER),

@@ -610,6 +610,12 @@ impl Metrics {
             "Expired records the SQLite store deleted",
             stats.swept.clone(),
         );
+        register(
+            r,
+            "store_dropped_responses",
+            "Responses the SQLite store dropped at the end of their retention, their records kept until remember ends",
+            stats.dropped.clone(),
+        );
     }
 
     /// The Prometheus text exposition of every metric. Every route's outcomes are

@@ -21,6 +21,7 @@ label_values! {
         KeyReused => "idempotency-key-reused",
         InProgress => "request-in-progress",
         OutcomeUnknown => "outcome-unknown",
+        ResponseExpired => "response-expired",
         UnverifiedScope => "unverified-scope",
         BodyTooLarge => "request-body-too-large",
         BodyTimeout => "request-body-timeout",
@@ -95,6 +96,8 @@ pub(crate) enum Listed {
     WhenScopeJwt,
     /// A route with `replay = "refetch"`.
     WhenRefetch,
+    /// A route whose records outlive their responses (`remember` past `retention`).
+    WhenRemembered,
     /// Not a guarded route's own: any request may get it (no route, a bad path).
     Never,
 }
@@ -231,6 +234,26 @@ impl ProblemKind {
                             "Outcome unknown",
                             "",
                             "the first request with this key was sent but its outcome could not be learned; `operation` names it, and `reconciling` says whether the proxy is asking the upstream (retry after Retry-After) or an operator must resolve it",
+                        )
+                    }
+                }
+            }
+            ProblemKind::ResponseExpired => {
+                const {
+                    &Row {
+                        outcome: Outcome::Expired,
+                        would: Would::Expired,
+                        listed: Listed::WhenRemembered,
+                        stripe: Stripe {
+                            kind: IDEMPOTENCY_ERROR,
+                            code: "response_expired",
+                            status: None,
+                        },
+                        ..client(
+                            S::GONE,
+                            "Response expired",
+                            "",
+                            "the first request with this key completed (`completed_at`, with `completed_status`) and its response is past the route's retention, while the key is still remembered; nothing was forwarded and it was not run again. A new operation needs a new key",
                         )
                     }
                 }
@@ -552,6 +575,8 @@ label_values! {
         Conflict => "conflict",
         /// 422: the key was reused with a different request.
         Mismatch => "mismatch",
+        /// 410: the key's response is past its retention, the key still remembered.
+        Expired => "expired",
         /// Refused before the store: no route, a bad key, a body too large or too slow.
         Rejected => "rejected",
         /// 503: the store failed or is full.
@@ -578,6 +603,8 @@ label_values! {
         Conflict => "conflict",
         /// 422: the key was used with another request.
         Mismatch => "mismatch",
+        /// 410: the key's response is past its retention (`response-expired`).
+        Expired => "expired",
         /// 400: no key on a route that requires one.
         MissingKey => "missing_key",
         /// 400: a key that is not valid.
@@ -633,6 +660,14 @@ pub(crate) fn problem_type(docs_url: Option<&str>, slug: &str) -> String {
     }
 }
 
+/// What a 410 `response-expired` names of the operation that ran: its status, and
+/// when it completed (where the store kept it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Completion {
+    pub(crate) status: u16,
+    pub(crate) at: Option<std::time::SystemTime>,
+}
+
 /// One problem as it is about to be answered: its kind, and what this occurrence of it
 /// adds (the sentence, when to retry, the operation, the route's documentation and
 /// profile).
@@ -650,6 +685,8 @@ pub(crate) struct Problem {
     /// On a 409 `outcome-unknown`: why, where the record says (`unreadable`: its
     /// recorded response cannot be opened).
     pub(crate) reason: Option<&'static str>,
+    /// On a 410 `response-expired`: the status the operation completed with, and when.
+    pub(crate) completed: Option<Completion>,
     /// The route's `docs_url`: the problem's `type` is `docs_url#slug`, and a `Link`
     /// names it as what describes the response.
     pub(crate) docs_url: Option<std::sync::Arc<str>>,
@@ -695,6 +732,12 @@ impl Problem {
         }
         if let Some(reason) = self.reason {
             fields["reason"] = serde_json::Value::String(reason.into());
+        }
+        if let Some(completed) = self.completed {
+            fields["completed_status"] = serde_json::Value::from(completed.status);
+            if let Some(at) = completed.at {
+                fields["completed_at"] = serde_json::Value::String(humantime::format_rfc3339_seconds(at).to_string());
+            }
         }
         let (content_type, body) = match self.profile {
             Profile::Ietf => ("application/problem+json", fields),
@@ -747,7 +790,7 @@ mod tests {
             let client_class = (400..500).contains(&row.status.as_u16());
             assert_eq!(client_class, row.fault == Fault::Client, "{kind:?}");
         }
-        assert_eq!(ProblemKind::ALL.len(), 23);
+        assert_eq!(ProblemKind::ALL.len(), 24);
     }
 
     #[test]
@@ -760,7 +803,10 @@ mod tests {
         for kind in ProblemKind::ALL {
             let idempotency = matches!(
                 kind,
-                ProblemKind::KeyReused | ProblemKind::InProgress | ProblemKind::OutcomeUnknown
+                ProblemKind::KeyReused
+                    | ProblemKind::InProgress
+                    | ProblemKind::OutcomeUnknown
+                    | ProblemKind::ResponseExpired
             );
             let expected = match (idempotency, kind.row().fault) {
                 (true, _) => IDEMPOTENCY_ERROR,

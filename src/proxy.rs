@@ -135,7 +135,11 @@ impl Refusal {
     /// `rejection` of a request that named `record`: an `outcome-unknown` names the
     /// record's operation, so that client and operator speak of the same one.
     fn about(rejection: Rejection, record: &StoreKey) -> Refusal {
-        let operation = matches!(rejection, Rejection::OutcomeUnknown { .. }).then(|| record.operation_id());
+        let operation = matches!(
+            rejection,
+            Rejection::OutcomeUnknown { .. } | Rejection::ResponseExpired(_)
+        )
+        .then(|| record.operation_id());
         Refusal {
             rejection,
             upstream: None,

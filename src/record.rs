@@ -4,6 +4,8 @@
 //! bad header: a record that does not decode is a store error, never a made-up answer.
 
 use bytes::Bytes;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Response, StatusCode, response};
 
@@ -15,6 +17,15 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// Recorded with every response a resolution of an unknown outcome wrote (an
 /// operator's or a probe's), so every replay of it says so.
 pub const IDEMPOTENCY_RECONCILED: HeaderName = HeaderName::from_static("idempotency-reconciled");
+
+/// Set on the first response and every replay of a recorded one: when replays stop
+/// (an HTTP date), after which a retry gets 410 `response-expired` (docs/design.md §24).
+pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
+
+/// The field a record keeps when its replays stop in (milliseconds since the Unix
+/// epoch), inside the store's header encoding like the execution's trace: never
+/// replayed as it is, but as `Idempotency-Expires`.
+const REPLAY_UNTIL: HeaderName = HeaderName::from_static("idemproxy-replay-until");
 
 /// The field a record keeps its execution's trace in, inside the store's header
 /// encoding (so neither store's layout changes): never replayed, and an upstream's own
@@ -71,6 +82,22 @@ pub struct StoredResponse {
     pub body: Bytes,
     /// The trace of the request that executed it, when tracing was on.
     pub trace: Option<ExecutionTrace>,
+    /// When its replays stop: its claim's time plus the route's retention, as the
+    /// proxy that recorded it counted (`None`: recorded by an operator, or before
+    /// this was kept).
+    pub replay_until: Option<SystemTime>,
+}
+
+/// The names a record keeps for itself and never replays: an upstream's own field of
+/// one of these names is never recorded.
+fn reserved(name: &HeaderName) -> bool {
+    *name == EXECUTION_TRACE || *name == SEALED || *name == REPLAY_UNTIL
+}
+
+/// `time` as whole milliseconds since the Unix epoch (zero before it).
+fn epoch_millis(time: SystemTime) -> u64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl StoredResponse {
@@ -91,8 +118,8 @@ impl StoredResponse {
             .iter()
             .filter(|(name, _)| {
                 *name != header::CONTENT_LENGTH
-                    && *name != EXECUTION_TRACE
-                    && *name != SEALED
+                    && *name != IDEMPOTENCY_EXPIRES
+                    && !reserved(name)
                     && !exclude.contains(name)
             })
             // Copied: a parsed value may be a slice of the connection's read buffer,
@@ -109,6 +136,7 @@ impl StoredResponse {
             headers,
             body,
             trace: None,
+            replay_until: None,
         }
     }
 
@@ -125,7 +153,7 @@ impl StoredResponse {
                     .iter()
                     .flat_map(|name| parts.headers.get_all(name).iter().map(move |value| (name, value)))
                     .filter(|(name, _)| {
-                        **name != EXECUTION_TRACE && **name != SEALED && **name != header::CONTENT_LENGTH
+                        !reserved(name) && **name != header::CONTENT_LENGTH && **name != IDEMPOTENCY_EXPIRES
                     })
                     .map(|(name, value)| (name.clone(), value.clone()))
                     .collect();
@@ -134,6 +162,7 @@ impl StoredResponse {
                     headers,
                     body: Bytes::new(),
                     trace: None,
+                    replay_until: None,
                 }
             }
         }
@@ -145,7 +174,14 @@ impl StoredResponse {
         self
     }
 
-    /// The response a retry gets: the recorded one, marked as replayed.
+    /// This response, replayed until `until`.
+    pub fn replayed_until(mut self, until: Option<SystemTime>) -> StoredResponse {
+        self.replay_until = until;
+        self
+    }
+
+    /// The response a retry gets: the recorded one, marked as replayed, and saying
+    /// until when it is.
     pub(crate) fn into_response(self) -> Response<Bytes> {
         let mut response = Response::new(self.body);
         *response.status_mut() = self.status;
@@ -154,6 +190,9 @@ impl StoredResponse {
             headers.append(name, value);
         }
         headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        if let Some(until) = self.replay_until {
+            headers.insert(IDEMPOTENCY_EXPIRES, http_date(until));
+        }
         response
     }
 
@@ -161,7 +200,11 @@ impl StoredResponse {
     /// execution's trace.
     pub fn size(&self) -> usize {
         let trace = self.trace.map_or(0, |_| EXECUTION_TRACE.as_str().len() + TRACE_TEXT);
+        let until = self.replay_until.map_or(0, |until| {
+            REPLAY_UNTIL.as_str().len() + epoch_millis(until).to_string().len()
+        });
         trace
+            + until
             + self.body.len()
             + self
                 .headers
@@ -177,20 +220,34 @@ impl StoredResponse {
             .headers
             .iter()
             .map(|(name, value)| (name.as_str().as_bytes(), value.as_bytes()));
-        match self.trace {
-            None => encode_fields(fields),
-            Some(trace) => {
-                let text = trace.encode();
-                encode_fields(fields.chain([(EXECUTION_TRACE.as_str().as_bytes(), &text[..])]))
-            }
-        }
+        let trace = self.trace.map(ExecutionTrace::encode);
+        let until = self.replay_until.map(|until| epoch_millis(until).to_string());
+        let kept = trace
+            .as_ref()
+            .map(|text| (&b"idemproxy-execution-trace"[..], &text[..]))
+            .into_iter()
+            .chain(
+                until
+                    .as_ref()
+                    .map(|text| (&b"idemproxy-replay-until"[..], text.as_bytes())),
+            );
+        encode_fields(fields.chain(kept))
     }
 
     /// Rebuilds a record from the store's fields; `None` when any of them is not what
     /// `encode_headers` and a valid status would have written.
     pub fn decode(status: &[u8], headers: &[u8], body: Bytes) -> Option<StoredResponse> {
         let status = std::str::from_utf8(status).ok()?.parse::<u16>().ok()?;
+        debug_assert_eq!(EXECUTION_TRACE.as_str(), "idemproxy-execution-trace");
+        debug_assert_eq!(REPLAY_UNTIL.as_str(), "idemproxy-replay-until");
         let mut headers = decode_headers(headers)?;
+        let replay_until = match headers.pop_if(|(name, _)| *name == REPLAY_UNTIL) {
+            Some((_, value)) => {
+                let millis = std::str::from_utf8(value.as_bytes()).ok()?.parse::<u64>().ok()?;
+                Some(UNIX_EPOCH.checked_add(Duration::from_millis(millis))?)
+            }
+            None => None,
+        };
         let trace = match headers.pop_if(|(name, _)| *name == EXECUTION_TRACE) {
             Some((_, value)) => Some(ExecutionTrace::decode(value.as_bytes())?),
             None => None,
@@ -200,8 +257,15 @@ impl StoredResponse {
             headers,
             body,
             trace,
+            replay_until,
         })
     }
+}
+
+/// `time` as an HTTP date (RFC 9110 §5.6.7), for `Idempotency-Expires`.
+pub(crate) fn http_date(time: SystemTime) -> HeaderValue {
+    // An IMF-fixdate is visible ASCII: always a valid field value.
+    HeaderValue::try_from(httpdate::fmt_http_date(time)).unwrap_or(HeaderValue::from_static("0"))
 }
 
 /// Encodes response headers as a sequence of (u32 length, name, u32 length, value).

@@ -105,6 +105,9 @@ impl RecordsAction {
 pub enum ViewState {
     InFlight,
     Completed,
+    /// Completed and past its retention: its response is gone, the key remembered
+    /// (retries get 410 `response-expired`).
+    Spent,
     Unknown,
 }
 
@@ -113,6 +116,7 @@ impl ViewState {
         match self {
             ViewState::InFlight => "in_flight",
             ViewState::Completed => "completed",
+            ViewState::Spent => "spent",
             ViewState::Unknown => "unknown",
         }
     }
@@ -136,8 +140,11 @@ pub struct RecordView {
     pub ttl_ms: u64,
     /// In flight: what is left of its lease; 0 once it has run out (then `unknown`).
     pub lease_remaining_ms: Option<u64>,
-    /// Completed: the recorded status.
+    /// Completed (or spent): the recorded status.
     pub status: Option<u16>,
+    /// Spent: when its operation completed (RFC 3339), where the store kept it.
+    #[serde(default)]
+    pub completed_at: Option<String>,
     /// Unknown: why (`upstream-timeout`, `upstream-failed`, `response-too-large`,
     /// `lease-expired`).
     pub reason: Option<String>,
@@ -177,6 +184,7 @@ impl RecordView {
             ttl_ms: millis(summary.ttl),
             lease_remaining_ms: None,
             status: None,
+            completed_at: None,
             reason: None,
             reconciling: None,
             next_probe_ms: None,
@@ -206,6 +214,13 @@ impl RecordView {
                 view.response_bytes = Some(response_bytes);
                 view.trace_id = trace_id;
             }
+            SummaryState::Spent(spent) => {
+                view.state = ViewState::Spent;
+                view.status = Some(spent.status.as_u16());
+                view.completed_at = spent
+                    .completed_at
+                    .map(|at| humantime::format_rfc3339_seconds(at).to_string());
+            }
             SummaryState::Unknown { reason, probe } => {
                 view.reason = Some(reason.as_str().into());
                 view.reconciling = Some(matches!(probe, Probe::Next(_)));
@@ -227,6 +242,9 @@ impl std::fmt::Display for RecordView {
         writeln!(f, "state        {}", self.state.as_str())?;
         if let Some(status) = self.status {
             writeln!(f, "status       {status}")?;
+        }
+        if let Some(at) = &self.completed_at {
+            writeln!(f, "completed    {at} (its response is past retention: retries get 410)")?;
         }
         if let Some(reason) = &self.reason {
             writeln!(f, "reason       {reason}")?;
@@ -661,6 +679,7 @@ mod tests {
             ttl_ms: 3_540_500,
             lease_remaining_ms: None,
             status: Some(201),
+            completed_at: None,
             reason: None,
             reconciling: None,
             next_probe_ms: None,

@@ -13,7 +13,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -160,6 +160,8 @@ pub struct CommitFigures {
     pub commit_seconds: Histogram,
     /// Expired records the sweeper deleted.
     pub swept: Counter,
+    /// Responses the sweeper dropped at the end of their retention, their records kept.
+    pub dropped: Counter,
 }
 
 impl Default for CommitFigures {
@@ -169,6 +171,7 @@ impl Default for CommitFigures {
             writes: Counter::default(),
             commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             swept: Counter::default(),
+            dropped: Counter::default(),
         }
     }
 }
@@ -394,8 +397,13 @@ pub struct ClaimRequest {
     pub client: Option<ClientId>,
     pub owner: OwnerToken,
     pub fingerprint: Fingerprint,
-    /// The whole record lives exactly this long from the claim.
+    /// The response recorded for it is kept exactly this long from the claim: its
+    /// replays stop then, and the store drops it on its own clock.
     pub retention: Duration,
+    /// The whole record lives exactly this long from the claim (at least
+    /// `retention`): past `retention` it is spent, and keeps only what the guard needs
+    /// (docs/design.md §24).
+    pub remember: Duration,
     /// The owner's lease: after it the record reads as unknown.
     pub lease: Duration,
     /// The most the response recorded for this claim may hold (the route's
@@ -437,10 +445,29 @@ pub enum RecordState {
     /// In flight, but its lease has run out: its owner died or lost the store.
     LeaseExpired,
     Completed(StoredResponse),
+    /// Completed, and past its retention: the response is gone, the key is known.
+    Spent(Spent),
     Unknown {
         reason: UnknownReason,
         probe: Probe,
     },
+}
+
+/// What a completed record keeps past its retention, until `remember` ends: the
+/// status its operation completed with, and when (on the clock of the store, or of
+/// the proxy, that recorded it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spent {
+    pub status: http::StatusCode,
+    /// `None` for a record written before completion times were kept.
+    pub completed_at: Option<SystemTime>,
+}
+
+/// When a record's operation completed, from the milliseconds since the Unix epoch a
+/// store keeps; `None` for a negative count.
+pub(crate) fn from_epoch_millis(millis: i64) -> Option<SystemTime> {
+    let millis = u64::try_from(millis).ok()?;
+    std::time::UNIX_EPOCH.checked_add(Duration::from_millis(millis))
 }
 
 /// When an unknown record's reconciliation probe runs (docs/design.md §14), as its record keeps
@@ -521,6 +548,8 @@ pub enum SummaryState {
         /// The trace id of the request that executed it, hex, when tracing was on.
         trace_id: Option<String>,
     },
+    /// Completed, past its retention: its response is gone.
+    Spent(Spent),
     Unknown {
         reason: UnknownReason,
         probe: Probe,

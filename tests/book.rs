@@ -337,6 +337,11 @@ fn the_getting_started_commands_run_as_written() {
 }
 
 #[test]
+fn the_two_horizons_walk_through_runs_as_written() {
+    run_as_written(&root().join("docs/remember.md"));
+}
+
+#[test]
 fn the_readmes_walk_through_runs_as_written() {
     run_as_written(&root().join("README.md"));
 }

@@ -45,6 +45,9 @@ const OBSERVER: u8 = OWNERS;
 /// shorter than the retention, so an expiry set to the lease shows in the TTL check.
 const LEASE: Duration = Duration::from_secs(3600);
 const RETENTION: Duration = Duration::from_secs(7200);
+/// How long a record outlives its response in the sequences that remember (every
+/// other one: the rest have `remember` = `retention`, the default).
+const REMEMBER: Duration = Duration::from_secs(3 * 7200);
 
 // === what each owner writes ===
 
@@ -58,16 +61,18 @@ fn response(owner: u8) -> StoredResponse {
         headers: vec![(HeaderName::from_static("x-owner"), HeaderValue::from(u16::from(owner)))],
         body: Bytes::from(format!("from owner {owner}")),
         trace: None,
+        replay_until: None,
     }
 }
 
-/// What every resolution as applied records: no owner's response.
+/// What every resolution as applied records: no owner's response (nor status).
 fn learned() -> StoredResponse {
     StoredResponse {
-        status: StatusCode::ACCEPTED,
+        status: StatusCode::from_u16(250).expect("status"),
         headers: vec![(HeaderName::from_static("x-learned"), HeaderValue::from_static("yes"))],
         body: Bytes::from_static(b"learned from the upstream"),
         trace: None,
+        replay_until: None,
     }
 }
 
@@ -104,6 +109,10 @@ fn observed_claim(outcome: ClaimOutcome) -> Result<Reply, String> {
         RecordState::Completed(stored) if stored == response(owner) => Record::Completed { owner },
         RecordState::Completed(stored) if stored == learned() => Record::Reconciled { owner },
         RecordState::Completed(stored) => return Err(format!("owner {owner}'s record holds {stored:?}")),
+        RecordState::Spent(spent) if [response(owner).status, learned().status].contains(&spent.status) => {
+            Record::Spent { owner }
+        }
+        RecordState::Spent(spent) => return Err(format!("owner {owner}'s spent record has {spent:?}")),
         RecordState::Unknown { reason: why, .. } if why == reason(owner) => Record::Unknown { owner },
         RecordState::Unknown { reason: why, .. } => {
             return Err(format!("owner {owner}'s record is unknown for {why:?}"));
@@ -132,6 +141,11 @@ fn observed_write(write: Write) -> Reply {
 trait Driver {
     async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String>;
     async fn expire_lease(&mut self);
+    /// Whether its records outlive their responses (`remember` > `retention`); without,
+    /// a response's retention is its record's, and `ResponseExpires` is not driven.
+    fn remembers(&self) -> bool;
+    /// Passes the retention of the completed record `model` says is there.
+    async fn expire_response(&mut self);
     async fn expire_retention(&mut self);
     /// Checks what can be seen of the record besides the answers (Redis: its TTL).
     async fn check(&mut self, model: Record) -> Result<(), String>;
@@ -141,6 +155,8 @@ trait Driver {
 struct Subject<S> {
     store: S,
     key: StoreKey,
+    /// What its claims ask to be remembered for: `RETENTION` or `REMEMBER`.
+    remember: Duration,
     tokens: Vec<OwnerToken>,
     /// Where records are sealed: another owner's fingerprint comes back as its HMAC,
     /// named here by the owner who sent it.
@@ -148,13 +164,16 @@ struct Subject<S> {
 }
 
 impl<S: RecordStore> Subject<S> {
-    fn new(store: S, key: StoreKey) -> Subject<S> {
+    /// Sequence `n`'s subject: a record of its own, remembered past its response's
+    /// retention on every other sequence.
+    fn new(store: S, n: usize) -> Subject<S> {
         let tokens = (0..=OBSERVER)
             .map(|_| OwnerToken::generate().expect("random bytes"))
             .collect();
         Subject {
             store,
-            key,
+            key: key(n),
+            remember: if n % 2 == 1 { REMEMBER } else { RETENTION },
             tokens,
             sealer: None,
         }
@@ -187,6 +206,7 @@ impl<S: RecordStore> Subject<S> {
                     owner: token,
                     fingerprint: fingerprint(owner),
                     retention: RETENTION,
+                    remember: self.remember,
                     lease,
                     response_limit: 0,
                     probe_key: None,
@@ -243,8 +263,18 @@ impl<S: RecordStore> Driver for Memory<S> {
         tokio::time::advance(MEMORY_LEASE).await;
     }
 
-    async fn expire_retention(&mut self) {
+    fn remembers(&self) -> bool {
+        self.0.remember > RETENTION
+    }
+
+    /// A record's leases pass in seconds: the retention from the claim has passed
+    /// once as much again has, and `remember` (three times as long) has not.
+    async fn expire_response(&mut self) {
         tokio::time::advance(RETENTION).await;
+    }
+
+    async fn expire_retention(&mut self) {
+        tokio::time::advance(self.0.remember).await;
     }
 
     async fn check(&mut self, _: Record) -> Result<(), String> {
@@ -265,8 +295,17 @@ impl Driver for Sqlite {
         self.0.store.advance_clock(MEMORY_LEASE);
     }
 
-    async fn expire_retention(&mut self) {
+    fn remembers(&self) -> bool {
+        self.0.remember > RETENTION
+    }
+
+    /// As the memory store's: the leases passed are seconds against hours.
+    async fn expire_response(&mut self) {
         self.0.store.advance_clock(RETENTION);
+    }
+
+    async fn expire_retention(&mut self) {
+        self.0.store.advance_clock(self.0.remember);
     }
 
     async fn check(&mut self, _: Record) -> Result<(), String> {
@@ -284,6 +323,20 @@ struct Redis {
 }
 
 impl Driver for Redis {
+    fn remembers(&self) -> bool {
+        self.subject.remember > RETENTION
+    }
+
+    /// The response kept beside the record expires by itself: made to, at once.
+    async fn expire_response(&mut self) {
+        let _: () = redis::cmd("PEXPIREAT")
+            .arg(format!("{}:r", self.subject.key.as_str()))
+            .arg(1)
+            .query_async(&mut self.control)
+            .await
+            .expect("PEXPIREAT");
+    }
+
     async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
         self.subject.apply(owner, op, LEASE).await
     }
@@ -301,7 +354,7 @@ impl Driver for Redis {
         if record.is_some_and(|record| record.starts_with(b"2F")) {
             let _: () = redis::cmd("PEXPIRE")
                 .arg(key)
-                .arg(millis(RETENTION - LEASE))
+                .arg(millis(self.subject.remember - LEASE))
                 .query_async(&mut self.control)
                 .await
                 .expect("PEXPIRE");
@@ -309,36 +362,64 @@ impl Driver for Redis {
         }
     }
 
+    /// `remember` passes: the record is gone, and any response kept beside it (whose
+    /// retention, shorter, passed before).
     async fn expire_retention(&mut self) {
-        let _: () = redis::cmd("PEXPIREAT")
-            .arg(self.subject.key.as_str())
+        let key = self.subject.key.as_str();
+        let _: () = redis::pipe()
+            .cmd("PEXPIREAT")
+            .arg(key)
             .arg(1)
+            .ignore()
+            .cmd("PEXPIREAT")
+            .arg(format!("{key}:r"))
+            .arg(1)
+            .ignore()
             .query_async(&mut self.control)
             .await
             .expect("PEXPIREAT");
     }
 
+    /// The record's TTL is `remember` from its claim, and its response's (kept beside
+    /// it where the record outlives it) the retention from the claim: present exactly
+    /// while the model's record is completed.
     async fn check(&mut self, model: Record) -> Result<(), String> {
-        let ttl: i64 = redis::cmd("PTTL")
-            .arg(self.subject.key.as_str())
+        let key = self.subject.key.as_str();
+        let (ttl, response_ttl): (i64, i64) = redis::pipe()
+            .cmd("PTTL")
+            .arg(key)
+            .cmd("PTTL")
+            .arg(format!("{key}:r"))
             .query_async(&mut self.control)
             .await
             .expect("PTTL");
-        // The TTL the record should have: the retention, or what is left of it once
-        // the lease has (been made to) run out.
+        // The TTL the record should have: `remember`, or what is left of it once the
+        // lease has (been made to) run out.
+        let remember = millis(self.subject.remember);
         let expected = if self.aged {
-            millis(RETENTION - LEASE)
+            millis(self.subject.remember - LEASE)
         } else {
-            millis(RETENTION)
+            remember
         };
-        match (model, ttl) {
+        let record = match (model, ttl) {
             (Record::Free, -2) => {
                 self.aged = false;
                 Ok(())
             }
             (Record::Free, ttl) => Err(format!("the model has no record, Redis has one with PTTL {ttl}")),
             (_, ttl) if ttl > expected - 60_000 && ttl <= expected => Ok(()),
-            (_, ttl) => Err(format!("PTTL {ttl} ms is not the {expected} ms the retention leaves")),
+            (_, ttl) => Err(format!("PTTL {ttl} ms is not the {expected} ms remember leaves")),
+        };
+        record?;
+        let completed = matches!(model, Record::Completed { .. } | Record::Reconciled { .. });
+        match (completed && self.remembers(), response_ttl) {
+            (false, -2) => Ok(()),
+            (false, ttl) => Err(format!("{model:?} has a response kept beside it, PTTL {ttl}")),
+            // The claim's retention: what the record's TTL has left past `keep`.
+            (true, ttl) if (ttl - (expected - (remember - millis(RETENTION)))).abs() < 60_000 => Ok(()),
+            (true, ttl) => Err(format!(
+                "the response kept beside the record has PTTL {ttl}, not what the retention leaves"
+            )),
         }
     }
 }
@@ -352,6 +433,20 @@ struct Postgres {
 }
 
 impl Driver for Postgres {
+    fn remembers(&self) -> bool {
+        self.subject.remember > RETENTION
+    }
+
+    async fn expire_response(&mut self) {
+        self.control
+            .execute(
+                "UPDATE idemproxy.records SET response_until = clock_timestamp() - interval '1 ms' WHERE key = $1",
+                &[&self.subject.key.as_str()],
+            )
+            .await
+            .expect("age the response");
+    }
+
     async fn apply(&mut self, owner: u8, op: Op) -> Result<Reply, String> {
         self.subject.apply(owner, op, LEASE).await
     }
@@ -381,13 +476,27 @@ impl Driver for Postgres {
         let row = self
             .control
             .query_opt(
-                "SELECT floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint \
+                "SELECT floor(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint, \
+                 floor(extract(epoch FROM response_until - clock_timestamp()) * 1000)::bigint \
                  FROM idemproxy.records WHERE key = $1 AND expires_at > clock_timestamp()",
                 &[&self.subject.key.as_str()],
             )
             .await
             .expect("read the row");
-        let expected = millis(RETENTION);
+        // A record that outlives its response drops it the retention after its claim.
+        let response_ttl = row.as_ref().and_then(|row| row.get::<_, Option<i64>>(1));
+        let response = match (self.remembers(), model, response_ttl) {
+            (false, _, None) | (true, Record::Free, _) => Ok(()),
+            (false, _, Some(ttl)) => Err(format!(
+                "a record that does not outlive its response drops it in {ttl} ms"
+            )),
+            (true, Record::Spent { .. }, Some(ttl)) if ttl < 0 => Ok(()),
+            (true, Record::Spent { .. }, ttl) => Err(format!("a spent record's response drops in {ttl:?} ms")),
+            (true, _, Some(ttl)) if (ttl - millis(RETENTION)).abs() < 60_000 => Ok(()),
+            (true, _, ttl) => Err(format!("the response drops in {ttl:?} ms, not the retention")),
+        };
+        response?;
+        let expected = millis(self.subject.remember);
         match (model, row.map(|row| row.get::<_, i64>(0))) {
             (Record::Free, None) => Ok(()),
             (Record::Free, Some(ttl)) => Err(format!(
@@ -396,7 +505,7 @@ impl Driver for Postgres {
             (_, None) => Err("the model has a record, Postgres has none".into()),
             (_, Some(ttl)) if ttl > expected - 60_000 && ttl <= expected => Ok(()),
             (_, Some(ttl)) => Err(format!(
-                "the row expires in {ttl} ms, not the {expected} ms the retention leaves"
+                "the row expires in {ttl} ms, not the {expected} ms remember leaves"
             )),
         }
     }
@@ -411,11 +520,22 @@ async fn conform(driver: &mut impl Driver, events: &[Event]) -> Result<(), Strin
         op: Op::Claim,
     };
     for (step, event) in events.iter().chain([&observe]).enumerate() {
+        if *event == Event::ResponseExpires && !driver.remembers() {
+            continue;
+        }
+        let before_completed = matches!(model, Record::Completed { .. } | Record::Reconciled { .. });
         let expected = model.step(*event, CORRECT);
         let actual = match *event {
             Event::Apply { owner, op } => Some(driver.apply(owner, op).await),
             Event::LeaseExpires => {
                 driver.expire_lease().await;
+                None
+            }
+            Event::ResponseExpires => {
+                // Driven only on a completed record: the model changes nothing else.
+                if matches!(model, Record::Spent { .. }) && before_completed {
+                    driver.expire_response().await;
+                }
                 None
             }
             Event::RetentionExpires => {
@@ -449,6 +569,7 @@ fn events() -> impl Strategy<Value = Vec<Event>> {
     let event = prop_oneof![
         17 => (0..OWNERS, op).prop_map(|(owner, op)| Event::Apply { owner, op }),
         2 => Just(Event::LeaseExpires),
+        2 => Just(Event::ResponseExpires),
         1 => Just(Event::RetentionExpires),
     ];
     proptest::collection::vec(event, 1..40)
@@ -530,7 +651,7 @@ fn memory_driver(runtime: &tokio::runtime::Runtime, plant: Option<Plant>, n: usi
         Some(plant) => MemoryStore::with_plant(1000, plant),
         None => MemoryStore::new(1000, usize::MAX),
     };
-    Memory(Subject::new(store, key(n)))
+    Memory(Subject::new(store, n))
 }
 
 /// A bug planted in the Redis store: a mutated script, or one in the native claim.
@@ -582,7 +703,7 @@ impl RedisRun {
 
     fn run(&self, traces: &[Vec<Event>], cases: u32) -> (Coverage, Result<(), String>) {
         run(&self.runtime, traces, cases, |n| Redis {
-            subject: Subject::new(self.store.clone(), key(n)),
+            subject: Subject::new(self.store.clone(), n),
             control: self.control.clone(),
             aged: false,
         })
@@ -621,7 +742,7 @@ fn the_memory_store_with_sealed_records_conforms_to_the_model() {
     let (coverage, result) = run(&runtime, &traces, 256, |n| {
         let _entered = runtime.enter();
         let store = AnyStore::from(MemoryStore::new(1000, usize::MAX)).sealed(Some(sealer.clone()));
-        let mut subject = Subject::new(store, key(n));
+        let mut subject = Subject::new(store, n);
         subject.sealer = Some(sealer.clone());
         Memory(subject)
     });
@@ -655,7 +776,7 @@ fn the_sqlite_store_conforms_to_the_model() {
         response_budget: usize::MAX,
     };
     let store = SqliteStore::open(&config, Duration::from_secs(5)).expect("the sqlite store");
-    let (coverage, result) = run(&runtime, &traces, 256, |n| Sqlite(Subject::new(store.clone(), key(n))));
+    let (coverage, result) = run(&runtime, &traces, 256, |n| Sqlite(Subject::new(store.clone(), n)));
     println!(
         "conformance (sqlite): model traces from {states} states: {} traces, {} steps; {} random sequences; \
          {result:?}",
@@ -699,7 +820,7 @@ fn the_postgres_store_conforms_to_the_model() {
         (store, std::sync::Arc::new(control))
     });
     let (coverage, result) = run(&runtime, &traces, 256, |n| Postgres {
-        subject: Subject::new(store.clone(), key(n)),
+        subject: Subject::new(store.clone(), n),
         control: control.clone(),
     });
     println!(
@@ -749,7 +870,7 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
                 ScriptName::Complete,
                 plant(
                     COMPLETE_LUA,
-                    "if redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)) then",
+                    "if not rest or pttl <= tonumber(rest) then",
                     "if false then",
                 ),
             ),
@@ -775,7 +896,7 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
                 ScriptName::Resolve,
                 plant(
                     RESOLVE_LUA,
-                    "if not (tag == '2U' or (tag == '2F' and redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)))) then",
+                    "if not (tag == '2U' or (tag == '2F' and pttl <= tonumber(rest))) then",
                     "if false then",
                 ),
             ),
@@ -784,7 +905,21 @@ fn bugs_planted_in_the_lua_scripts_are_caught() {
             "resolve that takes a live lease for unknown",
             RedisPlantSpec::Script(
                 ScriptName::Resolve,
-                plant(RESOLVE_LUA, "(tag == '2F' and redis.call", "(tag == '2F' or redis.call"),
+                plant(RESOLVE_LUA, "(tag == '2F' and pttl", "(tag == '2F' or pttl"),
+            ),
+        ),
+        (
+            "complete keeps the response in a record that outlives it",
+            RedisPlantSpec::Script(
+                ScriptName::Complete,
+                plant(COMPLETE_LUA, "if keep == '' then", "if true then"),
+            ),
+        ),
+        (
+            "complete keeps the response for the record's whole life",
+            RedisPlantSpec::Script(
+                ScriptName::Complete,
+                plant(COMPLETE_LUA, "ARGV[2], 'PX', kept)", "ARGV[2], 'PX', pttl)"),
             ),
         ),
         (

@@ -473,10 +473,11 @@ async fn each_bad_setting_is_named_at_start_and_the_dbas_schema_serves() {
     );
     let mut future = config(&server.url(), &upstream.url(), "300ms");
     future.store_extra = "schema = \"future\"".into();
-    cases.push((
-        future,
-        "the schema future is at version 99, newer than this idemproxy's (1)",
-    ));
+    let newer = format!(
+        "the schema future is at version 99, newer than this idemproxy's ({})",
+        idemproxy::store::postgres::schema::VERSION
+    );
+    cases.push((future, newer.as_str()));
     for (case, expected) in &cases {
         let stderr = refused_at_start(case);
         assert!(!stderr.contains(wrong), "the password was shown: {stderr}");

@@ -899,6 +899,7 @@ async fn every_resolution_agrees_with_what_the_upstream_did() {
         &redis.dump_ttls(),
         &Contract {
             retention: Duration::from_secs(3600),
+            remember: Duration::from_secs(3600),
             run_started,
             raw_keys: keys.clone(),
             outage_windows: vec![],
@@ -959,6 +960,7 @@ async fn the_checker_catches_a_resolution_that_lies() {
     };
     let contract = |resolving| Contract {
         retention: Duration::from_secs(3600),
+        remember: Duration::from_secs(3600),
         run_started: at,
         raw_keys: vec![],
         outage_windows: vec![],

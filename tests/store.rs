@@ -48,6 +48,7 @@ fn claim(key: &StoreKey, owner: OwnerToken, lease: Duration) -> ClaimRequest {
         owner,
         fingerprint: Fingerprint([1; 32]),
         retention: Duration::from_secs(60),
+        remember: Duration::from_secs(60),
         lease,
         response_limit: 0,
         probe_key: None,
@@ -72,6 +73,8 @@ fn response(body: &'static str) -> StoredResponse {
             trace_id: [0x4b; 16],
             span_id: [0x1f; 8],
         }),
+        // And when its replays stop, which every replay tells its client.
+        replay_until: Some(std::time::UNIX_EPOCH + Duration::from_millis(1_900_000_000_123)),
     }
 }
 
@@ -137,6 +140,7 @@ where
         )],
         body: Bytes::from_static(b"forged"),
         trace: None,
+        replay_until: None,
     };
     // Writes `response` in clear for `key` under `fingerprint`, as a forger would.
     let rewrite = |key: StoreKey, fingerprint: Fingerprint| {
@@ -253,6 +257,7 @@ async fn an_empty_response_round_trips<S: RecordStore>(store: &S) {
         headers: vec![],
         body: Bytes::new(),
         trace: None,
+        replay_until: None,
     };
     assert_eq!(
         store.complete(&key, owner, &stored).await.expect("complete"),
@@ -1215,6 +1220,7 @@ against_every_store!(
 fn short(name: &str) -> ClaimRequest {
     ClaimRequest {
         retention: Duration::from_millis(400),
+        remember: Duration::from_millis(400),
         ..claim(&key(name), new_owner(), Duration::from_millis(200))
     }
 }
@@ -1308,6 +1314,7 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
         headers: vec![(HeaderName::from_static("x-seed"), HeaderValue::from(u16::from(seed)))],
         body: Bytes::from(vec![seed; BODY]),
         trace: None,
+        replay_until: None,
     };
     assert_eq!((store.usage().records, store.usage().bytes), (0, 0));
     // Four 256 KiB bodies and their bookkeeping exceed 1 MiB; the fourth claim is
@@ -1380,6 +1387,7 @@ async fn the_memory_store_sweeps_expired_records_in_the_background() {
     let store = MemoryStore::new(100, usize::MAX);
     let claim = ClaimRequest {
         retention: Duration::from_secs(5),
+        remember: Duration::from_secs(5),
         ..claim(&key("swept"), new_owner(), Duration::from_secs(2))
     };
     store.claim(&claim).await.expect("claim");
@@ -1677,10 +1685,10 @@ async fn a_begin_probe_without_its_due_check_is_caught() {
 async fn a_begin_probe_that_leases_from_the_old_due_time_is_caught() {
     let server = RedisServer::start();
     let lua = include_str!("../src/store/scripts/begin_probe.lua");
-    let fixed = "reason .. ':' .. math.max(pttl - lease, 0) .. ':' .. give_up, 'KEEPTTL')";
+    let fixed = "reason .. ':' .. math.max(pttl - lease, 0) .. ':' .. give_up .. keep, 'KEEPTTL')";
     let broken = lua.replace(
         fixed,
-        "reason .. ':' .. math.max((due or pttl) - lease, 0) .. ':' .. give_up, 'KEEPTTL')",
+        "reason .. ':' .. math.max((due or pttl) - lease, 0) .. ':' .. give_up .. keep, 'KEEPTTL')",
     );
     assert_ne!(broken, lua, "the planted bug must change the script");
     let store = RedisStore::standalone(&server.url(), Duration::from_secs(2))
@@ -2722,6 +2730,7 @@ async fn the_sqlite_sweeper_leaves_a_claim_whose_lease_lapsed() {
         .expect("claim");
     let expiring = ClaimRequest {
         retention: Duration::from_secs(1),
+        remember: Duration::from_secs(1),
         ..claim(&key("sweep-expiring"), new_owner(), Duration::from_millis(300))
     };
     store.claim(&expiring).await.expect("claim");

@@ -509,7 +509,13 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "route.idempotency.retention",
         default: DefaultValue::Toml("\"24h\""),
-        meaning: "how long a key stays bound to its first outcome; must exceed `upstream_timeout + 1s`",
+        meaning: "how long the recorded response is kept and replayed (`Idempotency-Expires` says until when); must exceed `upstream_timeout + 1s`",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.idempotency.remember",
+        default: DefaultValue::Text("`retention`"),
+        meaning: "how long the key is known: past `retention` the response is dropped, the record keeps only its fingerprint, status and completion time, and a retry gets 410 `response-expired` instead of running again (see [Two horizons](remember.md)); at least `retention`",
         backends: Backends::All,
     },
     Setting {

@@ -188,6 +188,7 @@ fn decisions_follow_the_record() {
         headers: vec![],
         body: bytes::Bytes::from_static(b"ok"),
         trace: None,
+        replay_until: None,
     };
     assert!(matches!(
         decide(existing(mine, RecordState::Completed(stored.clone())), mine),

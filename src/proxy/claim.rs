@@ -5,7 +5,7 @@
 //! claim; dropped before it is resolved, it releases itself if nothing was forwarded.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -57,6 +57,7 @@ impl Ledger {
             owner: request.owner,
             lease: request.lease,
             retention: request.retention,
+            replay_until: SystemTime::now() + request.retention,
             span: span.clone(),
             stage: Stage::Claimed,
         };
@@ -176,11 +177,19 @@ pub(super) struct OwnedClaim {
     owner: OwnerToken,
     lease: Duration,
     retention: Duration,
+    /// When the response recorded for it stops being replayed: the claim's time (on
+    /// this process's wall clock) plus the retention.
+    replay_until: SystemTime,
     span: Span,
     stage: Stage,
 }
 
 impl OwnedClaim {
+    /// When the response recorded for this claim stops being replayed.
+    pub(super) fn replay_until(&self) -> SystemTime {
+        self.replay_until
+    }
+
     /// Marks the moment the request leaves for the upstream: from here on, only the
     /// upstream's answer can free the key.
     pub(super) fn forwarding(&mut self) {

@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::bounds::Share;
-use crate::config::{IdempotencyPolicy, UpstreamKey};
+use crate::config::{IdempotencyPolicy, ReplayKind, UpstreamKey};
 use crate::error::{KeyError, ProxyError, Rejection};
 use crate::idempotency::source::{self, KeyInput, Keyed};
 use crate::idempotency::{self, IdempotencyKey};
@@ -52,12 +52,24 @@ impl Guarded {
         }
     }
 
-    /// How long its record is kept: the route's `retention`, or its `dedup_window` for
-    /// a key made from the request itself.
+    /// How long its response is kept and replayed: the route's `retention`, or its
+    /// `dedup_window` for a key made from the request itself; on a `replay =
+    /// "refetch"` route, which keeps no body, the whole of `remember`.
     pub(super) fn retention(&self) -> Duration {
         match self.by_body {
             Some(_) => self.policy.dedup_window.unwrap_or(self.policy.retention),
+            None if self.policy.replay == ReplayKind::Refetch => self.policy.remember,
             None => self.policy.retention,
+        }
+    }
+
+    /// How long its key is known (docs/design.md §24): the route's `remember`; a key
+    /// made from the request itself lives its `dedup_window`, whole (two identical
+    /// requests after it are two operations, never a 410).
+    pub(super) fn remember(&self) -> Duration {
+        match self.by_body {
+            Some(_) => self.retention(),
+            None => self.policy.remember.max(self.retention()),
         }
     }
 }
@@ -127,6 +139,7 @@ impl Prepared {
             owner: OwnerToken::generate().map_err(|_| ProxyError::Random)?,
             fingerprint,
             retention: guarded.retention(),
+            remember: guarded.remember(),
             lease: guarded.route.config.lease(),
             response_limit: usize::try_from(policy.max_response_body_bytes).unwrap_or(usize::MAX),
             // Only a key the probe cannot derive from the record is kept with it.

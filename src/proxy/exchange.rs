@@ -3,6 +3,8 @@
 //! completed with the response, released, or (`unknown_outcome`, in `reconcile`) marked
 //! unknown and handed to the probe.
 
+use std::time::SystemTime;
+
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, response};
 use http_body_util::BodyExt;
@@ -16,6 +18,7 @@ use crate::body::{self, Buffered, ProxyBody, StreamedBody, full};
 use crate::config::{IdempotencyPolicy, Mode, UpstreamKey};
 use crate::error::{ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, IdempotencyKey, Recording};
+use crate::record::{IDEMPOTENCY_EXPIRES, http_date};
 use crate::store::{StoreKey, StoredResponse, UnknownReason};
 use crate::upstream;
 
@@ -77,7 +80,9 @@ impl Proxy {
                 return Err(failed(error.into()));
             }
             Ok(Buffered::Whole(body)) => {
-                self.record(guarded, claim, &parts, &body).await;
+                if let Some(until) = self.record(guarded, claim, &parts, &body).await {
+                    parts.headers.insert(IDEMPOTENCY_EXPIRES, http_date(until));
+                }
                 full(body)
             }
             Ok(Buffered::Cut {
@@ -93,14 +98,30 @@ impl Proxy {
     }
 
     /// The upstream's whole response: recorded, or the key released, as its status says.
-    async fn record(&self, guarded: &Guarded, claim: OwnedClaim, parts: &response::Parts, body: &Bytes) {
+    /// Recorded, it is replayed until the time returned (its claim's time plus the
+    /// retention), which the first response tells its client as every replay does.
+    async fn record(
+        &self,
+        guarded: &Guarded,
+        claim: OwnedClaim,
+        parts: &response::Parts,
+        body: &Bytes,
+    ) -> Option<SystemTime> {
         let policy = &guarded.policy;
         match idempotency::recording_for(parts.status, policy.on_server_error, policy.on_unauthorized) {
             Recording::Record => {
-                let stored = StoredResponse::recorded(parts, body.clone(), policy).traced(guarded.execution);
+                let until = claim.replay_until();
+                let stored = StoredResponse::recorded(parts, body.clone(), policy)
+                    .traced(guarded.execution)
+                    .replayed_until(Some(until));
                 claim.complete(stored).await;
+                // Shadow mode answers as an unguarded route would: nothing of its own.
+                (policy.mode == Mode::Enforce).then_some(until)
             }
-            Recording::Release => claim.release().await,
+            Recording::Release => {
+                claim.release().await;
+                None
+            }
         }
     }
 

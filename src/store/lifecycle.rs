@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::{
     ClaimOutcome, ClaimRequest, ClientId, Deferred, Existing, Fingerprint, OwnerToken, Probe, ProbeSchedule,
-    ProbeStart, RecordState, Resolved, ScopeId, StoreLimits, StoredResponse, SummaryState, UnknownReason,
+    ProbeStart, RecordState, Resolved, ScopeId, StoreLimits, SummaryState, UnknownReason,
 };
 use crate::error::{Held, StoreError};
 
@@ -140,14 +140,15 @@ impl<T: Copy, C> State<T, C> {
 }
 
 /// What a claim finds in a live record: its own claim counts as acquired; any other is
-/// the existing record as the claimant sees it. `response` reads what a completed
-/// record holds.
+/// the existing record as the claimant sees it. `completed` reads what a completed
+/// record holds: its response, or what is left of it past its retention
+/// (`RecordState::Spent`).
 pub(crate) fn claim<T: Moment, C, E>(
     fingerprint: Fingerprint,
     state: State<T, C>,
     claimant: OwnerToken,
     now: T,
-    response: impl FnOnce(C) -> Result<StoredResponse, E>,
+    completed: impl FnOnce(C) -> Result<RecordState, E>,
 ) -> Result<ClaimOutcome, E> {
     let state = match state {
         State::InFlight { lease_until, .. } if lease_until <= now => RecordState::LeaseExpired,
@@ -155,7 +156,7 @@ pub(crate) fn claim<T: Moment, C, E>(
         State::InFlight { lease_until, .. } => RecordState::InFlight {
             lease_remaining: now.until(lease_until),
         },
-        State::Completed(completed) => RecordState::Completed(response(completed)?),
+        State::Completed(kept) => completed(kept)?,
         State::Unknown { reason, schedule, .. } => RecordState::Unknown {
             reason,
             probe: probe(schedule.as_ref(), now),

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
@@ -18,8 +18,8 @@ use super::lifecycle::{self, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
     Background, ClaimOutcome, ClaimRequest, ClientId, Deferred, Fingerprint, Handles, OwnerToken, ProbeSchedule,
-    ProbeStart, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, Started, StoreKey, StoreLimits, StoreUsage,
-    StoredResponse, SummaryState, UnknownReason, Write,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId, Spent, Started, StoreKey,
+    StoreLimits, StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::{Held, StoreError};
 
@@ -136,6 +136,18 @@ impl Records {
             let live = record.expires_at > now;
             if live {
                 next = Some(next.map_or(record.expires_at, |next| next.min(record.expires_at)));
+                // Past its retention a completed record's response is dropped, on the
+                // store's own clock, whether or not a retry ever reads it.
+                if record.response_until <= now
+                    && let State::Completed(done) = &mut record.state
+                    && let Some(response) = done.response.take()
+                {
+                    let dropped = response.size();
+                    *bytes -= dropped;
+                    if let Some(usage) = record.scope.and_then(|scope| scopes.get_mut(&scope)) {
+                        usage.bytes -= dropped;
+                    }
+                }
             } else {
                 uncount(bytes, scopes, clients, key, record);
             }
@@ -252,7 +264,10 @@ macro_rules! planted {
 #[derive(Debug)]
 struct Record {
     fingerprint: Fingerprint,
+    /// The end of `remember`: the record is gone.
     expires_at: Instant,
+    /// The end of `retention`: a completed record's response is dropped.
+    response_until: Instant,
     scope: Option<ScopeId>,
     client: Option<ClientId>,
     state: State,
@@ -263,7 +278,7 @@ impl Record {
     /// bookkeeping around it (with its scope's copy of its key, when it has a scope).
     fn size(&self, key: &StoreKey) -> usize {
         let response = match &self.state {
-            State::Completed(response) => response.size(),
+            State::Completed(done) => done.response.as_ref().map_or(0, StoredResponse::size),
             State::InFlight { .. } | State::Unknown { .. } => 0,
         };
         let scoped = self.scope.map_or(0, |_| SCOPE_OVERHEAD + key.as_str().len());
@@ -271,8 +286,40 @@ impl Record {
     }
 }
 
-/// Where a record stands: what it completed with is its response.
-type State = lifecycle::State<Instant, StoredResponse>;
+/// Where a record stands: what it completed with is `Done`.
+type State = lifecycle::State<Instant, Done>;
+
+/// What a completed record keeps: its response until its retention ends (`None`
+/// after), and what the guard reads past it.
+#[derive(Debug)]
+struct Done {
+    response: Option<StoredResponse>,
+    spent: Spent,
+}
+
+impl Done {
+    /// The completed state of a record whose retention ends at `response_until`.
+    fn new(response: &StoredResponse, response_until: Instant, now: Instant) -> State {
+        State::Completed(Done {
+            response: (response_until > now).then(|| response.clone()),
+            spent: Spent {
+                status: response.status,
+                completed_at: Some(SystemTime::now()),
+            },
+        })
+    }
+}
+
+impl Record {
+    /// What a claim reads of its completed state: the response within its retention,
+    /// what is left past it.
+    fn completed(&self, done: &Done, now: Instant) -> RecordState {
+        match &done.response {
+            Some(response) if self.response_until > now => RecordState::Completed(response.clone()),
+            _ => RecordState::Spent(done.spent),
+        }
+    }
+}
 
 impl MemoryStore {
     /// A store holding at most `max_records` live records, and admitting no claim once
@@ -477,13 +524,9 @@ impl RecordStore for MemoryStore {
             .get(&claim.key)
             .filter(|record| record.expires_at > now && !taken_over(record))
         {
-            return lifecycle::claim(
-                record.fingerprint,
-                record.state.as_ref(),
-                claim.owner,
-                now,
-                |response| Ok(response.clone()),
-            );
+            return lifecycle::claim(record.fingerprint, record.state.as_ref(), claim.owner, now, |done| {
+                Ok(record.completed(done, now))
+            });
         }
         let limits = self.shared.limits;
         lifecycle::admit(
@@ -499,7 +542,8 @@ impl RecordStore for MemoryStore {
             claim.key.clone(),
             Record {
                 fingerprint: claim.fingerprint,
-                expires_at: now + claim.retention,
+                expires_at: now + claim.remember.max(claim.retention),
+                response_until: now + claim.retention,
                 scope: claim.scope,
                 client: claim.client,
                 state: State::InFlight {
@@ -521,7 +565,8 @@ impl RecordStore for MemoryStore {
         let now = Instant::now();
         Ok(match self.owned(&records, key, owner, now) {
             Some(lease_until) if lease_until > now || planted!(self, LeaseCheckDropped) => {
-                records.set_state(key, State::Completed(response.clone()));
+                let until = records.map.get(key).map_or(now, |record| record.response_until);
+                records.set_state(key, Done::new(response, until, now));
                 self.shared.hub.wake(key.as_str());
                 Write::Applied
             }
@@ -574,9 +619,16 @@ impl RecordStore for MemoryStore {
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
         let records = self.shared.lock();
-        Ok(match records.live(key, Instant::now()).map(|record| &record.state) {
-            Some(State::Completed(response)) => Some(response.clone()),
-            _ => None,
+        let now = Instant::now();
+        Ok(match records.live(key, now) {
+            Some(record) => match &record.state {
+                State::Completed(done) => match record.completed(done, now) {
+                    RecordState::Completed(response) => Some(response),
+                    _ => None,
+                },
+                _ => None,
+            },
+            None => None,
         })
     }
 
@@ -586,11 +638,14 @@ impl RecordStore for MemoryStore {
         let Some(record) = records.live(key, now) else {
             return Ok(None);
         };
-        let (state, owner) = lifecycle::summary(record.state.as_ref(), now, |response| {
-            Ok::<_, StoreError>(SummaryState::Completed {
-                status: response.status.as_u16(),
-                response_bytes: response.body.len() as u64,
-                trace_id: response.trace.map(crate::record::ExecutionTrace::trace_id_hex),
+        let (state, owner) = lifecycle::summary(record.state.as_ref(), now, |done| {
+            Ok::<_, StoreError>(match record.completed(done, now) {
+                RecordState::Completed(response) => SummaryState::Completed {
+                    status: response.status.as_u16(),
+                    response_bytes: response.body.len() as u64,
+                    trace_id: response.trace.map(crate::record::ExecutionTrace::trace_id_hex),
+                },
+                _ => SummaryState::Spent(done.spent),
             })
         })?;
         Ok(Some(RecordSummary {
@@ -618,7 +673,10 @@ impl RecordStore for MemoryStore {
             Err(answer) => return Ok(answer),
         }
         match resolution {
-            Resolution::Applied(response) => records.set_state(key, State::Completed(response.clone())),
+            Resolution::Applied(response) => {
+                let state = Done::new(response, record.response_until, now);
+                records.set_state(key, state);
+            }
             Resolution::NotApplied => {
                 records.remove(key);
             }

@@ -24,8 +24,8 @@ use tokio_postgres::types::ToSql;
 use super::codes;
 use super::{
     Background, ClaimOutcome, ClaimRequest, Deferred, Existing, Fingerprint, Handles, OwnerToken, Probe, ProbeSchedule,
-    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, Started, StoreKey, StoredResponse,
-    SummaryState, UnknownReason, Write,
+    ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, Spent, Started, StoreKey,
+    StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::config::PostgresConfig;
 use crate::error::{Held, StoreError};
@@ -77,7 +77,7 @@ struct Calls {
 impl Calls {
     fn new(schema: &str) -> Calls {
         Calls {
-            claim: format!("SELECT * FROM {schema}.claim($1, $2, $3, $4, $5, $6, $7, $8)"),
+            claim: format!("SELECT * FROM {schema}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
             complete: format!("SELECT {schema}.complete($1, $2, $3, $4, $5)"),
             mark_unknown: format!("SELECT {schema}.mark_unknown($1, $2, $3, $4, $5)"),
             release: format!("SELECT {schema}.release($1, $2)"),
@@ -87,7 +87,8 @@ impl Calls {
             inspect: format!("SELECT * FROM {schema}.inspect($1)"),
             response: format!(
                 "SELECT status, headers, body FROM {schema}.records \
-                 WHERE key = $1 AND state = 'completed' AND expires_at > clock_timestamp()"
+                 WHERE key = $1 AND state = 'completed' AND expires_at > clock_timestamp() \
+                 AND (response_until IS NULL OR response_until > clock_timestamp())"
             ),
             purge: format!(
                 "WITH gone AS (DELETE FROM {schema}.records WHERE key = $1 RETURNING expires_at) \
@@ -148,6 +149,18 @@ fn stored(status: Option<i16>, headers: Option<Vec<u8>>, body: Option<Vec<u8>>) 
         Bytes::from(body.unwrap_or_default()),
     )
     .ok_or_else(|| protocol("a recorded response in Postgres does not decode"))
+}
+
+/// What a completed row past its retention keeps: its status and completion time.
+fn spent(row: &Row) -> Result<Spent, StoreError> {
+    let status = get::<Option<i16>>(row, "status")?
+        .and_then(|status| u16::try_from(status).ok())
+        .and_then(|status| http::StatusCode::from_u16(status).ok())
+        .ok_or_else(|| protocol("a completed record in Postgres has no status"))?;
+    Ok(Spent {
+        status,
+        completed_at: get::<Option<i64>>(row, "completed_ms")?.and_then(super::from_epoch_millis),
+    })
 }
 
 fn owner_of(bytes: Option<Vec<u8>>) -> Option<OwnerToken> {
@@ -276,6 +289,7 @@ impl PostgresStore {
                 },
                 _ => RecordState::LeaseExpired,
             },
+            "completed" if get::<Option<bool>>(row, "spent")? == Some(true) => RecordState::Spent(spent(row)?),
             "completed" => {
                 RecordState::Completed(stored(get(row, "status")?, get(row, "headers")?, get(row, "body")?)?)
             }
@@ -304,6 +318,7 @@ impl RecordStore for PostgresStore {
                     &&claim.owner.as_bytes()[..],
                     &&claim.fingerprint.0[..],
                     &millis(claim.retention),
+                    &millis(claim.remember),
                     &millis(claim.lease),
                     &scope,
                     &self.scope_max,
@@ -404,6 +419,9 @@ impl RecordStore for PostgresStore {
                 None,
             ),
             "in_flight" => (SummaryState::LeaseExpired, owner),
+            "completed" if get::<Option<bool>>(&row, "spent")? == Some(true) => {
+                (SummaryState::Spent(spent(&row)?), None)
+            }
             "completed" => {
                 let response = stored(get(&row, "status")?, get(&row, "headers")?, None)?;
                 let length = get::<Option<i64>>(&row, "body_length")?.unwrap_or(0);
@@ -521,6 +539,7 @@ impl RecordStore for PostgresStore {
                         &key,
                         &&owner.as_bytes()[..],
                         &&[0u8; 32][..],
+                        &second,
                         &second,
                         &second,
                         &no_scope,

@@ -285,10 +285,11 @@ impl RedisStore {
         claim: &ClaimRequest,
         durability: Option<Durability>,
         budget: Duration,
-    ) -> Result<(Option<Bytes>, u32), StoreError> {
-        let retention = self.seams.retention(claim);
-        let rest = claim.retention.saturating_sub(claim.lease);
-        let value = layout::in_flight(claim.fingerprint, claim.owner, rest);
+    ) -> Result<(Option<Bytes>, Option<Option<Bytes>>, u32), StoreError> {
+        let remember = self.seams.expiry(claim);
+        let rest = remember.saturating_sub(claim.lease);
+        let keep = claim.remember.saturating_sub(claim.retention);
+        let value = layout::in_flight(claim.fingerprint, claim.owner, rest, keep);
         let mut pipeline = redis::pipe();
         pipeline
             .cmd("SET")
@@ -296,8 +297,14 @@ impl RedisStore {
             .arg(value)
             .arg("NX")
             .arg("PX")
-            .arg(millis(retention))
+            .arg(millis(remember))
             .arg("GET");
+        // A record that outlives its response keeps it beside it: read in the same
+        // round trip, so that a replay still takes one.
+        let beside = !keep.is_zero();
+        if beside {
+            pipeline.cmd("GET").arg(layout::response_key(claim.key.as_str()));
+        }
         let mut budget = budget;
         if let Some(durability) = durability {
             pipeline
@@ -314,17 +321,55 @@ impl RedisStore {
             .await?;
         let bad = || StoreError::Protocol("a claim reply of the wrong shape");
         let mut reply = reply.into_iter();
-        let found = match reply.next().ok_or_else(bad)? {
-            redis::Value::Nil => None,
-            redis::Value::BulkString(value) => Some(Bytes::from(value)),
-            _ => return Err(bad()),
+        let string = |reply: Option<redis::Value>| match reply.ok_or_else(bad)? {
+            redis::Value::Nil => Ok(None),
+            redis::Value::BulkString(value) => Ok(Some(Bytes::from(value))),
+            _ => Err(bad()),
+        };
+        let found = string(reply.next())?;
+        let response = match beside {
+            true => Some(string(reply.next())?),
+            false => None,
         };
         let acks = match reply.next() {
             None => 0,
             Some(redis::Value::Int(acks)) => u32::try_from(acks).unwrap_or(0),
             Some(_) => return Err(bad()),
         };
-        Ok((found, acks))
+        Ok((found, response, acks))
+    }
+
+    /// What `<key>:r` holds: the response of a record kept beside it, until its
+    /// retention ends. Read-only, so tried again after a lost connection too.
+    async fn read_response(&self, key: &StoreKey, budget: Duration) -> Result<Option<Bytes>, StoreError> {
+        let response: Option<Vec<u8>> = self
+            .attempt(Retry::Transient, budget, |mut connection| async move {
+                redis::cmd("GET")
+                    .arg(layout::response_key(key.as_str()))
+                    .query_async(&mut connection)
+                    .await
+            })
+            .await?;
+        Ok(response.map(Bytes::from))
+    }
+
+    /// A record, its remaining TTL and the response kept beside it (if any), read
+    /// together, for an operator.
+    async fn read_whole(&self, key: &StoreKey) -> Result<(Option<Bytes>, i64, Option<Bytes>), StoreError> {
+        let (found, pttl, response): (Option<Vec<u8>>, i64, Option<Vec<u8>>) = self
+            .attempt(Retry::Transient, self.timeout, |mut connection| async move {
+                redis::pipe()
+                    .cmd("GET")
+                    .arg(key.as_str())
+                    .cmd("PTTL")
+                    .arg(key.as_str())
+                    .cmd("GET")
+                    .arg(layout::response_key(key.as_str()))
+                    .query_async(&mut connection)
+                    .await
+            })
+            .await?;
+        Ok((found.map(Bytes::from), pttl, response.map(Bytes::from)))
     }
 
     /// A record and its remaining TTL, read together (`GET` and `PTTL` in one
@@ -395,8 +440,8 @@ impl RecordStore for RedisStore {
             error => error,
         };
         let mut vanished = 0;
-        let (found, pttl, acks) = loop {
-            let (found, acks) = self
+        let (found, pttl, response, acks) = loop {
+            let (found, response, acks) = self
                 .native_claim(claim, self.durability, left())
                 .await
                 .map_err(timed_out)?;
@@ -407,16 +452,26 @@ impl RecordStore for RedisStore {
                 Some(value) if layout::lease_depends_on_ttl(&value) => {
                     self.seams.before_lease_read().await;
                     match self.read_with_ttl(&claim.key, left()).await.map_err(timed_out)? {
-                        (Some(value), pttl) => break (Some(value), Some(pttl), acks),
+                        // Read again: what `<key>:r` held then is not this value's.
+                        (Some(value), pttl) => break (Some(value), Some(pttl), None, acks),
                         // Released or expired in between: the key is free to claim again.
                         (None, _) if vanished < MAX_VANISHED => vanished += 1,
                         (None, _) => return Err(StoreError::Protocol("the record kept vanishing under the claim")),
                     }
                 }
-                found => break (found, None, acks),
+                found => break (found, None, response, acks),
             }
         };
-        let outcome = layout::claim_outcome(found, pttl, claim.owner)?;
+        // A record kept beside its response, found by a claim that did not read the
+        // response with it (the route's `remember` changed, or the record was read
+        // again): read it now.
+        let response = match (&found, response) {
+            (Some(value), None) if layout::kept_beside(value) => {
+                self.read_response(&claim.key, left()).await.map_err(timed_out)?
+            }
+            (_, response) => response.flatten(),
+        };
+        let outcome = layout::claim_outcome(found, pttl, response, claim.owner)?;
         let outcome = self.seams.after_claim(self, claim, outcome).await?;
         // Only a claim this request wrote needs its replicas; another's record was
         // acknowledged (or not) when it was written.
@@ -442,7 +497,8 @@ impl RecordStore for RedisStore {
         invocation
             .arg(owner.to_hex())
             .arg(layout::completed_tail(response))
-            .arg(self.publish);
+            .arg(self.publish)
+            .arg(format!("{:03}", response.status.as_u16()));
         self.fenced_write(invocation).await
     }
 
@@ -476,6 +532,9 @@ impl RecordStore for RedisStore {
                 redis::pipe()
                     .cmd("DEL")
                     .arg(key.as_str())
+                    .cmd("DEL")
+                    .arg(layout::response_key(key.as_str()))
+                    .ignore()
                     .cmd(self.publish)
                     .arg(channel)
                     .arg("purged")
@@ -489,13 +548,13 @@ impl RecordStore for RedisStore {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        let (found, pttl) = self.read_with_ttl(key, self.timeout).await?;
-        layout::summary(found, pttl)
+        let (found, pttl, response) = self.read_whole(key).await?;
+        layout::summary(found, pttl, response)
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
-        let (found, pttl) = self.read_with_ttl(key, self.timeout).await?;
-        layout::response(found, pttl)
+        let (found, pttl, response) = self.read_whole(key).await?;
+        layout::response(found, pttl, response)
     }
 
     async fn resolve(
@@ -508,7 +567,9 @@ impl RecordStore for RedisStore {
         invocation.arg(self.publish);
         invocation.arg(owner.map(OwnerToken::to_hex).unwrap_or_default());
         if let Resolution::Applied(response) = resolution {
-            invocation.arg(layout::completed_tail(response));
+            invocation
+                .arg(layout::completed_tail(response))
+                .arg(format!("{:03}", response.status.as_u16()));
         }
         codes::resolved(self.invoke(&invocation).await?)
     }

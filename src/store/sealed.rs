@@ -226,6 +226,8 @@ impl Sealer {
             body: Bytes::from(sealed),
             // Not secret, and what the records API and a replay's span link to.
             trace: response.trace,
+            // Not secret: what every replay tells its client.
+            replay_until: response.replay_until,
         })
     }
 
@@ -341,6 +343,7 @@ fn open_with(cipher: &Cipher, key: &StoreKey, stored: StoredResponse) -> Option<
         headers,
         body,
         trace: stored.trace,
+        replay_until: stored.replay_until,
     })
 }
 

@@ -30,7 +30,7 @@ use super::notify::{Hub, Watcher};
 use super::{
     Background, ClaimOutcome, ClaimRequest, ClientId, CommitFigures, Deferred, Existing, Fingerprint, Handles,
     OwnerToken, ProbeSchedule, ProbeStart, RecordState, RecordStore, RecordSummary, Resolution, Resolved, ScopeId,
-    Started, StoreKey, StoreUsage, StoredResponse, SummaryState, UnknownReason, Unsettled, Write,
+    Spent, Started, StoreKey, StoreUsage, StoredResponse, SummaryState, UnknownReason, Unsettled, Write,
 };
 use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::{Held, StoreError};
@@ -41,6 +41,11 @@ mod writer;
 
 #[cfg(feature = "test-util")]
 pub use self::file::create_at_version;
+
+const _: () = assert!(
+    RECORD_OVERHEAD == 160,
+    "DROP_RESPONSES sizes a record without its response so"
+);
 pub use self::file::{APPLICATION_ID, VERSION};
 
 /// What one record costs besides its key and response, as the per-scope byte share
@@ -100,8 +105,22 @@ struct Shared {
 struct Row {
     fingerprint: Fingerprint,
     expires_at: Millis,
+    /// When a completed record's response is dropped (`None`: with the record).
+    response_until: Option<Millis>,
     state: RowState,
 }
+
+impl Row {
+    /// Whether its response is past its retention at `now` (dropped, or about to be).
+    fn spent(&self, now: Millis) -> bool {
+        self.response_until.is_some_and(|until| until <= now)
+    }
+}
+
+/// What the sweeper runs to drop responses past their retention: their headers and
+/// body go, and their size is the record's without them (`record_size`).
+pub(super) const DROP_RESPONSES: &str = "UPDATE records SET headers = NULL, body = NULL, size = 160 + length(key) \
+     WHERE rowid IN (SELECT rowid FROM records WHERE response_until <= ?1 AND body IS NOT NULL LIMIT ?2)";
 
 /// Where a row's record stands: what it completed with is kept in its columns.
 type RowState = lifecycle::State<Millis, Completed>;
@@ -109,6 +128,8 @@ type RowState = lifecycle::State<Millis, Completed>;
 /// A completed row's response, as its columns keep it.
 struct Completed {
     status: i64,
+    /// When the operation completed (`None`: written before this was kept).
+    completed_at: Option<Millis>,
     headers: Vec<u8>,
     /// The body, or only its length where the read did not ask for it.
     body: Body,
@@ -120,6 +141,28 @@ enum Body {
 }
 
 impl Completed {
+    /// What a claim reads: the response, or past its retention what is left.
+    fn state(self, spent: bool) -> Result<RecordState, StoreError> {
+        if spent {
+            return Ok(RecordState::Spent(self.spent()?));
+        }
+        Ok(RecordState::Completed(self.response()?))
+    }
+
+    /// What the guard reads of it past its retention.
+    fn spent(&self) -> Result<Spent, StoreError> {
+        let status = u16::try_from(self.status)
+            .ok()
+            .and_then(|status| http::StatusCode::from_u16(status).ok())
+            .ok_or(StoreError::Protocol(
+                "a recorded status in the store's file does not decode",
+            ))?;
+        Ok(Spent {
+            status,
+            completed_at: self.completed_at.and_then(super::from_epoch_millis),
+        })
+    }
+
     /// The response, body and all.
     fn response(self) -> Result<StoredResponse, StoreError> {
         match self.body {
@@ -129,7 +172,10 @@ impl Completed {
     }
 
     /// What an operator sees of it.
-    fn summary(self) -> Result<SummaryState, StoreError> {
+    fn summary(self, spent: bool) -> Result<SummaryState, StoreError> {
+        if spent {
+            return Ok(SummaryState::Spent(self.spent()?));
+        }
         let trace = response(self.status, &self.headers, Vec::new())?.trace;
         Ok(SummaryState::Completed {
             status: u16::try_from(self.status).unwrap_or(0),
@@ -152,9 +198,9 @@ fn until(now: Millis, then: Millis) -> Duration {
 }
 
 const ROW: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
-                   probe_due, probe_give_up FROM records WHERE key = ?1";
+                   probe_due, probe_give_up, response_until, completed_at FROM records WHERE key = ?1";
 const ROW_HEAD: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, length(body), \
-                        reason, probe_due, probe_give_up FROM records WHERE key = ?1";
+                        reason, probe_due, probe_give_up, response_until, completed_at FROM records WHERE key = ?1";
 
 /// The record under `key`, expired or not; `body`: with its body, else its length.
 fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
@@ -174,6 +220,7 @@ fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, St
                     None => None,
                     Some(status) => Some(RowState::Completed(Completed {
                         status,
+                        completed_at: row.get(12)?,
                         headers: blob(6)?.unwrap_or_default(),
                         body: match body {
                             true => Body::Bytes(blob(7)?.unwrap_or_default()),
@@ -196,9 +243,11 @@ fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, St
             };
             let fingerprint = Fingerprint::from_bytes(&row.get::<_, Vec<u8>>(0)?);
             let expires_at: i64 = row.get(1)?;
+            let response_until: Option<i64> = row.get(11)?;
             Ok(decoded.zip(fingerprint).map(|(state, fingerprint)| Row {
                 fingerprint,
                 expires_at,
+                response_until,
                 state,
             }))
         })
@@ -220,7 +269,10 @@ fn response(status: i64, headers: &[u8], body: Vec<u8>) -> Result<StoredResponse
 
 /// What a claim finds in a live record.
 fn existing(row: Row, claimant: OwnerToken, now: Millis) -> Result<ClaimOutcome, StoreError> {
-    lifecycle::claim(row.fingerprint, row.state, claimant, now, Completed::response)
+    let spent = row.spent(now);
+    lifecycle::claim(row.fingerprint, row.state, claimant, now, |completed| {
+        completed.state(spent)
+    })
 }
 
 /// The bytes a record counts against its scope's share.
@@ -773,18 +825,20 @@ fn claim_free(
     lifecycle::admit(&mut ledger, claim, &limits)?;
     execute(
         conn,
-        "INSERT INTO records (key, fingerprint, expires_at, scope, client, state, owner, lease_until, probe_key, size) \
-         VALUES (?1, ?2, ?3, ?4, ?5, 'in_flight', ?6, ?7, ?8, ?9)",
+        "INSERT INTO records (key, fingerprint, expires_at, scope, client, state, owner, lease_until, probe_key, size, \
+         response_until) VALUES (?1, ?2, ?3, ?4, ?5, 'in_flight', ?6, ?7, ?8, ?9, ?10)",
         params![
             claim.key.as_str(),
             &claim.fingerprint.0[..],
-            now + millis(claim.retention),
+            now + millis(claim.remember.max(claim.retention)),
             claim.scope.map(|ScopeId(scope)| scope as i64),
             claim.client.map(|ClientId(client)| client as i64),
             &claim.owner.as_bytes()[..],
             now + millis(claim.lease),
             claim.probe_key,
             record_size(&claim.key, None),
+            // Only a record that outlives its response has its drop to sweep.
+            (claim.remember > claim.retention).then(|| now + millis(claim.retention)),
         ],
     )?;
     ledger
@@ -794,19 +848,22 @@ fn claim_free(
     Ok(ClaimOutcome::Acquired(()))
 }
 
-/// Makes `key`'s record the completed `response` (its expiry kept).
-fn set_completed(conn: &Connection, key: &StoreKey, response: &StoredResponse) -> Result<(), StoreError> {
+/// Makes `key`'s record the completed `response` at `now` (its expiry and the end of
+/// its retention kept: past it, the sweeper drops the response within a second, and
+/// every read reads it as spent meanwhile).
+fn set_completed(conn: &Connection, key: &StoreKey, response: &StoredResponse, now: Millis) -> Result<(), StoreError> {
     execute(
         conn,
         "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
-         probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, size = ?5 \
-         WHERE key = ?1",
+         probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, size = ?5, \
+         completed_at = ?6 WHERE key = ?1",
         params![
             key.as_str(),
             response.status.as_u16(),
             response.encode_headers(),
             &response.body[..],
             record_size(key, Some(response)),
+            now,
         ],
     )
     .map(drop)
@@ -853,13 +910,14 @@ impl RecordStore for SqliteStore {
         let found = self.read(|conn, now| {
             Ok(match load(conn, &claim.key, true)? {
                 Some(row) if row.expires_at > now => {
-                    let expires_at = row.expires_at;
-                    Some((existing(row, claim.owner, now)?, expires_at))
+                    // A replay kept in memory answers until the response's retention ends.
+                    let replay_until = row.response_until.unwrap_or(row.expires_at);
+                    Some((existing(row, claim.owner, now)?, replay_until))
                 }
                 _ => None,
             })
         })?;
-        if let Some((found, expires_at)) = found {
+        if let Some((found, replay_until)) = found {
             if let ClaimOutcome::Existing(Existing {
                 fingerprint,
                 state: RecordState::Completed(response),
@@ -870,7 +928,7 @@ impl RecordStore for SqliteStore {
                     pause.reached.notify_one();
                     pause.resume.notified().await;
                 }
-                replays.keep(ticket, &claim.key, *fingerprint, expires_at, response);
+                replays.keep(ticket, &claim.key, *fingerprint, replay_until, response);
             }
             return Ok(found);
         }
@@ -901,7 +959,7 @@ impl RecordStore for SqliteStore {
             move |conn, now| {
                 Ok(match owned(conn, &record, owner, now)? {
                     Some(lease_until) if lease_until > now => {
-                        set_completed(conn, &record, &response)?;
+                        set_completed(conn, &record, &response, now)?;
                         Write::Applied
                     }
                     _ => Write::Fenced,
@@ -978,10 +1036,10 @@ impl RecordStore for SqliteStore {
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
         self.read(
             |conn, now| match load(conn, key, true)?.filter(|row| row.expires_at > now) {
-                Some(Row {
-                    state: RowState::Completed(completed),
-                    ..
-                }) => Ok(Some(completed.response()?)),
+                Some(row) if !row.spent(now) => match row.state {
+                    RowState::Completed(completed) => Ok(Some(completed.response()?)),
+                    _ => Ok(None),
+                },
                 _ => Ok(None),
             },
         )
@@ -992,7 +1050,8 @@ impl RecordStore for SqliteStore {
             let Some(row) = load(conn, key, false)?.filter(|row| row.expires_at > now) else {
                 return Ok(None);
             };
-            let (state, owner) = lifecycle::summary(row.state, now, Completed::summary)?;
+            let spent = row.spent(now);
+            let (state, owner) = lifecycle::summary(row.state, now, |completed| completed.summary(spent))?;
             Ok(Some(RecordSummary {
                 fingerprint: row.fingerprint,
                 ttl: until(now, row.expires_at),
@@ -1020,7 +1079,7 @@ impl RecordStore for SqliteStore {
                     return Ok(answer);
                 }
                 match &resolution {
-                    Resolution::Applied(response) => set_completed(conn, &record, response)?,
+                    Resolution::Applied(response) => set_completed(conn, &record, response, now)?,
                     Resolution::NotApplied => {
                         execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])?;
                     }

@@ -109,7 +109,11 @@ impl History {
 
 /// What the contract promises about the store at the end of a run.
 pub struct Contract {
+    /// How long a recorded response is kept: a response key (`…:r`) lives this long
+    /// from its claim.
     pub retention: Duration,
+    /// How long a key is known: a record key lives this long from its claim.
+    pub remember: Duration,
     pub run_started: Instant,
     /// The raw keys clients sent: none may appear inside a store key name.
     pub raw_keys: Vec<String>,
@@ -320,11 +324,14 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
         }
     }
 
-    // TtlFloor and the key audit.
-    let floor = contract
-        .retention
-        .saturating_sub(contract.run_started.elapsed() + Duration::from_secs(2));
+    // TtlFloor and the key audit: a record lives `remember`, a response kept beside it
+    // (Redis's `…:r`) `retention`.
+    let floor = |horizon: Duration| horizon.saturating_sub(contract.run_started.elapsed() + Duration::from_secs(2));
     for (name, ttl) in store {
+        let floor = match name.ends_with(":r") {
+            true => floor(contract.retention),
+            false => floor(contract.remember),
+        };
         if *ttl < 0 {
             report.keys_without_ttl += 1;
         } else if (*ttl as u128) < floor.as_millis() {

@@ -60,6 +60,9 @@ pub enum Action {
     /// The operator resolves `claim`'s unknown outcome.
     Resolve(u8, Op),
     LeaseExpires,
+    /// The retention of the completed record passes: its response is dropped, and
+    /// every later claim finds it spent (410, never a second run).
+    ResponseExpires,
 }
 
 impl fmt::Display for Action {
@@ -74,6 +77,7 @@ impl fmt::Display for Action {
             Action::Apply(p, op) => write!(f, "store applies {}'s {op:?}", name(p)),
             Action::Resolve(p, op) => write!(f, "the operator sends {op:?} for {}'s claim", name(p)),
             Action::LeaseExpires => write!(f, "the lease expires"),
+            Action::ResponseExpires => write!(f, "the response's retention passes"),
         }
     }
 }
@@ -116,7 +120,11 @@ impl State {
     fn apply(&mut self, proxy: u8, op: Op, variant: Variant) -> Reply {
         let before = self.record;
         let reply = self.record.apply(proxy, op, variant);
-        if matches!(before, Record::Completed { .. } | Record::Reconciled { .. }) && self.record != before {
+        let completed = matches!(
+            before,
+            Record::Completed { .. } | Record::Reconciled { .. } | Record::Spent { .. }
+        );
+        if completed && self.record != before {
             self.completed_overwritten = true;
         }
         reply
@@ -260,6 +268,11 @@ impl State {
             state.record.expire_lease();
             next.push((Action::LeaseExpires, state));
         }
+        if let Record::Completed { .. } | Record::Reconciled { .. } = self.record {
+            let mut state = self.clone();
+            state.record.expire_response();
+            next.push((Action::ResponseExpires, state));
+        }
         next
     }
 }
@@ -295,6 +308,7 @@ impl Outcome {
                     .filter_map(|action| match action {
                         Action::Apply(owner, op) => Some(Event::Apply { owner, op }),
                         Action::LeaseExpires => Some(Event::LeaseExpires),
+                        Action::ResponseExpires => Some(Event::ResponseExpires),
                         _ => None,
                     })
                     .collect()

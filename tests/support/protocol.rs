@@ -25,6 +25,11 @@ pub enum Record {
     Reconciled {
         owner: u8,
     },
+    /// Completed (by its owner or a resolution), and past the retention: the response
+    /// is dropped, the key still known until `remember` ends (docs/design.md §24).
+    Spent {
+        owner: u8,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
@@ -120,7 +125,10 @@ impl Record {
                     } if holder == owner || !variant.compare_and_set || !variant.resolutions_fenced_on_their_claim => {
                         Some(holder)
                     }
-                    Record::InFlight { owner, .. } | Record::Completed { owner } | Record::Reconciled { owner }
+                    Record::InFlight { owner, .. }
+                    | Record::Completed { owner }
+                    | Record::Reconciled { owner }
+                    | Record::Spent { owner }
                         if !variant.compare_and_set =>
                     {
                         Some(owner)
@@ -139,6 +147,15 @@ impl Record {
                     (None, _) => Reply::Fenced,
                 }
             }
+        }
+    }
+
+    /// The store's clock passes the retention of a completed record: its response is
+    /// dropped, the record kept. Nothing else changes (the clock steps of a record
+    /// in flight or unknown are the lease's and `remember`'s).
+    pub fn expire_response(&mut self) {
+        if let Record::Completed { owner } | Record::Reconciled { owner } = *self {
+            *self = Record::Spent { owner };
         }
     }
 
@@ -163,7 +180,9 @@ pub enum Event {
     },
     /// The clock passes the lease of the record in flight, if there is one.
     LeaseExpires,
-    /// The clock passes the record's retention: it is gone.
+    /// The clock passes a completed record's retention: its response is dropped.
+    ResponseExpires,
+    /// The clock passes the record's `remember`: it is gone.
     RetentionExpires,
 }
 
@@ -174,6 +193,10 @@ impl Record {
             Event::Apply { owner, op } => Some(self.apply(owner, op, variant)),
             Event::LeaseExpires => {
                 self.expire_lease();
+                None
+            }
+            Event::ResponseExpires => {
+                self.expire_response();
                 None
             }
             Event::RetentionExpires => {

@@ -62,6 +62,7 @@ impl Storm {
             store,
             &Contract {
                 retention,
+                remember: retention,
                 run_started: run.started,
                 raw_keys: self.raw_keys(),
                 outage_windows,

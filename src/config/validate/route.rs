@@ -174,6 +174,21 @@ impl Validator<'_> {
                 ),
             ));
         }
+        let remember = match &raw.remember {
+            None => retention,
+            Some(remember) if remember.get_ref().0 < retention => {
+                return Err(self.error(
+                    remember.span(),
+                    field("remember"),
+                    format!(
+                        "{} is shorter than retention ({}): the key must be known at least as long as its response is replayed",
+                        humantime::format_duration(remember.get_ref().0),
+                        humantime::format_duration(retention)
+                    ),
+                ));
+            }
+            Some(remember) => remember.get_ref().0,
+        };
         let wait_for_in_flight = raw.wait_for_in_flight.get_ref().0;
         if wait_for_in_flight > upstream_timeout + LEASE_GRACE {
             return Err(self.error(
@@ -250,6 +265,7 @@ impl Validator<'_> {
             dedup_window,
             required: raw.required,
             retention,
+            remember,
             wait_for_in_flight,
             fingerprint_headers,
             mode: raw.mode,

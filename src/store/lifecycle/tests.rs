@@ -3,6 +3,7 @@
 //! through the memory and SQLite stores.
 
 use super::*;
+use crate::store::StoredResponse;
 use bytes::Bytes;
 use http::StatusCode;
 
@@ -44,12 +45,13 @@ fn stored(body: &'static str) -> StoredResponse {
         headers: Vec::new(),
         body: Bytes::from_static(body.as_bytes()),
         trace: None,
+        replay_until: None,
     }
 }
 
 fn claimed(state: State<i64, &'static str>, claimant: u8) -> ClaimOutcome {
     claim(Fingerprint([9; 32]), state, owner(claimant), NOW, |body| {
-        Ok::<_, StoreError>(stored(body))
+        Ok::<_, StoreError>(RecordState::Completed(stored(body)))
     })
     .expect("claim")
 }
@@ -350,6 +352,7 @@ fn request() -> ClaimRequest {
         owner: owner(1),
         fingerprint: Fingerprint([1; 32]),
         retention: Duration::from_secs(60),
+        remember: Duration::from_secs(60),
         lease: Duration::from_secs(5),
         response_limit: 0,
         probe_key: None,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::error::StoreError;
 
 /// The schema version this build creates and reads.
-pub const VERSION: i32 = 1;
+pub const VERSION: i32 = 2;
 
 /// Any 64-bit number the proxies on one database agree on, for the advisory lock that
 /// makes instances starting at once migrate one after another.
@@ -33,7 +33,7 @@ pub fn ddl(schema: &str) -> String {
 /// The statement that records this version and `identity` in a schema that has none.
 fn meta_row(schema: &str, identity: [u8; 16]) -> String {
     format!(
-        "INSERT INTO {schema}.meta (version, identity) VALUES ({VERSION}, '\\x{}')\n    ON CONFLICT (singleton) DO NOTHING;\n",
+        "INSERT INTO {schema}.meta AS m (version, identity) VALUES ({VERSION}, '\\x{}')\n    ON CONFLICT (singleton) DO UPDATE SET version = greatest(m.version, excluded.version);\n",
         const_hex::encode(identity)
     )
 }

@@ -1,4 +1,4 @@
--- The idemproxy record store's schema, version 1 (docs/design.md §22), in the schema
+-- The idemproxy record store's schema, version 2 (docs/design.md §22), in the schema
 -- named by store.schema. `idemproxy store schema --config F` prints this with the
 -- names filled in; with store.migrate = true (the default) each proxy applies it at
 -- start, in one transaction under an advisory lock, so that instances starting at
@@ -49,6 +49,27 @@ CREATE TABLE IF NOT EXISTS {schema}.records (
 
 CREATE INDEX IF NOT EXISTS records_expires_at ON {schema}.records (expires_at);
 
+-- Version 2 (`remember`, docs/design.md §24): a record may outlive its response.
+-- response_until is when a completed record's headers and body are dropped (NULL: with
+-- the record), completed_at when its operation completed (what a 410 names). The
+-- index holds only the rows whose response is still to drop, for the sweeper.
+ALTER TABLE {schema}.records ADD COLUMN IF NOT EXISTS response_until timestamptz;
+ALTER TABLE {schema}.records ADD COLUMN IF NOT EXISTS completed_at timestamptz;
+CREATE INDEX IF NOT EXISTS records_response ON {schema}.records (response_until)
+    WHERE response_until IS NOT NULL AND body IS NOT NULL;
+-- Version 1's claim and inspect, whose arguments or answers changed (only theirs: a
+-- function dropped and made again would break the statements other instances have
+-- prepared on it).
+DROP FUNCTION IF EXISTS {schema}.claim(text, bytea, bytea, bigint, bigint, bigint, bigint, integer);
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+               WHERE n.nspname = '{schema}' AND p.proname = 'inspect'
+                 AND NOT ('spent' = ANY (p.proargnames))) THEN
+        DROP FUNCTION {schema}.inspect(text);
+    END IF;
+END $$;
+
 -- How many records each scope holds, in 16 counters per scope so that one tenant's
 -- claims do not all wait on one row; kept by the trigger below (every insert, delete
 -- and change of scope), expired records counted until the sweeper deletes them.
@@ -96,18 +117,22 @@ CREATE OR REPLACE FUNCTION {schema}.ms(then_ timestamptz, now_ timestamptz) RETU
 LANGUAGE sql IMMUTABLE AS $$ SELECT floor(extract(epoch FROM then_ - now_) * 1000)::bigint $$;
 
 -- claim: creates an in-flight record for the claimant if the key holds no live record
--- (an expired one is taken over), else returns the record there.
+-- (an expired one is taken over), else returns the record there. The record lives
+-- p_remember_ms; its response, p_retention_ms from now (where that is shorter).
 --
 -- code 1: acquired (also when the record found is the claimant's own claim); 0: the
--- record found, in the other columns (times as milliseconds from now); -4: the scope
--- holds p_scope_max records (retry_ms: until its first expires); -5: fewer than
--- p_min_acks synchronous standbys are streaming (nothing written).
+-- record found, in the other columns (times as milliseconds from now; spent: a
+-- completed record past its retention, its headers and body not returned, completed_ms
+-- its completion time in ms since the epoch); -4: the scope holds p_scope_max records
+-- (retry_ms: until its first expires); -5: fewer than p_min_acks synchronous standbys
+-- are streaming (nothing written).
 CREATE OR REPLACE FUNCTION {schema}.claim(
-    p_key text, p_owner bytea, p_fingerprint bytea, p_retention_ms bigint, p_lease_ms bigint,
-    p_scope bigint, p_scope_max bigint, p_min_acks integer,
+    p_key text, p_owner bytea, p_fingerprint bytea, p_retention_ms bigint, p_remember_ms bigint,
+    p_lease_ms bigint, p_scope bigint, p_scope_max bigint, p_min_acks integer,
     OUT code integer, OUT fingerprint bytea, OUT state text, OUT owner bytea, OUT lease_ms bigint,
     OUT status smallint, OUT headers bytea, OUT body bytea, OUT reason text,
-    OUT due_ms bigint, OUT give_up_ms bigint, OUT retry_ms bigint)
+    OUT due_ms bigint, OUT give_up_ms bigint, OUT retry_ms bigint, OUT spent boolean,
+    OUT completed_ms bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     now_ timestamptz := clock_timestamp();
@@ -127,14 +152,18 @@ BEGIN
                                   WHERE x.scope = p_scope), 1000);
             RETURN;
         END IF;
-        INSERT INTO {schema}.records AS x (key, fingerprint, state, owner, expires_at, lease_until, scope)
-        VALUES (p_key, p_fingerprint, 'in_flight', p_owner, now_ + p_retention_ms * interval '1 ms',
-                now_ + p_lease_ms * interval '1 ms', p_scope)
+        INSERT INTO {schema}.records AS x (key, fingerprint, state, owner, expires_at, lease_until, scope,
+                                           response_until)
+        VALUES (p_key, p_fingerprint, 'in_flight', p_owner,
+                now_ + greatest(p_remember_ms, p_retention_ms) * interval '1 ms',
+                now_ + p_lease_ms * interval '1 ms', p_scope,
+                CASE WHEN p_remember_ms > p_retention_ms THEN now_ + p_retention_ms * interval '1 ms' END)
         ON CONFLICT (key) DO UPDATE SET
             fingerprint = excluded.fingerprint, state = 'in_flight', owner = excluded.owner,
             expires_at = excluded.expires_at, lease_until = excluded.lease_until, status = NULL,
             headers = NULL, body = NULL, reason = NULL, probe_due = NULL, probe_give_up = NULL,
-            scope = excluded.scope, waited = false
+            scope = excluded.scope, waited = false, response_until = excluded.response_until,
+            completed_at = NULL
         WHERE x.expires_at <= now_;
         IF FOUND THEN
             code := 1;
@@ -157,8 +186,12 @@ BEGIN
     owner := r.owner;
     lease_ms := {schema}.ms(r.lease_until, now_);
     status := r.status;
-    headers := r.headers;
-    body := r.body;
+    spent := r.state = 'completed' AND r.response_until <= now_;
+    IF NOT coalesce(spent, false) THEN
+        headers := r.headers;
+        body := r.body;
+    END IF;
+    completed_ms := floor(extract(epoch FROM r.completed_at) * 1000)::bigint;
     reason := r.reason;
     due_ms := {schema}.ms(r.probe_due, now_);
     give_up_ms := {schema}.ms(r.probe_give_up, now_);
@@ -174,7 +207,7 @@ DECLARE
     told boolean;
 BEGIN
     UPDATE {schema}.records SET state = 'completed', owner = NULL, lease_until = NULL,
-        status = p_status, headers = p_headers, body = p_body
+        status = p_status, headers = p_headers, body = p_body, completed_at = now_
     WHERE key = p_key AND state = 'in_flight' AND owner = p_owner AND lease_until > now_
         AND expires_at > now_
     RETURNING waited INTO told;
@@ -258,7 +291,7 @@ BEGIN
     ELSE
         UPDATE {schema}.records SET state = 'completed', owner = NULL, lease_until = NULL,
             status = p_status, headers = p_headers, body = p_body, reason = NULL,
-            probe_due = NULL, probe_give_up = NULL
+            probe_due = NULL, probe_give_up = NULL, completed_at = now_
         WHERE key = p_key;
     END IF;
     IF r.waited THEN
@@ -350,19 +383,22 @@ BEGIN
     RETURN 1;
 END $$;
 
--- inspect: what a live record holds, its body's length instead of its body.
+-- inspect: what a live record holds, its body's length instead of its body (spent: a
+-- completed record past its retention, as claim says it).
 CREATE OR REPLACE FUNCTION {schema}.inspect(p_key text,
     OUT fingerprint bytea, OUT state text, OUT owner bytea, OUT ttl_ms bigint, OUT lease_ms bigint,
     OUT status smallint, OUT headers bytea, OUT body_length bigint, OUT reason text,
-    OUT due_ms bigint, OUT give_up_ms bigint)
+    OUT due_ms bigint, OUT give_up_ms bigint, OUT spent boolean, OUT completed_ms bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     now_ timestamptz := clock_timestamp();
 BEGIN
     SELECT r.fingerprint, r.state, r.owner, {schema}.ms(r.expires_at, now_), {schema}.ms(r.lease_until, now_),
            r.status, r.headers, length(r.body), r.reason, {schema}.ms(r.probe_due, now_),
-           {schema}.ms(r.probe_give_up, now_)
-    INTO fingerprint, state, owner, ttl_ms, lease_ms, status, headers, body_length, reason, due_ms, give_up_ms
+           {schema}.ms(r.probe_give_up, now_), r.state = 'completed' AND r.response_until <= now_,
+           floor(extract(epoch FROM r.completed_at) * 1000)::bigint
+    INTO fingerprint, state, owner, ttl_ms, lease_ms, status, headers, body_length, reason, due_ms, give_up_ms,
+         spent, completed_ms
     FROM {schema}.records r WHERE r.key = p_key AND r.expires_at > now_;
 END $$;
 
@@ -377,14 +413,22 @@ LANGUAGE sql AS $$
     SELECT count(*)::integer FROM marked
 $$;
 
--- sweep: deletes up to p_batch expired records, skipping rows another sweeper or a
--- claim holds, so that no statement holds many locks or holds them long.
+-- sweep: deletes up to p_batch expired records, and drops up to p_batch responses
+-- past their retention (their records kept until remember ends), skipping rows
+-- another sweeper or a claim holds, so that no statement holds many locks or holds
+-- them long. Returns the larger of the two counts: at p_batch, more may be left.
 CREATE OR REPLACE FUNCTION {schema}.sweep(p_batch integer) RETURNS integer
 LANGUAGE sql AS $$
-    WITH gone AS (
+    WITH dropped AS (
+        UPDATE {schema}.records SET headers = NULL, body = NULL WHERE key IN (
+            SELECT key FROM {schema}.records
+            WHERE response_until <= clock_timestamp() AND body IS NOT NULL
+            LIMIT p_batch FOR UPDATE SKIP LOCKED)
+        RETURNING 1),
+    gone AS (
         DELETE FROM {schema}.records WHERE key IN (
             SELECT key FROM {schema}.records WHERE expires_at <= clock_timestamp()
             ORDER BY expires_at LIMIT p_batch FOR UPDATE SKIP LOCKED)
         RETURNING 1)
-    SELECT count(*)::integer FROM gone
+    SELECT greatest((SELECT count(*) FROM dropped), (SELECT count(*) FROM gone))::integer
 $$;

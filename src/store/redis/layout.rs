@@ -1,13 +1,15 @@
 //! How a record is laid out in Redis: one string, so that a claim is one native
-//! `SET key value NX PX retention GET` instead of a script (and, only when it finds a
-//! record in flight, a `GET` + `PTTL` to read that record's lease). The scripts that must compare and set (complete, mark unknown, release,
-//! resolve) read the same layout with `string.sub`.
+//! `SET key value NX PX remember GET` instead of a script (and, only when it finds a
+//! record in flight, a `GET` + `PTTL` to read that record's lease). The scripts that
+//! must compare and set (complete, mark unknown, release, resolve) read the same layout
+//! with `string.sub`.
 //!
 //! ```text
-//! 2F<fingerprint: 64 hex><owner: 32 hex><rest: decimal ms>   in flight
+//! 2F<fingerprint: 64 hex><owner: 32 hex><rest: decimal ms>[/<keep>]   in flight
 //! 2C<fingerprint: 64 hex><status: 3 digits><headers length: decimal>:<headers><body>
-//! 2U<fingerprint: 64 hex><owner: 32 hex><reason>              unknown
-//! 2U<fingerprint: 64 hex><owner: 32 hex><reason>:<due>:<give up>  unknown, with a probe
+//! 2K<fingerprint: 64 hex><status: 3 digits><completed at: ms since the epoch>
+//! 2U<fingerprint: 64 hex><owner: 32 hex><reason>[/<keep>]              unknown
+//! 2U<fingerprint: 64 hex><owner: 32 hex><reason>:<due>:<give up>[/<keep>]  unknown, with a probe
 //! ```
 //!
 //! An unknown record keeps its claim's owner, for a resolution to be fenced on; one
@@ -16,10 +18,17 @@
 //! the lease is: the next probe is due once the TTL is at most `due` (`-1`: never, the
 //! probe gave up), and gives up once it is at most `give up`.
 //!
-//! `2` is the format version. The expiry is set once, at the claim, to the retention,
-//! and never moved; the lease is not stored as a time but read off the store's own
-//! clock: `rest` is the retention minus the lease, so the lease has run out once the
-//! record's remaining TTL is at most `rest`.
+//! `2` is the format version. The expiry is set once, at the claim, to `remember`, and
+//! never moved; the lease is not stored as a time but read off the store's own clock:
+//! `rest` is `remember` minus the lease, so the lease has run out once the record's
+//! remaining TTL is at most `rest`. A record that outlives its response (`remember`
+//! past `retention`, docs/design.md §24) keeps `keep`, `remember` minus `retention`:
+//! the TTL at which its response expires. Completed, it is `2K`, and its response
+//! (`<status><headers length>:<headers><body>`, as `2C` holds it) is a second key
+//! beside it, `<key>:r`, in the same hash slot, which expires by itself when the
+//! record's TTL reaches `keep`: Redis drops the response on its own clock, and a `2K`
+//! record without it is spent. Without `keep` nothing changes: a `2C` record holds its
+//! response, and both expire together.
 
 use std::time::Duration;
 
@@ -27,8 +36,8 @@ use bytes::Bytes;
 
 use crate::error::StoreError;
 use crate::store::{
-    ClaimOutcome, Existing, Fingerprint, OwnerToken, Probe, RecordState, RecordSummary, StoredResponse, SummaryState,
-    UnknownReason,
+    ClaimOutcome, Existing, Fingerprint, OwnerToken, Probe, RecordState, RecordSummary, Spent, StoredResponse,
+    SummaryState, UnknownReason,
 };
 
 /// The format version, the first byte of every record: the one place it is named (the
@@ -37,19 +46,45 @@ const VERSION: u8 = b'2';
 /// The second byte: the record's state.
 const IN_FLIGHT: u8 = b'F';
 const COMPLETED: u8 = b'C';
+/// Completed, its response kept beside it (`<key>:r`) until its retention ends.
+const KEPT: u8 = b'K';
 const UNKNOWN: u8 = b'U';
 const FINGERPRINT: std::ops::Range<usize> = 2..66;
 const OWNER: std::ops::Range<usize> = 66..98;
 
 /// The value a claim writes: in flight for `owner`, its lease ending when `rest`
-/// of the retention is left.
-pub(super) fn in_flight(fingerprint: Fingerprint, owner: OwnerToken, rest: Duration) -> Vec<u8> {
-    let mut value = Vec::with_capacity(OWNER.end + 12);
+/// of `remember` is left, and its response to expire when `keep` is (zero: with the
+/// record).
+pub(super) fn in_flight(fingerprint: Fingerprint, owner: OwnerToken, rest: Duration, keep: Duration) -> Vec<u8> {
+    let mut value = Vec::with_capacity(OWNER.end + 24);
     value.extend_from_slice(&[VERSION, IN_FLIGHT]);
     value.extend_from_slice(fingerprint.to_hex().as_bytes());
     value.extend_from_slice(owner.to_hex().as_bytes());
     value.extend_from_slice(super::millis(rest).to_string().as_bytes());
+    if !keep.is_zero() {
+        value.push(b'/');
+        value.extend_from_slice(super::millis(keep).to_string().as_bytes());
+    }
     value
+}
+
+/// Where a record's response is kept while it outlives it: `<key>:r`, in its hash
+/// slot (the key ends with its `{hash}` tag).
+pub(super) fn response_key(key: &str) -> String {
+    format!("{key}:r")
+}
+
+/// Whether `value` is a completed record whose response is kept beside it.
+pub(super) fn kept_beside(value: &[u8]) -> bool {
+    value.get(1) == Some(&KEPT)
+}
+
+/// `tail` without its `/<keep>` suffix, where it has one.
+fn without_keep(tail: &[u8]) -> &[u8] {
+    match tail.iter().rposition(|byte| *byte == b'/') {
+        Some(slash) if tail[slash + 1..].iter().all(u8::is_ascii_digit) => &tail[..slash],
+        _ => tail,
+    }
 }
 
 /// What `complete.lua` appends after the tag and the fingerprint it keeps.
@@ -89,6 +124,8 @@ enum Read {
         lease: Option<Duration>,
     },
     Completed(StoredResponse),
+    /// Completed, its response kept beside it until its retention ends (then spent).
+    Kept(Spent),
     Unknown {
         reason: UnknownReason,
         owner: Option<Vec<u8>>,
@@ -113,6 +150,7 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 .to_vec();
             let rest: i64 = value
                 .get(OWNER.end..)
+                .map(without_keep)
                 .and_then(|rest| std::str::from_utf8(rest).ok())
                 .and_then(|rest| rest.parse().ok())
                 .ok_or(bad("an in-flight record without its lease"))?;
@@ -123,25 +161,24 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 lease: (remaining > 0).then(|| Duration::from_millis(u64::try_from(remaining).unwrap_or(0))),
             }
         }
-        Some(&COMPLETED) => {
-            let tail = value.slice(FINGERPRINT.end..);
-            let status = tail.get(..3).ok_or(bad("a completed record without a status"))?;
-            let colon = tail
-                .iter()
-                .position(|byte| *byte == b':')
-                .ok_or(bad("a completed record without its headers' length"))?;
-            let length: usize = tail
-                .get(3..colon)
-                .and_then(|length| std::str::from_utf8(length).ok())
-                .and_then(|length| length.parse().ok())
-                .ok_or(bad("a completed record with a malformed headers' length"))?;
-            let headers_end = colon + 1 + length;
-            let headers = tail
-                .get(colon + 1..headers_end)
-                .ok_or(bad("a completed record cut short"))?;
-            let response = StoredResponse::decode(status, headers, tail.slice(headers_end..))
-                .ok_or(bad("a completed record that does not decode"))?;
-            Read::Completed(response)
+        Some(&COMPLETED) => Read::Completed(decode_response(value.slice(FINGERPRINT.end..))?),
+        Some(&KEPT) => {
+            let tail = value.get(FINGERPRINT.end..).unwrap_or_default();
+            let status = tail
+                .get(..3)
+                .and_then(|status| std::str::from_utf8(status).ok())
+                .and_then(|status| status.parse::<u16>().ok())
+                .and_then(|status| http::StatusCode::from_u16(status).ok())
+                .ok_or(bad("a completed record without a status"))?;
+            let completed_at = tail
+                .get(3..)
+                .and_then(|at| std::str::from_utf8(at).ok())
+                .and_then(|at| at.parse::<i64>().ok())
+                .ok_or(bad("a completed record without its completion time"))?;
+            Read::Kept(Spent {
+                status,
+                completed_at: crate::store::from_epoch_millis(completed_at),
+            })
         }
         Some(&UNKNOWN) => {
             // The owner, when the record kept it: 32 hex digits, where no reason starts.
@@ -150,7 +187,7 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
                 .filter(|owner| owner.iter().all(u8::is_ascii_hexdigit))
                 .map(<[u8]>::to_vec);
             let reason_at = if owner.is_some() { OWNER.end } else { FINGERPRINT.end };
-            let tail = value.get(reason_at..).unwrap_or_default();
+            let tail = without_keep(value.get(reason_at..).unwrap_or_default());
             let (reason, schedule) = match tail.iter().position(|byte| *byte == b':') {
                 None => (tail, None),
                 Some(colon) => (&tail[..colon], Some(&tail[colon + 1..])),
@@ -170,6 +207,37 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
     Ok(Decoded { fingerprint, state })
 }
 
+/// A recorded response as `2C` holds it after its fingerprint, and `<key>:r` whole:
+/// `<status><headers length>:<headers><body>`.
+fn decode_response(tail: Bytes) -> Result<StoredResponse, StoreError> {
+    let bad = |what| StoreError::Protocol(what);
+    let status = tail.get(..3).ok_or(bad("a completed record without a status"))?;
+    let colon = tail
+        .iter()
+        .position(|byte| *byte == b':')
+        .ok_or(bad("a completed record without its headers' length"))?;
+    let length: usize = tail
+        .get(3..colon)
+        .and_then(|length| std::str::from_utf8(length).ok())
+        .and_then(|length| length.parse().ok())
+        .ok_or(bad("a completed record with a malformed headers' length"))?;
+    let headers_end = colon + 1 + length;
+    let headers = tail
+        .get(colon + 1..headers_end)
+        .ok_or(bad("a completed record cut short"))?;
+    StoredResponse::decode(status, headers, tail.slice(headers_end..))
+        .ok_or(bad("a completed record that does not decode"))
+}
+
+/// A `2K` record read with what `<key>:r` held: its response, or past its retention
+/// what is left.
+fn kept(spent: Spent, response: Option<Bytes>) -> Result<Result<StoredResponse, Spent>, StoreError> {
+    Ok(match response {
+        Some(response) => Ok(decode_response(response)?),
+        None => Err(spent),
+    })
+}
+
 /// Where the probe of an unknown record stands, from its schedule (`<due>:<give up>`)
 /// and its remaining TTL.
 fn probe(schedule: &[u8], pttl: i64) -> Option<Probe> {
@@ -185,10 +253,12 @@ fn probe(schedule: &[u8], pttl: i64) -> Option<Probe> {
 }
 
 /// What a claim by `owner` found: `None` when its `SET … NX` wrote the record; `pttl`
-/// is the record's remaining TTL, read with it, which an in-flight record needs.
+/// is the record's remaining TTL, read with it, which an in-flight record needs;
+/// `response` what `<key>:r` held, read with it, which a `2K` record needs.
 pub(super) fn claim_outcome(
     found: Option<Bytes>,
     pttl: Option<i64>,
+    response: Option<Bytes>,
     owner: OwnerToken,
 ) -> Result<ClaimOutcome, StoreError> {
     let Some(value) = found else {
@@ -206,32 +276,54 @@ pub(super) fn claim_outcome(
             ..
         } => RecordState::InFlight { lease_remaining },
         Read::Completed(response) => RecordState::Completed(response),
+        Read::Kept(spent) => match kept(spent, response)? {
+            Ok(response) => RecordState::Completed(response),
+            Err(spent) => RecordState::Spent(spent),
+        },
         Read::Unknown { reason, probe, .. } => RecordState::Unknown { reason, probe },
     };
     Ok(ClaimOutcome::Existing(Existing { fingerprint, state }))
 }
 
-/// The response of the completed record `GET` found, with its `PTTL`.
-pub(super) fn response(found: Option<Bytes>, pttl: i64) -> Result<Option<StoredResponse>, StoreError> {
+/// The response of the completed record `GET` found, with its `PTTL` and what
+/// `<key>:r` held.
+pub(super) fn response(
+    found: Option<Bytes>,
+    pttl: i64,
+    response: Option<Bytes>,
+) -> Result<Option<StoredResponse>, StoreError> {
     let Some(value) = found else {
         return Ok(None);
     };
     Ok(match decode(value, Some(pttl))?.state {
         Read::Completed(response) => Some(response),
+        Read::Kept(spent) => kept(spent, response)?.ok(),
         Read::InFlight { .. } | Read::Unknown { .. } => None,
     })
 }
 
-/// What an operator sees of the record `GET` found, with its `PTTL`.
-pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSummary>, StoreError> {
+/// What an operator sees of the record `GET` found, with its `PTTL` and what
+/// `<key>:r` held.
+pub(super) fn summary(
+    found: Option<Bytes>,
+    pttl: i64,
+    response: Option<Bytes>,
+) -> Result<Option<RecordSummary>, StoreError> {
     let Some(value) = found else {
         return Ok(None);
     };
     let Decoded { fingerprint, state } = decode(value, Some(pttl))?;
+    let state = match state {
+        Read::Kept(spent) => match kept(spent, response)? {
+            Ok(response) => Read::Completed(response),
+            Err(spent) => Read::Kept(spent),
+        },
+        state => state,
+    };
     let millis = |value: i64| Duration::from_millis(u64::try_from(value).unwrap_or(0));
     let owner = match &state {
         Read::InFlight { lease: None, owner } | Read::Unknown { owner: Some(owner), .. } => OwnerToken::from_hex(owner),
-        Read::InFlight { .. } | Read::Completed(_) | Read::Unknown { owner: None, .. } => None,
+        Read::InFlight { .. } | Read::Completed(_) | Read::Kept(_) | Read::Unknown { owner: None, .. } => None,
     };
     let state = match state {
         Read::InFlight { lease: None, .. } => SummaryState::LeaseExpired,
@@ -244,6 +336,7 @@ pub(super) fn summary(found: Option<Bytes>, pttl: i64) -> Result<Option<RecordSu
             response_bytes: response.body.len() as u64,
             trace_id: response.trace.map(crate::record::ExecutionTrace::trace_id_hex),
         },
+        Read::Kept(spent) => SummaryState::Spent(spent),
         Read::Unknown { reason, probe, .. } => SummaryState::Unknown { reason, probe },
     };
     Ok(Some(RecordSummary {
@@ -265,9 +358,14 @@ mod tests {
     #[test]
     fn each_state_round_trips() {
         let fingerprint = Fingerprint([7; 32]);
-        let value = Bytes::from(in_flight(fingerprint, OWNER_TOKEN, Duration::from_millis(3_000)));
+        let value = Bytes::from(in_flight(
+            fingerprint,
+            OWNER_TOKEN,
+            Duration::from_millis(3_000),
+            Duration::ZERO,
+        ));
         assert_eq!(value.len(), 98 + 4);
-        let found = |value: &Bytes, pttl| claim_outcome(Some(value.clone()), Some(pttl), OwnerToken([1; 16]));
+        let found = |value: &Bytes, pttl| claim_outcome(Some(value.clone()), Some(pttl), None, OwnerToken([1; 16]));
         assert_eq!(
             found(&value, 4_500).ok(),
             Some(ClaimOutcome::Existing(Existing {
@@ -285,16 +383,16 @@ mod tests {
             }))
         ));
         assert_eq!(
-            claim_outcome(Some(value.clone()), Some(4_500), OWNER_TOKEN).ok(),
+            claim_outcome(Some(value.clone()), Some(4_500), None, OWNER_TOKEN).ok(),
             Some(ClaimOutcome::Acquired(()))
         );
         assert_eq!(
-            claim_outcome(None, None, OWNER_TOKEN).ok(),
+            claim_outcome(None, None, None, OWNER_TOKEN).ok(),
             Some(ClaimOutcome::Acquired(()))
         );
         // An in-flight record cannot be read without its TTL.
         assert!(matches!(
-            claim_outcome(Some(value.clone()), None, OWNER_TOKEN),
+            claim_outcome(Some(value.clone()), None, None, OWNER_TOKEN),
             Err(StoreError::Protocol(_))
         ));
 
@@ -303,6 +401,7 @@ mod tests {
             headers: vec![(HeaderName::from_static("x-a"), HeaderValue::from_static("b:c"))],
             body: Bytes::from_static(b"body with : colons"),
             trace: None,
+            replay_until: None,
         };
         let mut completed = value.get(..66).expect("prefix").to_vec();
         completed[1] = b'C';
@@ -310,7 +409,7 @@ mod tests {
         // Completed and unknown records read the same without their TTL.
         assert!(!lease_depends_on_ttl(&completed) && lease_depends_on_ttl(&value));
         assert_eq!(
-            claim_outcome(Some(Bytes::from(completed)), None, OWNER_TOKEN).ok(),
+            claim_outcome(Some(Bytes::from(completed)), None, None, OWNER_TOKEN).ok(),
             Some(ClaimOutcome::Existing(Existing {
                 fingerprint,
                 state: RecordState::Completed(response)
@@ -321,7 +420,7 @@ mod tests {
         unknown.extend_from_slice(b"upstream-timeout");
         assert!(!lease_depends_on_ttl(&unknown));
         assert!(matches!(
-            claim_outcome(Some(Bytes::from(unknown.clone())), None, OWNER_TOKEN),
+            claim_outcome(Some(Bytes::from(unknown.clone())), None, None, OWNER_TOKEN),
             Ok(ClaimOutcome::Existing(Existing {
                 state: RecordState::Unknown {
                     reason: UnknownReason::UpstreamTimeout,
@@ -332,7 +431,7 @@ mod tests {
         ));
         // Written before unknown records kept their claim: read, with no claim to
         // fence on. Written now: the claim is the in-flight record's owner.
-        let old = summary(Some(Bytes::from(unknown)), 1_000)
+        let old = summary(Some(Bytes::from(unknown)), 1_000, None)
             .expect("decodes")
             .expect("a record");
         assert_eq!(
@@ -348,7 +447,7 @@ mod tests {
         let mut kept = value.get(..98).expect("prefix").to_vec();
         kept[1] = b'U';
         kept.extend_from_slice(b"over-budget");
-        let new = summary(Some(Bytes::from(kept)), 1_000)
+        let new = summary(Some(Bytes::from(kept)), 1_000, None)
             .expect("decodes")
             .expect("a record");
         assert_eq!(
@@ -371,7 +470,7 @@ mod tests {
         };
         let due = scheduled(b"upstream-timeout:300:200");
         assert!(lease_depends_on_ttl(&due));
-        let probe_at = |record: &[u8], pttl| match summary(Some(Bytes::copy_from_slice(record)), pttl) {
+        let probe_at = |record: &[u8], pttl| match summary(Some(Bytes::copy_from_slice(record)), pttl, None) {
             Ok(Some(RecordSummary {
                 state: SummaryState::Unknown { probe, .. },
                 ..
@@ -383,7 +482,7 @@ mod tests {
         assert_eq!(probe_at(&due, 200), Probe::GaveUp);
         assert_eq!(probe_at(&scheduled(b"lease-expired:-1:200"), 1_000), Probe::GaveUp);
         assert!(matches!(
-            summary(Some(Bytes::from(scheduled(b"upstream-timeout:x:200"))), 1_000),
+            summary(Some(Bytes::from(scheduled(b"upstream-timeout:x:200"))), 1_000, None),
             Err(StoreError::Protocol(_))
         ));
     }
@@ -401,7 +500,7 @@ mod tests {
             ("begin_probe", include_str!("../scripts/begin_probe.lua")),
             ("defer_probe", include_str!("../scripts/defer_probe.lua")),
         ];
-        let tags: Vec<String> = [IN_FLIGHT, COMPLETED, UNKNOWN]
+        let tags: Vec<String> = [IN_FLIGHT, COMPLETED, KEPT, UNKNOWN]
             .iter()
             .map(|state| format!("'{}{}'", char::from(VERSION), char::from(*state)))
             .collect();
@@ -447,7 +546,12 @@ mod tests {
 
     #[test]
     fn malformed_or_foreign_records_are_store_errors() {
-        let good = in_flight(Fingerprint([7; 32]), OWNER_TOKEN, Duration::from_millis(5));
+        let good = in_flight(
+            Fingerprint([7; 32]),
+            OWNER_TOKEN,
+            Duration::from_millis(5),
+            Duration::ZERO,
+        );
         let with = |at: usize, byte: u8| {
             let mut value = good.clone();
             value[at] = byte;
@@ -464,7 +568,7 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    claim_outcome(Some(bad.clone()), Some(10), OWNER_TOKEN),
+                    claim_outcome(Some(bad.clone()), Some(10), None, OWNER_TOKEN),
                     Err(StoreError::Protocol(_))
                 ),
                 "{bad:?}"

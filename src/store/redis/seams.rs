@@ -27,8 +27,8 @@ mod none {
     pub(in crate::store::redis) struct Seams {}
 
     impl Seams {
-        pub(in crate::store::redis) fn retention(&self, claim: &ClaimRequest) -> Duration {
-            claim.retention
+        pub(in crate::store::redis) fn expiry(&self, claim: &ClaimRequest) -> Duration {
+            claim.remember
         }
 
         pub(in crate::store::redis) async fn before_lease_read(&self) {}
@@ -80,10 +80,10 @@ mod planted {
 
     impl Seams {
         /// The expiry the claim writes.
-        pub(in crate::store::redis) fn retention(&self, claim: &ClaimRequest) -> Duration {
+        pub(in crate::store::redis) fn expiry(&self, claim: &ClaimRequest) -> Duration {
             match self.plant {
                 Some(ClaimPlant::ExpiresWithTheLease) => claim.lease,
-                _ => claim.retention,
+                _ => claim.remember,
             }
         }
 
@@ -113,8 +113,9 @@ mod planted {
             if self.plant != Some(ClaimPlant::TakesOverExpiredLeases) || !expired {
                 return Ok(outcome);
             }
-            let rest = claim.retention.saturating_sub(claim.lease);
-            let value = layout::in_flight(claim.fingerprint, claim.owner, rest);
+            let rest = claim.remember.saturating_sub(claim.lease);
+            let keep = claim.remember.saturating_sub(claim.retention);
+            let value = layout::in_flight(claim.fingerprint, claim.owner, rest, keep);
             let _: () = store
                 .attempt(Retry::Refused, store.timeout, |mut connection| {
                     let value = value.clone();
@@ -123,7 +124,7 @@ mod planted {
                             .arg(claim.key.as_str())
                             .arg(value)
                             .arg("PX")
-                            .arg(millis(claim.retention))
+                            .arg(millis(claim.remember))
                             .query_async(&mut connection)
                             .await
                     }

@@ -17,7 +17,7 @@
 -- due time past the lease, so two instances never probe one record at once. A record
 -- in flight past its lease (its owner died) becomes unknown for 'lease-expired', its
 -- owner kept. A probe that was due past give_up_after gives up instead. Nothing else
--- of the record changes: fingerprint, owner, reason and expiry are kept.
+-- of the record changes: fingerprint, owner, reason, expiry and `/keep` are kept.
 local record = redis.call('GET', KEYS[1])
 if not record then
   return {-1, '', 0}
@@ -26,12 +26,17 @@ end
 local pttl = redis.call('PTTL', KEYS[1])
 local lease = tonumber(ARGV[1])
 local tag = string.sub(record, 1, 2)
+-- What follows the owner, and the `/keep` it may end with (kept as it is).
+local rest, keep = string.match(string.sub(record, 99), '^(.-)(/%d+)$')
+if not rest then
+  rest, keep = string.sub(record, 99), ''
+end
 if tag == '2F' then
-  if pttl > tonumber(string.sub(record, 99)) then
+  if pttl > tonumber(rest) then
     return {0, '', 0}
   end
   local schedule = ':' .. math.max(pttl - lease, 0) .. ':' .. (pttl - tonumber(ARGV[2]))
-  redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. 'lease-expired' .. schedule, 'KEEPTTL')
+  redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. 'lease-expired' .. schedule .. keep, 'KEEPTTL')
   return {1, string.sub(record, 67, 98), 0}
 end
 if tag ~= '2U' then
@@ -44,7 +49,6 @@ if #owner ~= 32 or string.find(owner, '%X') then
   return {0, '', 0}
 end
 
-local rest = string.sub(record, 99)
 local reason, due, give_up = string.match(rest, '^([%l-]+):(-?%d+):(-?%d+)$')
 if not reason then
   -- Unknown with no probe scheduled (the route had none then): scheduled from now.
@@ -58,9 +62,9 @@ else
     return {2, '', pttl - due}
   end
   if pttl <= give_up then
-    redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. reason .. ':-1:' .. give_up, 'KEEPTTL')
+    redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. reason .. ':-1:' .. give_up .. keep, 'KEEPTTL')
     return {-3, '', 0}
   end
 end
-redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. reason .. ':' .. math.max(pttl - lease, 0) .. ':' .. give_up, 'KEEPTTL')
+redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. reason .. ':' .. math.max(pttl - lease, 0) .. ':' .. give_up .. keep, 'KEEPTTL')
 return {1, owner, 0}

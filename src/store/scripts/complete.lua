@@ -5,6 +5,8 @@
 -- ARGV[2]  the response: status (3 digits), headers' length, ':', headers, body
 -- ARGV[3]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
 --          channel, its key and ':w', is in the record's slot)
+-- ARGV[4]  the response's status (3 digits), what a record that outlives its
+--          response keeps of it
 --
 -- Returns 1 when the record was completed, 0 when it was fenced off.
 --
@@ -12,16 +14,31 @@
 -- and whose lease still holds, may complete it; anything else is refused, so a late
 -- writer can never clobber a record that another request owns or that already reads
 -- as unknown. The lease has run out once the record's remaining TTL (the store's own
--- clock) is at most the rest of the retention the claim wrote. The expiry is kept.
+-- clock) is at most the rest of `remember` the claim wrote. The expiry is kept. A
+-- record that outlives its response (its claim wrote `/keep`) keeps the status and
+-- the completion time, and the response goes beside it, in `<key>:r`, to expire by
+-- itself once the record's TTL reaches `keep`: the end of the retention.
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 2) ~= '2F' or string.sub(record, 67, 98) ~= ARGV[1] then
   return 0
 end
 
-if redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)) then
+local rest, keep = string.match(string.sub(record, 99), '^(%d+)/?(%d*)$')
+local pttl = redis.call('PTTL', KEYS[1])
+if not rest or pttl <= tonumber(rest) then
   return 0
 end
 
-redis.call('SET', KEYS[1], '2C' .. string.sub(record, 3, 66) .. ARGV[2], 'KEEPTTL')
+if keep == '' then
+  redis.call('SET', KEYS[1], '2C' .. string.sub(record, 3, 66) .. ARGV[2], 'KEEPTTL')
+else
+  local now = redis.call('TIME')
+  local completed_at = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+  redis.call('SET', KEYS[1], '2K' .. string.sub(record, 3, 66) .. ARGV[4] .. completed_at, 'KEEPTTL')
+  local kept = pttl - tonumber(keep)
+  if kept > 0 then
+    redis.call('SET', KEYS[1] .. ':r', ARGV[2], 'PX', kept)
+  end
+end
 redis.call(ARGV[3], KEYS[1] .. ':w', 'completed')
 return 1

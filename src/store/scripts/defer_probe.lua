@@ -10,13 +10,17 @@
 -- unknown for that claim (resolved meanwhile, or gone).
 --
 -- Invariant: changes only the schedule of a record unknown for the claim named; the
--- fingerprint, owner, reason and expiry are kept. A probe that has given up stays so.
+-- fingerprint, owner, reason, expiry and `/keep` are kept. A probe that has given up stays so.
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 2) ~= '2U' or string.sub(record, 67, 98) ~= ARGV[1] then
   return 0
 end
 
-local reason, due, give_up = string.match(string.sub(record, 99), '^([%l-]+):(-?%d+):(-?%d+)$')
+local rest, keep = string.match(string.sub(record, 99), '^(.-)(/%d+)$')
+if not rest then
+  rest, keep = string.sub(record, 99), ''
+end
+local reason, due, give_up = string.match(rest, '^([%l-]+):(-?%d+):(-?%d+)$')
 if not reason then
   return 0
 end
@@ -28,5 +32,5 @@ if tonumber(due) < 0 or next_due <= tonumber(give_up) then
 else
   next_due = math.max(next_due, 0)
 end
-redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. reason .. ':' .. next_due .. ':' .. give_up, 'KEEPTTL')
+redis.call('SET', KEYS[1], '2U' .. string.sub(record, 3, 98) .. reason .. ':' .. next_due .. ':' .. give_up .. keep, 'KEEPTTL')
 return result

@@ -10,6 +10,7 @@
 --          '' for whichever claim is unknown now (a call that names none)
 -- ARGV[3]  applied: the response, as complete.lua takes it (status, headers' length,
 --          ':', headers, body); not applied: absent
+-- ARGV[4]  applied: the response's status (3 digits)
 --
 -- Returns 1 when the record was resolved, 0 when it is not unknown (completed, or in
 -- flight with its lease running), -2 when it is unknown for another claim, -1 when
@@ -20,14 +21,22 @@
 -- owner may still be writing, is never changed here, so a probe and an operator
 -- never both win; and, given a claim, it is fenced on it, so that what was learned
 -- about one request never lands on a later claim of the key. The fingerprint and the expiry are
--- kept.
+-- kept. A record that outlives its response (`/keep`) is completed as complete.lua
+-- does it: the status and completion time in the record, the response beside it
+-- until the record's TTL reaches `keep` (none, if it already has: spent at once).
 local record = redis.call('GET', KEYS[1])
 if not record then
   return -1
 end
 
 local tag = string.sub(record, 1, 2)
-if not (tag == '2U' or (tag == '2F' and redis.call('PTTL', KEYS[1]) <= tonumber(string.sub(record, 99)))) then
+local pttl = redis.call('PTTL', KEYS[1])
+-- What follows the owner, and the `/keep` it may end with.
+local rest, keep = string.match(string.sub(record, 99), '^(.-)/(%d+)$')
+if not rest then
+  rest, keep = string.sub(record, 99), ''
+end
+if not (tag == '2U' or (tag == '2F' and pttl <= tonumber(rest))) then
   return 0
 end
 
@@ -42,8 +51,17 @@ end
 -- it: a waiter waits only on a record in flight, leaves with a 409 once it reads as
 -- unknown, and re-reads by itself at the lease's end, which is the earliest a record in
 -- flight can be resolved. Kept for that uniformity (the memory store wakes alike).
-if ARGV[3] then
+if ARGV[3] and keep == '' then
   redis.call('SET', KEYS[1], '2C' .. string.sub(record, 3, 66) .. ARGV[3], 'KEEPTTL')
+  redis.call(ARGV[1], KEYS[1] .. ':w', 'completed')
+elseif ARGV[3] then
+  local now = redis.call('TIME')
+  local completed_at = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
+  redis.call('SET', KEYS[1], '2K' .. string.sub(record, 3, 66) .. ARGV[4] .. completed_at, 'KEEPTTL')
+  local kept = pttl - tonumber(keep)
+  if kept > 0 then
+    redis.call('SET', KEYS[1] .. ':r', ARGV[3], 'PX', kept)
+  end
   redis.call(ARGV[1], KEYS[1] .. ':w', 'completed')
 else
   redis.call('DEL', KEYS[1])

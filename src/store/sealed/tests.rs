@@ -43,6 +43,7 @@ fn response() -> StoredResponse {
             trace_id: [7; 16],
             span_id: [9; 8],
         }),
+        replay_until: Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_900_000_000)),
     }
 }
 

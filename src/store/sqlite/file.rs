@@ -33,7 +33,7 @@ use crate::error::StoreFileError;
 pub const APPLICATION_ID: i32 = 0x6964_6d70;
 
 /// The schema's steps: `user_version` is the number of them a file has run.
-const STEPS: [&str; 3] = [RECORDS, SHARES, CLIENTS];
+const STEPS: [&str; 4] = [RECORDS, SHARES, CLIENTS, REMEMBER];
 
 /// The schema version this build writes.
 pub const VERSION: i32 = STEPS.len() as i32;
@@ -130,6 +130,17 @@ CREATE TRIGGER records_removed AFTER DELETE ON records BEGIN
     UPDATE shares SET records = records - 1 WHERE kind = 2 AND id = OLD.client;
     DELETE FROM shares WHERE kind > 0 AND records = 0;
 END;
+";
+
+/// Step 4 (issue 51, `remember`): a record may outlive its response. `response_until`
+/// is when a completed record's headers and body are dropped (NULL: with the record,
+/// as before), `completed_at` when its operation completed, which a 410 names. The
+/// index holds only the records whose response is still to drop, for the sweeper.
+const REMEMBER: &str = "
+ALTER TABLE records ADD COLUMN response_until INTEGER;
+ALTER TABLE records ADD COLUMN completed_at INTEGER;
+CREATE INDEX records_response ON records (response_until)
+    WHERE response_until IS NOT NULL AND body IS NOT NULL;
 ";
 
 /// The exclusive lock on a store file: held while this value lives. The database's

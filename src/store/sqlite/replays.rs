@@ -155,6 +155,7 @@ mod tests {
             headers: Vec::new(),
             body: Bytes::from(vec![b'x'; body]),
             trace: None,
+            replay_until: None,
         }
     }
 

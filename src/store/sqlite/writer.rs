@@ -325,9 +325,23 @@ fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &
     }
 }
 
-/// Deletes up to `SWEEP_BATCH` expired records in a transaction of its own: whether
-/// there were as many (more may be left).
+/// Deletes up to `SWEEP_BATCH` expired records, and drops up to as many responses
+/// past their retention (their record kept: docs/design.md §24), each in a
+/// transaction of its own: whether either found as many (more may be left).
 fn sweep(conn: &Connection, now: Millis, stats: &CommitFigures) -> bool {
+    let dropped = conn
+        .prepare_cached(super::DROP_RESPONSES)
+        .and_then(|mut statement| statement.execute((now, SWEEP_BATCH)));
+    let more = match dropped {
+        Ok(dropped) => {
+            stats.dropped.inc_by(dropped as u64);
+            i64::try_from(dropped).is_ok_and(|dropped| dropped >= SWEEP_BATCH)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot drop responses past their retention; trying again in a second");
+            false
+        }
+    };
     let deleted = conn
         .prepare_cached(
             "DELETE FROM records WHERE rowid IN \
@@ -337,11 +351,11 @@ fn sweep(conn: &Connection, now: Millis, stats: &CommitFigures) -> bool {
     match deleted {
         Ok(deleted) => {
             stats.swept.inc_by(deleted as u64);
-            i64::try_from(deleted).is_ok_and(|deleted| deleted >= SWEEP_BATCH)
+            more || i64::try_from(deleted).is_ok_and(|deleted| deleted >= SWEEP_BATCH)
         }
         Err(error) => {
             tracing::warn!(%error, "cannot delete expired records; trying again in a second");
-            false
+            more
         }
     }
 }
