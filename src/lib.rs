@@ -12,7 +12,8 @@
 //! `body`, `canonical_json`, `tls`. `admin` serves health, metrics and the records API,
 //! whose contract (`records`) the CLI shares. `contract` makes the published
 //! idempotency contract from the config (the well-known document, OpenAPI, Markdown);
-//! `conformance` runs that contract's black-box cases against any endpoint. `trace`
+//! `conformance` runs that contract's black-box cases against any endpoint; `horizon`
+//! estimates the store each route's `remember` holds at a rate (`check --rate`). `trace`
 //! makes the spans and exports them. A unit test below keeps the modules free of import
 //! cycles. The binary in `main.rs` only parses the command line. Test seams sit behind
 //! the `test-util` feature.
@@ -59,6 +60,7 @@ pub mod config;
 pub mod conformance;
 pub mod contract;
 pub mod error;
+pub mod horizon;
 pub mod idempotency;
 pub mod jwt;
 mod metrics;

@@ -39,6 +39,11 @@ enum Command {
     Check {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
+        /// Fresh keys each guarded route takes (`100/s`, `6000/min`, `20000/h`): prints
+        /// the records and the store each route's horizon holds at that rate, and warns
+        /// where the store's bounds cannot hold them.
+        #[arg(long)]
+        rate: Option<String>,
     },
     /// Print the published idempotency contract of the config's guarded routes: the
     /// document /.well-known/idempotency serves (json), an OpenAPI 3.1 fragment, or a
@@ -239,7 +244,7 @@ fn main() -> ExitCode {
         let _ = init_logging(cli.log_format, None);
     }
     let result = match cli.command {
-        Command::Check { config } => check(&config),
+        Command::Check { config, rate } => check(&config, rate.as_deref()),
         Command::Serve { config } => serve(&config, cli.log_format),
         Command::Contract { config, format } => contract(&config, format),
         Command::Conformance {
@@ -349,10 +354,19 @@ fn init_logging(format: LogFormat, tracing: Option<&TracingConfig>) -> anyhow::R
     }
 }
 
-fn check(path: &std::path::Path) -> anyhow::Result<()> {
+fn check(path: &std::path::Path, rate: Option<&str>) -> anyhow::Result<()> {
     let config = Config::load(path)?;
+    let rate = rate
+        .map(|rate| idemproxy::horizon::Rate::parse(rate).map_err(|error| anyhow::anyhow!("--rate {rate:?}: {error}")))
+        .transpose()?;
     print!("{}: ok\n{config}", path.display());
-    for warning in config.warnings() {
+    let mut warnings = config.warnings();
+    if let Some(rate) = rate {
+        let estimate = idemproxy::horizon::estimate(&config, rate);
+        print!("{estimate}");
+        warnings.extend(estimate.warnings());
+    }
+    for warning in warnings {
         eprintln!("idemproxy: warning: {warning}");
     }
     Ok(())

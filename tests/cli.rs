@@ -219,6 +219,49 @@ fn check_prints_the_redis_topology_and_its_durability() {
     }
 }
 
+/// `check --rate` prints each guarded route's horizon at that rate of fresh keys, and
+/// warns where the store's bounds cannot hold it; a rate it cannot read is refused.
+#[test]
+fn check_with_a_rate_prints_the_horizon_and_warns_when_the_store_cannot_hold_it() {
+    let dir = temp_dir();
+    let route = format!("{ROUTE}[route.idempotency]\nretention = \"1h\"\nremember = \"30d\"\n");
+    let store = |max_bytes: &str| {
+        let file = dir.path().join("records.db");
+        format!(
+            "[store]\nbackend = \"sqlite\"\npath = {:?}\nmax_bytes = \"{max_bytes}\"\nmax_records = 100000000\n{route}",
+            file.display().to_string()
+        )
+    };
+    let run = |path: &PathBuf, rate: &str| {
+        let output = idemproxy()
+            .args(["check", "--rate", rate, "--config"])
+            .arg(path)
+            .output()
+            .expect("run idemproxy");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    let small = write(&dir, "small.toml", &store("1GiB"));
+    let (ok, stdout, stderr) = run(&small, "6000/min");
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("horizon payments at 100 fresh keys/s: 259.2 million records, about 154.0 GiB of sqlite store"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("more than store.max_records (100000000)") && stderr.contains("more than store.max_bytes (1.0 GiB)"),
+        "{stderr}"
+    );
+    let large = write(&dir, "large.toml", &store("1TiB"));
+    let (ok, _, stderr) = run(&large, "1/s");
+    assert!(ok && !stderr.contains("horizons"), "a horizon the store holds warns of nothing: {stderr}");
+    let (ok, _, stderr) = run(&large, "ten/s");
+    assert!(!ok && stderr.contains("--rate \"ten/s\""), "{stderr}");
+}
+
 #[test]
 fn check_warns_about_guarded_routes_every_client_shares() {
     let dir = temp_dir();
