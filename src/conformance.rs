@@ -219,6 +219,14 @@ impl Runner {
             }),
         }
 
+        cases.push(match &first {
+            None => case("expiry header", Finding::Unknown, "no first answer".into()),
+            Some(first) => match self.send(path, &[&key], body).await {
+                Err(error) => case("expiry header", Finding::Unknown, error),
+                Ok(again) => expiry_header(first, &again),
+            },
+        });
+
         // The same key with another request.
         let other = other_body(body);
         cases.push(match (&first, self.send(path, &[&key], &other).await) {
@@ -310,6 +318,39 @@ impl Runner {
 /// The path and body of a request that carries `keys` (none, one, or the same field
 /// twice) in `source`; a header source leaves both as they are (`send` adds the
 /// header lines).
+/// The first answer and a replay say when replays stop, in `Idempotency-Expires`: the
+/// same HTTP date on both, in the future (docs/design.md §24).
+fn expiry_header(first: &Seen, replay: &Seen) -> Case {
+    const NAME: &str = "expiry header";
+    let read = |seen: &Seen| {
+        let value = seen.headers.get("idempotency-expires")?.to_str().ok()?;
+        Some((value.to_string(), httpdate::parse_http_date(value).ok()))
+    };
+    let (finding, saw) = match (read(first), read(replay)) {
+        (None, _) | (_, None) => (
+            Finding::Fail,
+            "no Idempotency-Expires on the first answer or its replay: a client cannot tell when replays stop"
+                .to_string(),
+        ),
+        (Some((text, None)), _) | (_, Some((text, None))) => (
+            Finding::Fail,
+            format!("Idempotency-Expires {text:?} is not an HTTP date"),
+        ),
+        (Some((a, _)), Some((b, _))) if a != b => {
+            (Finding::Fail, format!("the first answer says {a:?}, its replay {b:?}"))
+        }
+        (Some((text, Some(at))), _) if at <= std::time::SystemTime::now() => {
+            (Finding::Fail, format!("Idempotency-Expires {text:?} has passed"))
+        }
+        (Some((text, _)), _) => (Finding::Pass, format!("{text}, on the first answer and its replay")),
+    };
+    Case {
+        name: NAME,
+        finding,
+        saw,
+    }
+}
+
 fn place(source: &KeySource, path: &str, keys: &[&str], body: &str) -> Result<(String, String), String> {
     let pairs = |name: &str| {
         let mut pairs = form_urlencoded::Serializer::new(String::new());

@@ -160,7 +160,7 @@ pub(crate) struct Metrics {
     tls_handshakes_failed: Counter,
     /// What the embedded store holds and its bounds, set at each scrape. Labelled by
     /// backend so that nothing shows with Redis, whose memory is Redis's to report.
-    store_held: [Family<BackendLabels, Gauge>; 4],
+    store_held: [Family<BackendLabels, Gauge>; 5],
     guarded_in_flight: Gauge,
     /// The guarded-request bounds and what is held of them, set at each scrape.
     max_guarded_requests: Gauge,
@@ -324,6 +324,10 @@ impl Metrics {
             ),
             ("store_max_records", "The store's bound on records (store.max_records)"),
             ("store_max_bytes", "The store's bound on bytes held (store.max_bytes)"),
+            (
+                "store_spent_records",
+                "Records past their retention, kept without their response until remember ends (of store_records)",
+            ),
         ]
         .map(|(name, help)| register(r, name, help, Family::<BackendLabels, Gauge>::default()));
         // Registered only: the trace export counts them, process-wide.
@@ -542,7 +546,13 @@ impl Metrics {
     /// Sets the embedded store's gauges; called at each scrape.
     pub(crate) fn embedded_store(&self, usage: StoreUsage) {
         let labels = BackendLabels { backend: usage.backend };
-        let values = [usage.records, usage.bytes, usage.max_records, usage.max_bytes];
+        let values = [
+            usage.records,
+            usage.bytes,
+            usage.max_records,
+            usage.max_bytes,
+            usage.spent,
+        ];
         for (family, value) in self.store_held.iter().zip(values) {
             family
                 .get_or_create(&labels)

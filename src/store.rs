@@ -187,6 +187,9 @@ pub struct StoreUsage {
     pub bytes: usize,
     pub max_records: usize,
     pub max_bytes: usize,
+    /// Of `records`, those past their retention whose response was dropped: kept
+    /// until `remember` ends (docs/design.md §24).
+    pub spent: usize,
 }
 
 /// The key that client and scope numbers (`idempotency::scope_id`, `client_id`) are

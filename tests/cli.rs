@@ -252,12 +252,16 @@ fn check_with_a_rate_prints_the_horizon_and_warns_when_the_store_cannot_hold_it(
         "{stdout}"
     );
     assert!(
-        stderr.contains("more than store.max_records (100000000)") && stderr.contains("more than store.max_bytes (1.0 GiB)"),
+        stderr.contains("more than store.max_records (100000000)")
+            && stderr.contains("more than store.max_bytes (1.0 GiB)"),
         "{stderr}"
     );
     let large = write(&dir, "large.toml", &store("1TiB"));
     let (ok, _, stderr) = run(&large, "1/s");
-    assert!(ok && !stderr.contains("horizons"), "a horizon the store holds warns of nothing: {stderr}");
+    assert!(
+        ok && !stderr.contains("horizons"),
+        "a horizon the store holds warns of nothing: {stderr}"
+    );
     let (ok, _, stderr) = run(&large, "ten/s");
     assert!(!ok && stderr.contains("--rate \"ten/s\""), "{stderr}");
 }

@@ -579,14 +579,15 @@ async fn conformance_passes_against_the_proxy_and_fails_against_a_bare_upstream(
         .lines()
         .filter(|line| line.trim_start().starts_with("pass"))
         .collect();
-    assert_eq!(passed.len(), 7, "every case passes through the proxy:\n{out}");
-    assert!(out.contains("7 passed, 0 failed, 0 could not tell"), "{out}");
+    assert_eq!(passed.len(), 8, "every case passes through the proxy:\n{out}");
+    assert!(out.contains("8 passed, 0 failed, 0 could not tell"), "{out}");
 
     let bare = run(upstream.url()).await.expect("the run");
     let out = String::from_utf8_lossy(&bare.stdout);
     assert_eq!(bare.status.code(), Some(1), "{out}");
     for case in [
         "replay",
+        "expiry header",
         "key reuse",
         "in-flight duplicate",
         "missing key",
@@ -645,7 +646,7 @@ async fn conformance_sends_its_key_where_the_route_takes_it() {
             .expect("the run");
         let out = String::from_utf8_lossy(&output.stdout);
         assert!(output.status.success(), "{source}: {out}");
-        assert!(out.contains("7 passed, 0 failed, 0 could not tell"), "{source}: {out}");
+        assert!(out.contains("8 passed, 0 failed, 0 could not tell"), "{source}: {out}");
     }
     assert_eq!(
         upstream.total(),

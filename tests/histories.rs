@@ -138,6 +138,73 @@ async fn faultless_storm(
     );
 }
 
+/// Retries that come after the retention and within `remember` (docs/design.md §24):
+/// a storm of 300 keys × 5 through three processes on one Redis, then the same storm
+/// again once every key's retention has passed. Every late retry is a 410, each key
+/// ran once, and the checker finds no 410 for a key that never ran; every record key
+/// still lives `remember`, and no response key (`…:r`) is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_after_the_retention_run_no_key_twice_within_remember() {
+    let (report, total) = late_storm(Some("1h")).await;
+    report.assert_clean("late: 3 processes, 300 keys x 5, then x 5 past the retention");
+    assert_eq!(report.executions, 300, "each key ran once");
+    assert_eq!(
+        report.expired, total,
+        "every late retry is a 410: {:?}",
+        report.failures
+    );
+}
+
+/// The negative control: without `remember` the late storm runs every key again, and
+/// the checker says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_late_storm_catches_keys_forgotten_at_the_retention() {
+    let (report, _) = late_storm(None).await;
+    report.print("late, without remember");
+    assert_eq!(report.max_executions_per_key, 2, "the late storm cannot fail");
+    assert_eq!(report.expired, 0);
+}
+
+/// The late storm, with the route's `remember` (`None`: the retention); its report,
+/// and how many late retries it sent.
+async fn late_storm(remember: Option<&str>) -> (support::history::Report, usize) {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = storm_config(&redis.url(), &upstream.url(), "2s");
+    config.upstream_timeout = "1s".into();
+    config.retention = "3s".into();
+    if let Some(remember) = remember {
+        config.idempotency.push_str(&format!("\nremember = \"{remember}\""));
+    }
+    let proxies = [
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+    ];
+    let storm = Storm {
+        name: "late",
+        targets: proxies.iter().map(|p| p.addr).collect(),
+        logical: 300,
+        duplicates: 5,
+        concurrency: 64,
+        jitter_ms: 20,
+    };
+    let run = storm.start();
+    storm.run(&run).await;
+    storm.settle(&run).await.assert_live("late: the first storm", 1.0);
+    // Every key was claimed before the storm ended: its retention is over 3 s after.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    storm.run(&run).await;
+    let store = redis.dump_ttls();
+    assert!(
+        !store.iter().any(|(name, _)| name.ends_with(":r")),
+        "a response outlived its retention"
+    );
+    let remember = remember.map_or(Duration::from_secs(3), |_| Duration::from_secs(3600));
+    let report = storm.check_within(&run, &upstream.log(), &store, Duration::from_secs(3), remember);
+    (report, storm.total())
+}
+
 /// The same storm with sealed records (docs/design.md §20), in the middle of a
 /// rolling key rotation: two processes seal with key 1 and open key 2, the third seals
 /// with key 2 and opens key 1, so that every record is opened by a process that did not

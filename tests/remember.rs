@@ -372,6 +372,11 @@ async fn what_a_record_past_its_retention_costs_on_each_store() {
     let completed = memory.usage().bytes as u64;
     let spent = settled(async || memory.usage().bytes as u64, completed / 8).await;
     report("memory", "the store's own count", empty, completed, spent);
+    assert_eq!(
+        memory.usage().spent,
+        RECORDS,
+        "idemproxy_store_spent_records counts them"
+    );
 
     // SQLite: the file's pages in use.
     let dir = tempfile::tempdir().expect("a temporary directory");
@@ -389,6 +394,11 @@ async fn what_a_record_past_its_retention_costs_on_each_store() {
     sqlite.advance_clock(Duration::from_secs(31));
     let spent = settled(async || bytes(&sqlite), completed / 4).await;
     report("sqlite", "file pages in use", empty, completed, spent);
+    assert_eq!(
+        sqlite.usage().expect("usage").spent,
+        RECORDS,
+        "idemproxy_store_spent_records counts them"
+    );
 
     // Redis: `used_memory`, the `…:r` keys expiring by themselves.
     let redis = RedisServer::start();

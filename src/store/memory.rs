@@ -75,6 +75,8 @@ struct Records {
     next_expiry: Option<Instant>,
     /// Sweeps so far, for tests.
     sweeps: u64,
+    /// Records whose response the sweeper dropped, kept until they expire.
+    spent: usize,
 }
 
 /// What one scope's records hold, and when each expires (for a `Retry-After`).
@@ -99,12 +101,14 @@ impl Records {
         self.next_expiry = self.next_expiry.map(|next| next.min(record.expires_at));
         count(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &record);
         if let Some(old) = self.map.insert(key.clone(), record) {
+            self.spent -= usize::from(old.spent());
             uncount(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &old);
         }
     }
 
     fn remove(&mut self, key: &StoreKey) -> Option<Record> {
         let record = self.map.remove(key)?;
+        self.spent -= usize::from(record.spent());
         uncount(&mut self.bytes, &mut self.scopes, &mut self.clients, key, &record);
         Some(record)
     }
@@ -113,7 +117,9 @@ impl Records {
     fn set_state(&mut self, key: &StoreKey, state: State) {
         if let Some(record) = self.map.get_mut(key) {
             let before = record.size(key);
+            self.spent -= usize::from(record.spent());
             record.state = state;
+            self.spent += usize::from(record.spent());
             let after = record.size(key);
             self.bytes = self.bytes - before + after;
             if let Some(usage) = record.scope.and_then(|scope| self.scopes.get_mut(&scope)) {
@@ -129,6 +135,7 @@ impl Records {
             bytes,
             scopes,
             clients,
+            spent,
             ..
         } = self;
         let mut next: Option<Instant> = None;
@@ -144,11 +151,13 @@ impl Records {
                 {
                     let dropped = response.size();
                     *bytes -= dropped;
+                    *spent += 1;
                     if let Some(usage) = record.scope.and_then(|scope| scopes.get_mut(&scope)) {
                         usage.bytes -= dropped;
                     }
                 }
             } else {
+                *spent -= usize::from(record.spent());
                 uncount(bytes, scopes, clients, key, record);
             }
             live
@@ -311,6 +320,11 @@ impl Done {
 }
 
 impl Record {
+    /// Whether it is completed and its response was dropped.
+    fn spent(&self) -> bool {
+        matches!(&self.state, State::Completed(done) if done.response.is_none())
+    }
+
     /// What a claim reads of its completed state: the response within its retention,
     /// what is left past it.
     fn completed(&self, done: &Done, now: Instant) -> RecordState {
@@ -400,6 +414,7 @@ impl MemoryStore {
             bytes: records.bytes,
             max_records: self.shared.limits.max_records,
             max_bytes: self.shared.limits.max_bytes,
+            spent: records.spent,
         }
     }
 

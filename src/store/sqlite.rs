@@ -442,13 +442,20 @@ impl SqliteStore {
     /// What the store holds: its records (expired ones until the sweep) and the bytes
     /// of the file's pages in use, and its bounds.
     pub fn usage(&self) -> Result<StoreUsage, StoreError> {
-        let (records, pages) = self.read(|conn, _| Ok((share(conn, Share::Store)?.0, used_pages(conn)?)))?;
+        let (records, pages, spent) = self.read(|conn, _| {
+            let spent: i64 = conn
+                .prepare_cached("SELECT coalesce(max(records), 0) FROM shares WHERE kind = 3")
+                .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
+                .map_err(|error| disk(&error, false))?;
+            Ok((share(conn, Share::Store)?.0, used_pages(conn)?, spent))
+        })?;
         Ok(StoreUsage {
             backend: "sqlite",
             records: usize::try_from(records).unwrap_or(0),
             bytes: usize::try_from(pages * self.shared.page_size).unwrap_or(0),
             max_records: self.shared.limits.max_records,
             max_bytes: self.shared.limits.max_bytes,
+            spent: usize::try_from(spent).unwrap_or(0),
         })
     }
 

@@ -13,8 +13,11 @@
 //!   resolution that agrees with what the upstream did: a reconciled replay only when
 //!   an execution of the key took effect (applied), and a new execution (or a fresh
 //!   success) only when none before it had (not applied);
-//! - TtlFloor: every store key has a TTL, none below what the retention allows, and no
-//!   key name holds raw client key bytes.
+//! - TtlFloor: every store key has a TTL, none below what `remember` allows (a response
+//!   kept beside its record, Redis's `…:r`, what the retention allows), and no key name
+//!   holds raw client key bytes;
+//! - ExpiredAfterARun: a 410 `response-expired` (a retry past the retention, within
+//!   `remember`) only for a key that ran: it says the operation completed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -138,6 +141,9 @@ pub struct Report {
     pub fidelity_violations: usize,
     pub foreign_replays: usize,
     pub unknown_sticky_violations: usize,
+    /// 410s for a key no execution of which took effect.
+    pub expired_without_a_run: usize,
+    pub expired: usize,
     pub store_keys: usize,
     pub keys_without_ttl: usize,
     pub ttl_floor_violations: usize,
@@ -308,6 +314,17 @@ pub fn check(history: &History, executions: &[Execution], store: &[(String, i64)
         }
     }
 
+    // ExpiredAfterARun.
+    for op in &ops {
+        if let OpResult::Fail { status: 410, .. } = op.result {
+            report.expired += 1;
+            let ran = per_key
+                .get(&(op.scope.clone(), op.key.clone()))
+                .is_some_and(|runs| runs.iter().any(|run| run.effect && run.at < op.started));
+            report.expired_without_a_run += usize::from(!ran);
+        }
+    }
+
     // 503s outside the windows in which the store was down (with 2 s to reconnect).
     for op in &ops {
         if let OpResult::Fail { status: 503, .. } = op.result {
@@ -349,8 +366,8 @@ impl Report {
         println!(
             "checker[{scenario}]: ops={} ok={} (replayed {}) unknown={} failures={:?} keys={} executions={} \
              | AtMostOnce max/key={} | ReplayFidelity violations={} | NoForeignReplay violations={} \
-             | UnknownSticky violations={} | TtlFloor store_keys={} without_ttl={} below_floor={} raw_key_bytes={} \
-             | 503 outside outage={}",
+             | UnknownSticky violations={} | ExpiredAfterARun 410s={} without_a_run={} \
+             | TtlFloor store_keys={} without_ttl={} below_floor={} raw_key_bytes={} | 503 outside outage={}",
             self.ops,
             self.ok,
             self.replayed,
@@ -362,6 +379,8 @@ impl Report {
             self.fidelity_violations,
             self.foreign_replays,
             self.unknown_sticky_violations,
+            self.expired,
+            self.expired_without_a_run,
             self.store_keys,
             self.keys_without_ttl,
             self.ttl_floor_violations,
@@ -377,6 +396,10 @@ impl Report {
         assert_eq!(self.fidelity_violations, 0, "{scenario}: ReplayFidelity violated");
         assert_eq!(self.foreign_replays, 0, "{scenario}: NoForeignReplay violated");
         assert_eq!(self.unknown_sticky_violations, 0, "{scenario}: UnknownSticky violated");
+        assert_eq!(
+            self.expired_without_a_run, 0,
+            "{scenario}: a 410 for a key that never ran"
+        );
         assert_eq!(self.keys_without_ttl, 0, "{scenario}: a store key has no TTL");
         assert_eq!(
             self.ttl_floor_violations, 0,

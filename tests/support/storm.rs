@@ -71,6 +71,31 @@ impl Storm {
         )
     }
 
+    /// `check`, for proxies whose records outlive their responses: each response lives
+    /// `retention` from its claim, each record `remember`.
+    pub fn check_within(
+        &self,
+        run: &StormRun,
+        executions: &[Execution],
+        store: &[(String, i64)],
+        retention: Duration,
+        remember: Duration,
+    ) -> Report {
+        check(
+            &run.history,
+            executions,
+            store,
+            &Contract {
+                retention,
+                remember,
+                run_started: run.started,
+                raw_keys: self.raw_keys(),
+                outage_windows: vec![],
+                resolving: false,
+            },
+        )
+    }
+
     pub fn start(&self) -> StormRun {
         StormRun {
             history: Arc::new(History::default()),

@@ -136,11 +136,22 @@ END;
 /// is when a completed record's headers and body are dropped (NULL: with the record,
 /// as before), `completed_at` when its operation completed, which a 410 names. The
 /// index holds only the records whose response is still to drop, for the sweeper.
+/// The records whose response was dropped are counted under kind 3 (for
+/// `idemproxy_store_spent_records`), by triggers like the shares'.
 const REMEMBER: &str = "
 ALTER TABLE records ADD COLUMN response_until INTEGER;
 ALTER TABLE records ADD COLUMN completed_at INTEGER;
 CREATE INDEX records_response ON records (response_until)
     WHERE response_until IS NOT NULL AND body IS NOT NULL;
+CREATE TRIGGER records_spent AFTER UPDATE OF body ON records
+    WHEN OLD.body IS NOT NULL AND NEW.body IS NULL AND NEW.state = 'completed' BEGIN
+    INSERT INTO shares (kind, id, records, bytes) VALUES (3, 0, 1, 0)
+        ON CONFLICT DO UPDATE SET records = records + 1;
+END;
+CREATE TRIGGER records_spent_removed AFTER DELETE ON records
+    WHEN OLD.state = 'completed' AND OLD.body IS NULL AND OLD.response_until IS NOT NULL BEGIN
+    UPDATE shares SET records = records - 1 WHERE kind = 3;
+END;
 ";
 
 /// The exclusive lock on a store file: held while this value lives. The database's
