@@ -31,6 +31,12 @@ store, beside (d) and (e) on Redis, with statements and Postgres CPU per request
 --pg-connections N sets its store.connections, default 4), --keys (also run cases (kh)
 and (kj): fresh keys with a 1 KiB request body, the key in the header beside the key in
 a JSON field of the body),
+--remember (also run fresh keys and replays with `remember = "30d"` on every store, beside
+the same cases without it: Redis (rd, re vs d, e), memory (ru, rv vs u, v), SQLite (rw, rx
+vs w, x) and Postgres (rpf, rpr vs pf, pr), starting those stores as --stores and
+--postgres do; and (rs): fresh keys on SQLite with a 3 s retention, so that the sweeper
+drops responses all through the run, with what it dropped a second and the proxy's CPU
+per request, beside (rw)),
 --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
@@ -51,7 +57,7 @@ import threading
 import time
 import urllib.request
 
-from common import IDEMPROXY, free_port, rss_kib
+from common import IDEMPROXY, cpu_seconds, free_port, rss_kib
 BODY = '{"id":"pay_123","status":"succeeded","amount":1000,"currency":"eur"}'
 
 CASES = [
@@ -128,6 +134,25 @@ POSTGRES_CASES = [
     ("pr", "idemproxy POST, replay, Postgres store", "postgres", "replay.lua", "/v1/payments"),
 ]
 ON_POSTGRES = {"pf": "d", "pr": "e"}
+
+# With --remember: the fresh-key and replay cases again on an idemproxy per store whose
+# routes remember their keys 30 days past a 24 h retention, each beside the same case
+# without remember, from the same run; and (rs), fresh keys on SQLite with a 3 s
+# retention, whose sweeper drops responses throughout, beside (rw).
+REMEMBER_CASES = [
+    ("rd", "idemproxy POST, fresh key, Redis, remember 30d", "remember-redis", "fresh.lua", "/v1/payments"),
+    ("re", "idemproxy POST, replay, Redis, remember 30d", "remember-redis", "replay.lua", "/v1/payments"),
+    ("ru", "idemproxy POST, fresh key, memory, remember 30d", "remember-memory", "fresh.lua", "/v1/payments"),
+    ("rv", "idemproxy POST, replay, memory, remember 30d", "remember-memory", "replay.lua", "/v1/payments"),
+    ("rw", "idemproxy POST, fresh key, SQLite, remember 30d", "remember-sqlite", "fresh.lua", "/v1/payments"),
+    ("rx", "idemproxy POST, replay, SQLite, remember 30d", "remember-sqlite", "replay.lua", "/v1/payments"),
+    ("rpf", "idemproxy POST, fresh key, Postgres, remember 30d", "remember-postgres", "fresh.lua", "/v1/payments"),
+    ("rpr", "idemproxy POST, replay, Postgres, remember 30d", "remember-postgres", "replay.lua", "/v1/payments"),
+    ("rs", "idemproxy POST, fresh key, SQLite, retention 3s, remember 30d", "sweeping-sqlite", "fresh.lua",
+     "/v1/payments"),
+]
+REMEMBERED = {"rd": "d", "re": "e", "ru": "u", "rv": "v", "rw": "w", "rx": "x", "rpf": "pf", "rpr": "pr",
+              "rs": "rw"}
 
 # With --keys: a fresh key per POST with a 1 KiB JSON request body, the key in the
 # Idempotency-Key header (the "payments" route) beside the same key in a JSON field of
@@ -429,6 +454,7 @@ def main():
     parser.add_argument("--sealed", action="store_true")
     parser.add_argument("--postgres", action="store_true")
     parser.add_argument("--keys", action="store_true")
+    parser.add_argument("--remember", action="store_true")
     parser.add_argument("--pg-connections", type=int, default=4)
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
@@ -436,6 +462,11 @@ def main():
     cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
              + (STORE_CASES if args.stores else []) + (POSTGRES_CASES if args.postgres else [])
              + (KEY_CASES if args.keys else []))
+    if args.remember:
+        # The cases each remembering case is compared with, and the stores they need.
+        args.stores = args.postgres = True
+        cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
+                 + STORE_CASES + POSTGRES_CASES + (KEY_CASES if args.keys else []) + REMEMBER_CASES)
     if args.sealed:
         # (k) and (p) are already among CASES: each case runs once.
         known = {case[0] for case in cases}
@@ -448,6 +479,9 @@ def main():
         wanted |= {UNSEALED[c] for c in wanted if c in UNSEALED}
         wanted |= {ON_POSTGRES[c] for c in wanted if c in ON_POSTGRES}
         wanted |= {IN_HEADER[c] for c in wanted if c in IN_HEADER}
+        # Twice: (rs) is held to (rw), which is held to (w).
+        wanted |= {REMEMBERED[c] for c in wanted if c in REMEMBERED}
+        wanted |= {REMEMBERED[c] for c in wanted if c in REMEMBERED}
         wanted |= {BASELINE.get(case, "b") for case in wanted}
         cases = [case for case in cases if case[0] in wanted]
 
@@ -456,7 +490,11 @@ def main():
                                             "redis", "cluster", "cluster-admin", "collector", "traced",
                                             "traced-admin", "traced-1pct", "traced-1pct-admin", "memory",
                                             "memory-admin", "sqlite", "sqlite-admin", "sealed", "sealed-admin",
-                                            "postgres", "postgres-admin", "pg")}
+                                            "postgres", "postgres-admin", "pg", "remember-redis",
+                                            "remember-redis-admin", "remember-memory", "remember-memory-admin",
+                                            "remember-sqlite", "remember-sqlite-admin", "remember-postgres",
+                                            "remember-postgres-admin", "sweeping-sqlite",
+                                            "sweeping-sqlite-admin")}
     # The SQLite file where commits are fsyncs: beside the build, on the repository's disk.
     disk_dir = tempfile.mkdtemp(prefix="idemproxy-bench-sqlite-",
                                 dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"))
@@ -523,7 +561,7 @@ def main():
         for name in ("redis", "upstream", "nginx", "nginx-h2"):
             wait_port(ports[name], what=name)
 
-        def idemproxy_config(name, listen, admin, store, extra="", env=None):
+        def idemproxy_config(name, listen, admin, store, extra="", env=None, idempotency="", route=""):
             config = os.path.join(workdir, f"{name}.toml")
             with open(config, "w") as f:
                 f.write(textwrap.dedent(f"""
@@ -538,7 +576,9 @@ def main():
                 name = "payments"
                 path_prefix = "/v1/payments"
                 upstream = "http://127.0.0.1:{ports["upstream"]}"
+                {route}
                 [route.idempotency]
+                {idempotency}
                 [[route]]
                 name = "refs"
                 path_prefix = "/v1/refs"
@@ -613,6 +653,28 @@ def main():
                 f'                connections = {args.pg_connections}')
             redis_ports["postgres"] = []
 
+        if args.remember:
+            remember = 'retention = "24h"\n                remember = "30d"'
+            stores = {
+                "remember-redis": f'backend = "redis"\n                url = "redis://127.0.0.1:{ports["redis"]}/0"\n'
+                                  '                key_prefix = "remember"',
+                "remember-memory": 'backend = "memory"\n                max_records = 50000000\n'
+                                   '                max_bytes = "16GiB"',
+                "remember-sqlite": f'backend = "sqlite"\n                path = "{disk_dir}/remember.db"\n'
+                                   '                max_records = 50000000\n                max_bytes = "16GiB"',
+                "remember-postgres": f'backend = "postgres"\n                url = "postgres://postgres@127.0.0.1:{ports["pg"]}/postgres"\n'
+                                     f'                schema = "remember"\n                connections = {args.pg_connections}',
+                "sweeping-sqlite": f'backend = "sqlite"\n                path = "{disk_dir}/sweeping.db"\n'
+                                   '                max_records = 50000000\n                max_bytes = "16GiB"',
+            }
+            for name, store in stores.items():
+                sweeping = name == "sweeping-sqlite"
+                retained = remember if not sweeping else 'retention = "3s"\n                remember = "30d"'
+                proxies[name] = idemproxy_config(name, ports[name], ports[f"{name}-admin"], store,
+                                                 idempotency=retained,
+                                                 route='upstream_timeout = "1s"' if sweeping else "")
+                redis_ports[name] = [ports["redis"]] if name == "remember-redis" else []
+
         results = {}  # (case, connections) -> list of runs
         for round_number in range(args.rounds):
             for connections in connection_counts:
@@ -624,6 +686,8 @@ def main():
                     commits_before = commits(ports, target)
                     fsyncs = FsyncCounter(proxies["sqlite"].pid) if target == "sqlite" and args.stores else None
                     pg_before = postgres.counters() if target == "postgres" else None
+                    proxy_cpu_before = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid)
+                    dropped_before = dropped(ports, target)
                     if script == "h2":
                         run = run_h2load(ports[target], path, connections, args.duration)
                     else:
@@ -636,6 +700,8 @@ def main():
                     run["rss_mib"] = sampler.stop() / 1024
                     run["commits"] = [after - first for after, first in zip(commits(ports, target), commits_before)]
                     run["fsyncs"] = fsyncs.stop() if fsyncs else 0
+                    run["proxy_cpu"] = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid) - proxy_cpu_before
+                    run["dropped"] = dropped(ports, target) - dropped_before
                     if pg_before is not None:
                         after = postgres.counters()
                         run["pg_statements"], run["pg_cpu"] = after[0] - pg_before[0], after[1] - pg_before[1]
@@ -763,6 +829,17 @@ class FsyncCounter:
         return total
 
 
+def dropped(ports, target):
+    """The responses a SQLite store's sweeper has dropped at the end of their retention."""
+    if target not in ("sqlite", "remember-sqlite", "sweeping-sqlite"):
+        return 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{ports[target + '-admin']}/metrics") as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("idemproxy_store_dropped_responses_total "):
+                return float(line.split()[1])
+    return 0
+
+
 def median(runs, field):
     return statistics.median(run[field] for run in runs)
 
@@ -804,7 +881,7 @@ def print_table(results, connection_counts, args, cases):
             rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
             requests = sum(run["requests"] for run in runs)
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
-            if target in ("idemproxy", "cluster", "traced", "traced-1pct", "sealed"):
+            if target in ("idemproxy", "cluster", "traced", "traced-1pct", "sealed", "remember-redis"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
                 trips = f"{max(0, sum(run['reads'] for run in runs)) / requests:.3f}"
                 cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
@@ -822,6 +899,20 @@ def print_table(results, connection_counts, args, cases):
     ratio_table(results, connection_counts, cases, UNTRACED, "traced", "untraced")
     ratio_table(results, connection_counts, cases, UNSEALED, "sealed", "in clear")
     ratio_table(results, connection_counts, cases, IN_HEADER, "key in the body", "key in the header")
+    ratio_table(results, connection_counts, cases, REMEMBERED, "remember 30d", "without")
+    if any(case[0] == "rs" for case in cases):
+        print()
+        print("| sweeping case | conns | responses dropped/s | idemproxy CPU µs/req | vs (rw) | "
+              "sweep CPU µs per dropped response |")
+        print("|---|---|---|---|---|---|")
+        for connections in connection_counts:
+            runs, plain = results[("rs", connections)], results[("rw", connections)]
+            per = lambda rows: sum(r["proxy_cpu"] for r in rows) / sum(r["requests"] for r in rows) * 1e6
+            seconds = sum(r["seconds"] for r in runs)
+            dropped_count = sum(r["dropped"] for r in runs)
+            extra = (per(runs) - per(plain)) * sum(r["requests"] for r in runs) / max(dropped_count, 1)
+            print(f"| (rs) vs (rw) | {connections} | {dropped_count / seconds:,.0f} | {per(runs):.1f} | "
+                  f"{per(plain):.1f} | {extra:.1f} |")
     on_sqlite = [case for case in cases if case[0] in ON_SQLITE]
     if on_sqlite:
         print()

@@ -463,3 +463,108 @@ async fn what_a_record_past_its_retention_costs_on_each_store() {
     let spent = size();
     report("postgres", "pg_total_relation_size", empty, completed, spent);
 }
+
+// === the 410 as the Stripe profile, shadow mode and the metrics count it ===
+
+/// Under the Stripe profile the 410 is Stripe's error object (`idempotency_error`,
+/// `response_expired`) with the same fields; a 410 is counted as `outcome="expired"`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stripe_profile_answers_410_with_its_own_error_object_and_the_metrics_count_it() {
+    let upstream = Upstream::start().await;
+    let mut config = config(StoreKind::Memory, &upstream);
+    config.idempotency.push_str("\nprofile = \"stripe\"");
+    let proxy = config.start().await;
+    let claimed = Instant::now();
+    let first = pay(proxy.addr(), "{}", &[]).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    until(claimed + RETENTION + Duration::from_millis(1500)).await;
+    let late = pay(proxy.addr(), "{}", &[]).await;
+    assert_eq!(late.status, 410, "{late:?}");
+    assert_eq!(late.header("content-type"), Some("application/json"));
+    let body: serde_json::Value = serde_json::from_slice(&late.body).expect("JSON");
+    let error = &body["error"];
+    assert_eq!(error["type"], "idempotency_error", "{body}");
+    assert_eq!(error["code"], "response_expired", "{body}");
+    assert_eq!(error["completed_status"], 201, "{body}");
+    assert!(
+        error["completed_at"].is_string() && error["message"].is_string(),
+        "{body}"
+    );
+    let expired = "idemproxy_requests_total{route=\"payments\",outcome=\"expired\"}";
+    assert_eq!(support::client::metric(proxy.admin(), expired).await, Some(1.0));
+    let spent = "idemproxy_store_spent_records{backend=\"memory\"}";
+    assert_eq!(support::client::metric(proxy.admin(), spent).await, Some(1.0));
+    assert_eq!(upstream.executions(KEY), 1);
+}
+
+/// Shadow mode forwards the late retry, as an unguarded route would, and counts what
+/// enforce would have done: `would="expired"`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_counts_a_late_retry_as_would_expired() {
+    let upstream = Upstream::start().await;
+    let mut config = config(StoreKind::Memory, &upstream);
+    config.idempotency.push_str("\nmode = \"shadow\"");
+    let proxy = config.start().await;
+    let claimed = Instant::now();
+    let first = pay(proxy.addr(), "{}", &[]).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(
+        first.header("idempotency-expires").is_none(),
+        "shadow mode adds nothing of its own"
+    );
+    until(claimed + RETENTION + Duration::from_millis(1500)).await;
+    let late = pay(proxy.addr(), "{}", &[]).await;
+    assert_eq!((late.status.as_u16(), late.replayed()), (201, false), "{late:?}");
+    let would = "idemproxy_shadow_decisions_total{route=\"payments\",would=\"expired\"}";
+    assert_eq!(support::client::metric(proxy.admin(), would).await, Some(1.0));
+}
+
+/// An operator's purge acts on the one record: on Redis it removes the record and the
+/// response kept beside it, so that nothing of the key is left and a retry runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_removes_the_record_and_the_response_kept_beside_it() {
+    use idemproxy::store::{ClaimOutcome, ClaimRequest, Fingerprint, OwnerToken, RecordStore, RedisStore, Write};
+    let redis = RedisServer::start();
+    let store = RedisStore::standalone(&redis.url(), Duration::from_secs(5)).expect("the redis store");
+    let owner = OwnerToken::generate().expect("random bytes");
+    let claim = ClaimRequest {
+        key: store_key(1),
+        scope: None,
+        client: None,
+        owner,
+        fingerprint: Fingerprint([7; 32]),
+        retention: Duration::from_secs(600),
+        remember: Duration::from_secs(3600),
+        lease: Duration::from_secs(30),
+        response_limit: 0,
+        probe_key: None,
+    };
+    assert_eq!(store.claim(&claim).await.expect("claim"), ClaimOutcome::Acquired(()));
+    let response = idemproxy::store::StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"{}"),
+        trace: None,
+        replay_until: None,
+    };
+    assert_eq!(
+        store.complete(&claim.key, owner, &response).await.expect("complete"),
+        Write::Applied
+    );
+    let mut control = redis::Client::open(redis.url())
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("control connection");
+    let keys = async |control: &mut redis::aio::MultiplexedConnection| -> u64 {
+        redis::cmd("DBSIZE").query_async(control).await.expect("DBSIZE")
+    };
+    assert_eq!(keys(&mut control).await, 2, "the record and its response beside it");
+    assert!(store.purge(&claim.key).await.expect("purge"));
+    assert_eq!(keys(&mut control).await, 0, "a purge leaves nothing of the key");
+    let again = ClaimRequest {
+        owner: OwnerToken::generate().expect("random bytes"),
+        ..claim
+    };
+    assert_eq!(store.claim(&again).await.expect("claim"), ClaimOutcome::Acquired(()));
+}
