@@ -27,8 +27,15 @@ fn temp_dir() -> tempfile::TempDir {
 
 /// Runs `check` and returns (success, stdout, stderr).
 fn check(path: &PathBuf) -> (bool, String, String) {
+    check_with(path, &[])
+}
+
+/// `idemproxy check` with `args` before `--config`.
+fn check_with(path: &PathBuf, args: &[&str]) -> (bool, String, String) {
     let output = idemproxy()
-        .args(["check", "--config"])
+        .arg("check")
+        .args(args)
+        .arg("--config")
         .arg(path)
         .output()
         .expect("run idemproxy");
@@ -232,18 +239,7 @@ fn check_with_a_rate_prints_the_horizon_and_warns_when_the_store_cannot_hold_it(
             file.display().to_string()
         )
     };
-    let run = |path: &PathBuf, rate: &str| {
-        let output = idemproxy()
-            .args(["check", "--rate", rate, "--config"])
-            .arg(path)
-            .output()
-            .expect("run idemproxy");
-        (
-            output.status.success(),
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-            String::from_utf8_lossy(&output.stderr).into_owned(),
-        )
-    };
+    let run = |path: &PathBuf, rate: &str| check_with(path, &["--rate", rate]);
     let small = write(&dir, "small.toml", &store("1GiB"));
     let (ok, stdout, stderr) = run(&small, "6000/min");
     assert!(ok, "{stderr}");

@@ -56,19 +56,7 @@ impl Storm {
         retention: Duration,
         outage_windows: Vec<(Instant, Instant)>,
     ) -> Report {
-        check(
-            &run.history,
-            executions,
-            store,
-            &Contract {
-                retention,
-                remember: retention,
-                run_started: run.started,
-                raw_keys: self.raw_keys(),
-                outage_windows,
-                resolving: false,
-            },
-        )
+        self.check_against(run, executions, store, retention, retention, outage_windows)
     }
 
     /// `check`, for proxies whose records outlive their responses: each response lives
@@ -81,6 +69,18 @@ impl Storm {
         retention: Duration,
         remember: Duration,
     ) -> Report {
+        self.check_against(run, executions, store, retention, remember, vec![])
+    }
+
+    fn check_against(
+        &self,
+        run: &StormRun,
+        executions: &[Execution],
+        store: &[(String, i64)],
+        retention: Duration,
+        remember: Duration,
+        outage_windows: Vec<(Instant, Instant)>,
+    ) -> Report {
         check(
             &run.history,
             executions,
@@ -90,7 +90,7 @@ impl Storm {
                 remember,
                 run_started: run.started,
                 raw_keys: self.raw_keys(),
-                outage_windows: vec![],
+                outage_windows,
                 resolving: false,
             },
         )
