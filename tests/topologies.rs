@@ -644,3 +644,32 @@ async fn readyz_follows_the_topology() {
     })
     .await;
 }
+
+/// On a Redis Cluster a record that outlives its response keeps it beside it, in the
+/// same hash slot (`<key>:r` ends with the record's `{hash}` tag, as the record's waiters'
+/// channel does), so the scripts that write both keys run on one node: the response
+/// replays within the retention, and past it the retry gets 410 and runs nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_a_record_and_its_response_kept_beside_it_share_a_slot() {
+    let cluster = RedisCluster::start();
+    let upstream = Upstream::start().await;
+    let mut config = TestConfig::new(cluster_store(&cluster), &upstream.url());
+    config.store_timeout = "2s".into();
+    config.upstream_timeout = "1s".into();
+    config.retention = "3s".into();
+    config.idempotency = "remember = \"1h\"".into();
+    let proxy = ChildProxy::start(&config).await;
+    let claimed = Instant::now();
+    let first = post_key(proxy.addr, "kept-beside").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let replay = post_key(proxy.addr, "kept-beside").await;
+    assert_eq!((replay.status.as_u16(), replay.replayed()), (201, true), "{replay:?}");
+    tokio::time::sleep_until(claimed + Duration::from_millis(4500)).await;
+    let late = post_key(proxy.addr, "kept-beside").await;
+    assert_eq!(
+        (late.status.as_u16(), late.problem().as_str()),
+        (410, "response-expired"),
+        "{late:?}"
+    );
+    assert_eq!(upstream.executions("kept-beside"), 1);
+}
