@@ -94,10 +94,17 @@ fn reserved(name: &HeaderName) -> bool {
     *name == EXECUTION_TRACE || *name == SEALED || *name == REPLAY_UNTIL
 }
 
-/// `time` as whole milliseconds since the Unix epoch (zero before it).
+/// `time` as whole milliseconds since the Unix epoch (zero before it): how records
+/// keep times of the wall clock.
 fn epoch_millis(time: SystemTime) -> u64 {
     time.duration_since(UNIX_EPOCH)
         .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The inverse of `epoch_millis`; `None` for a negative count or one past the clock's
+/// range.
+pub(crate) fn from_epoch_millis(millis: i64) -> Option<SystemTime> {
+    UNIX_EPOCH.checked_add(Duration::from_millis(u64::try_from(millis).ok()?))
 }
 
 impl StoredResponse {
@@ -242,10 +249,9 @@ impl StoredResponse {
         debug_assert_eq!(REPLAY_UNTIL.as_str(), "idemproxy-replay-until");
         let mut headers = decode_headers(headers)?;
         let replay_until = match headers.pop_if(|(name, _)| *name == REPLAY_UNTIL) {
-            Some((_, value)) => {
-                let millis = std::str::from_utf8(value.as_bytes()).ok()?.parse::<u64>().ok()?;
-                Some(UNIX_EPOCH.checked_add(Duration::from_millis(millis))?)
-            }
+            Some((_, value)) => Some(from_epoch_millis(
+                std::str::from_utf8(value.as_bytes()).ok()?.parse().ok()?,
+            )?),
             None => None,
         };
         let trace = match headers.pop_if(|(name, _)| *name == EXECUTION_TRACE) {

@@ -466,11 +466,16 @@ pub struct Spent {
     pub completed_at: Option<SystemTime>,
 }
 
-/// When a record's operation completed, from the milliseconds since the Unix epoch a
-/// store keeps; `None` for a negative count.
-pub(crate) fn from_epoch_millis(millis: i64) -> Option<SystemTime> {
-    let millis = u64::try_from(millis).ok()?;
-    std::time::UNIX_EPOCH.checked_add(Duration::from_millis(millis))
+impl Spent {
+    /// What a store keeps of a spent record: its status, and when it completed in
+    /// milliseconds since the Unix epoch. `None` for a status that is not one.
+    pub(crate) fn kept(status: i64, completed_ms: Option<i64>) -> Option<Spent> {
+        let status = http::StatusCode::from_u16(u16::try_from(status).ok()?).ok()?;
+        Some(Spent {
+            status,
+            completed_at: completed_ms.and_then(crate::record::from_epoch_millis),
+        })
+    }
 }
 
 /// When an unknown record's reconciliation probe runs (docs/design.md §14), as its record keeps

@@ -153,14 +153,9 @@ fn stored(status: Option<i16>, headers: Option<Vec<u8>>, body: Option<Vec<u8>>) 
 
 /// What a completed row past its retention keeps: its status and completion time.
 fn spent(row: &Row) -> Result<Spent, StoreError> {
-    let status = get::<Option<i16>>(row, "status")?
-        .and_then(|status| u16::try_from(status).ok())
-        .and_then(|status| http::StatusCode::from_u16(status).ok())
-        .ok_or_else(|| protocol("a completed record in Postgres has no status"))?;
-    Ok(Spent {
-        status,
-        completed_at: get::<Option<i64>>(row, "completed_ms")?.and_then(super::from_epoch_millis),
-    })
+    let status = get::<Option<i16>>(row, "status")?.map_or(-1, i64::from);
+    Spent::kept(status, get(row, "completed_ms")?)
+        .ok_or_else(|| protocol("a completed record in Postgres has no status"))
 }
 
 fn owner_of(bytes: Option<Vec<u8>>) -> Option<OwnerToken> {

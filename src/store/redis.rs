@@ -497,8 +497,7 @@ impl RecordStore for RedisStore {
         invocation
             .arg(owner.to_hex())
             .arg(layout::completed_tail(response))
-            .arg(self.publish)
-            .arg(format!("{:03}", response.status.as_u16()));
+            .arg(self.publish);
         self.fenced_write(invocation).await
     }
 
@@ -567,9 +566,7 @@ impl RecordStore for RedisStore {
         invocation.arg(self.publish);
         invocation.arg(owner.map(OwnerToken::to_hex).unwrap_or_default());
         if let Resolution::Applied(response) = resolution {
-            invocation
-                .arg(layout::completed_tail(response))
-                .arg(format!("{:03}", response.status.as_u16()));
+            invocation.arg(layout::completed_tail(response));
         }
         codes::resolved(self.invoke(&invocation).await?)
     }

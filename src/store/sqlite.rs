@@ -151,16 +151,9 @@ impl Completed {
 
     /// What the guard reads of it past its retention.
     fn spent(&self) -> Result<Spent, StoreError> {
-        let status = u16::try_from(self.status)
-            .ok()
-            .and_then(|status| http::StatusCode::from_u16(status).ok())
-            .ok_or(StoreError::Protocol(
-                "a recorded status in the store's file does not decode",
-            ))?;
-        Ok(Spent {
-            status,
-            completed_at: self.completed_at.and_then(super::from_epoch_millis),
-        })
+        Spent::kept(self.status, self.completed_at).ok_or(StoreError::Protocol(
+            "a recorded status in the store's file does not decode",
+        ))
     }
 
     /// The response, body and all.

@@ -164,21 +164,10 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
         Some(&COMPLETED) => Read::Completed(decode_response(value.slice(FINGERPRINT.end..))?),
         Some(&KEPT) => {
             let tail = value.get(FINGERPRINT.end..).unwrap_or_default();
-            let status = tail
-                .get(..3)
-                .and_then(|status| std::str::from_utf8(status).ok())
-                .and_then(|status| status.parse::<u16>().ok())
-                .and_then(|status| http::StatusCode::from_u16(status).ok())
-                .ok_or(bad("a completed record without a status"))?;
-            let completed_at = tail
-                .get(3..)
-                .and_then(|at| std::str::from_utf8(at).ok())
-                .and_then(|at| at.parse::<i64>().ok())
-                .ok_or(bad("a completed record without its completion time"))?;
-            Read::Kept(Spent {
-                status,
-                completed_at: crate::store::from_epoch_millis(completed_at),
-            })
+            let number = |digits: Option<&[u8]>| std::str::from_utf8(digits?).ok()?.parse::<i64>().ok();
+            let completed_at = number(tail.get(3..)).ok_or(bad("a completed record without its completion time"))?;
+            let spent = number(tail.get(..3)).and_then(|status| Spent::kept(status, Some(completed_at)));
+            Read::Kept(spent.ok_or(bad("a completed record without a status"))?)
         }
         Some(&UNKNOWN) => {
             // The owner, when the record kept it: 32 hex digits, where no reason starts.

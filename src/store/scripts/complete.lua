@@ -5,8 +5,6 @@
 -- ARGV[2]  the response: status (3 digits), headers' length, ':', headers, body
 -- ARGV[3]  PUBLISH, or SPUBLISH on a cluster: how waiters are told (the record's
 --          channel, its key and ':w', is in the record's slot)
--- ARGV[4]  the response's status (3 digits), what a record that outlives its
---          response keeps of it
 --
 -- Returns 1 when the record was completed, 0 when it was fenced off.
 --
@@ -34,7 +32,7 @@ if keep == '' then
 else
   local now = redis.call('TIME')
   local completed_at = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
-  redis.call('SET', KEYS[1], '2K' .. string.sub(record, 3, 66) .. ARGV[4] .. completed_at, 'KEEPTTL')
+  redis.call('SET', KEYS[1], '2K' .. string.sub(record, 3, 66) .. string.match(ARGV[2], '^%d%d%d') .. completed_at, 'KEEPTTL')
   local kept = pttl - tonumber(keep)
   if kept > 0 then
     redis.call('SET', KEYS[1] .. ':r', ARGV[2], 'PX', kept)

@@ -10,7 +10,6 @@
 --          '' for whichever claim is unknown now (a call that names none)
 -- ARGV[3]  applied: the response, as complete.lua takes it (status, headers' length,
 --          ':', headers, body); not applied: absent
--- ARGV[4]  applied: the response's status (3 digits)
 --
 -- Returns 1 when the record was resolved, 0 when it is not unknown (completed, or in
 -- flight with its lease running), -2 when it is unknown for another claim, -1 when
@@ -57,7 +56,7 @@ if ARGV[3] and keep == '' then
 elseif ARGV[3] then
   local now = redis.call('TIME')
   local completed_at = string.format('%.0f', tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000))
-  redis.call('SET', KEYS[1], '2K' .. string.sub(record, 3, 66) .. ARGV[4] .. completed_at, 'KEEPTTL')
+  redis.call('SET', KEYS[1], '2K' .. string.sub(record, 3, 66) .. string.match(ARGV[3], '^%d%d%d') .. completed_at, 'KEEPTTL')
   local kept = pttl - tonumber(keep)
   if kept > 0 then
     redis.call('SET', KEYS[1] .. ':r', ARGV[3], 'PX', kept)
