@@ -69,8 +69,10 @@ impl GuardedRequests {
             .map_err(|_| Rejection::Overloaded(Bound::Requests(self.max)))?;
         Ok(Share {
             _permit: permit,
-            budget: self.budget.clone(),
-            bytes: 0,
+            held: Held {
+                budget: self.budget.clone(),
+                bytes: 0,
+            },
         })
     }
 
@@ -88,25 +90,48 @@ impl GuardedRequests {
 #[derive(Debug)]
 pub(crate) struct Share {
     _permit: OwnedSemaphorePermit,
-    budget: Arc<Budget>,
-    bytes: u64,
+    held: Held,
 }
 
 impl Share {
     /// Takes `bytes` for the request body, unless request bodies would hold more than
     /// their three quarters of the budget.
     pub(crate) fn take_for_request(&mut self, bytes: u64) -> bool {
-        let cap = self.budget.max / 4 * 3;
-        self.take(bytes, cap)
+        let cap = self.held.budget.max / 4 * 3;
+        self.held.take_within(bytes, cap)
     }
 
     /// Takes `bytes` for a response buffered for recording, unless the budget is spent.
     pub(crate) fn take_for_response(&mut self, bytes: u64) -> bool {
-        let cap = self.budget.max;
-        self.take(bytes, cap)
+        self.held.take(bytes)
     }
 
-    fn take(&mut self, bytes: u64, cap: u64) -> bool {
+    /// A hold on the budget apart from this request's place: for bytes that outlive the
+    /// request (a streamed response's recording, which its readers share until the last
+    /// lets go). It holds nothing yet.
+    pub(crate) fn hold(&self) -> Held {
+        Held {
+            budget: self.held.budget.clone(),
+            bytes: 0,
+        }
+    }
+}
+
+/// Bytes of the budget, given back when it is dropped: a guarded request's (in its
+/// `Share`), or a streamed response's recording's (see `Share::hold`).
+#[derive(Debug)]
+pub(crate) struct Held {
+    budget: Arc<Budget>,
+    bytes: u64,
+}
+
+impl Held {
+    /// Takes `bytes` for a response read for recording, unless the budget is spent.
+    pub(crate) fn take(&mut self, bytes: u64) -> bool {
+        self.take_within(bytes, self.budget.max)
+    }
+
+    fn take_within(&mut self, bytes: u64, cap: u64) -> bool {
         let taken = self.budget.take(bytes, cap);
         if taken {
             self.bytes += bytes;
@@ -115,7 +140,7 @@ impl Share {
     }
 }
 
-impl Drop for Share {
+impl Drop for Held {
     fn drop(&mut self) {
         self.budget.held.fetch_sub(self.bytes, Ordering::AcqRel);
     }

@@ -491,6 +491,9 @@ pub struct IdempotencyPolicy {
     pub replay_headers: Vec<HeaderName>,
     /// With `replay = "refetch"`: how a retry asks the upstream.
     pub refetch: Option<Refetch>,
+    /// Which responses reach the first client as the upstream sends them, recorded as
+    /// they pass, instead of read whole first.
+    pub stream: StreamMode,
 }
 
 impl IdempotencyPolicy {
@@ -547,6 +550,30 @@ impl IdempotencyPolicy {
                 refetch.path.template()
             ),
             (ReplayKind::Refetch, None) => ", retries refetched".to_string(),
+        }
+    }
+}
+
+/// `route.idempotency.stream` (docs/design.md §25): which responses are streamed to
+/// the first client and recorded as they pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamMode {
+    /// A `text/event-stream` response, and one with no declared length.
+    #[default]
+    Auto,
+    /// Every response.
+    Always,
+    /// None: each is read whole (within `max_response_body_bytes`), then sent.
+    Never,
+}
+
+impl StreamMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StreamMode::Auto => "auto",
+            StreamMode::Always => "always",
+            StreamMode::Never => "never",
         }
     }
 }

@@ -72,6 +72,10 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
             "ignored_json_pointers": ignored,
         },
         "wait_for_in_flight_ms": millis(policy.wait_for_in_flight),
+        "stream": {
+            "mode": policy.stream.as_str(),
+            "meaning": streaming(policy),
+        },
         "mode": match policy.mode {
             Mode::Enforce => "enforce",
             Mode::Shadow => "shadow",
@@ -287,7 +291,7 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
                         "detail": {"type": "string"},
                         "operation": {"type": "string", "description": "on outcome-unknown: the operation's id"},
                         "reconciling": {"type": "boolean", "description": "on outcome-unknown: whether the proxy is asking the upstream"},
-                        "reason": {"type": "string", "description": "on outcome-unknown: why (upstream-timeout, upstream-failed, response-too-large, over-budget, lease-expired, or unreadable: the recorded response cannot be opened)"},
+                        "reason": {"type": "string", "description": "on outcome-unknown: why (upstream-timeout, upstream-failed, response-too-large, over-budget, stream-broken, lease-expired, or unreadable: the recorded response cannot be opened)"},
                     },
                 },
                 "StripeError": {
@@ -323,6 +327,26 @@ fn expiry(policy: &IdempotencyPolicy) -> String {
     format!(
         "A key's answer is replayed for {retention} from its first request (Idempotency-Expires says until when); the key is remembered for {} from it: in between, the same request gets 410 response-expired (naming when the operation completed and its status) and is never run again, another request with the key 422. After that it is free, and a request with it runs as new.",
         humantime::format_duration(policy.remember)
+    )
+}
+
+/// Which responses a route streams, and what a retry then sees, in words
+/// (docs/design.md §25).
+fn streaming(policy: &IdempotencyPolicy) -> String {
+    let which = match policy.stream {
+        crate::config::StreamMode::Never => {
+            return "Every response is read whole, recorded, then sent with its length.".to_string();
+        }
+        crate::config::StreamMode::Auto => "A text/event-stream response, and one with no Content-Length,",
+        crate::config::StreamMode::Always => "Every response",
+    };
+    let joins = match policy.wait_for_in_flight.is_zero() || policy.replay != ReplayKind::Stored {
+        true => "a retry while it streams gets 409 request-in-progress",
+        false => "a retry while it streams (on the same instance) joins it: the events so far, then the rest live",
+    };
+    format!(
+        "{which} reaches the first client as the upstream sends it and is recorded as it passes; {joins}; a retry after it ends gets the recorded body byte for byte (chunk timing is not kept). A stream that breaks, or passes {} bytes, is never replayed: its key's outcome is unknown (409).",
+        policy.max_response_body_bytes
     )
 }
 
@@ -488,6 +512,7 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
             "- A key is 1 to {MAX_KEY_LEN} visible ASCII characters; in a header, bare (`abc`) or quoted (`\"abc\"`, the same key), one field line.\n- {}\n",
             expiry(policy),
         ));
+        page.push_str(&format!("- Streaming: {}\n", streaming(policy)));
         if let Some(window) = policy.dedup_window {
             page.push_str(&format!(
                 "- A request with no key is keyed by itself: an identical request within {} is the same operation and gets the first answer again (a second identical payment in that time is not made).\n",

@@ -6,7 +6,8 @@
 //! ties the others together: it asks `router` for the route (over the canonical path
 //! `request_target` makes), `idempotency` (with `scope` and `jwt`) for the record and
 //! the decision, `bounds` for a place among the guarded requests in flight, `store` to
-//! claim and resolve the record, and `upstream` to forward; it answers its own refusals
+//! claim and resolve the record, `upstream` to forward, and `stream` to record a
+//! streamed response as it passes and let retries join it; it answers its own refusals
 //! as `problem` rows say and counts in `metrics`. Below them sit the leaves that import
 //! nothing upward: `config` and the values it owns, `error`, `problem`, `record`,
 //! `body`, `canonical_json`, `tls`. `admin` serves health, metrics and the records API,
@@ -73,6 +74,7 @@ mod router;
 pub mod scope;
 pub mod server;
 pub mod store;
+mod stream;
 pub mod tls;
 pub mod trace;
 mod upstream;

@@ -53,6 +53,9 @@ label_values! {
     pub(crate) enum WaitEnd {
         /// The first request completed: the waiter got its replay.
         Replayed => "replayed",
+        /// The first request's response was streaming from this process: the waiter
+        /// joined the stream.
+        Joined => "joined",
         /// The key was released: this waiter claimed it and forwarded its own request.
         Claimed => "claimed",
         /// The first request's outcome became unknown: 409 `outcome-unknown`.

@@ -31,6 +31,7 @@ use crate::metrics::Metrics;
 use crate::record::ExecutionTrace;
 use crate::router::{RouteState, Router};
 use crate::store::{AnyStore, StoreKey, StoredResponse};
+use crate::stream::Reader;
 use crate::trace::{self, Spans};
 use crate::upstream::{self, HttpClient};
 
@@ -119,6 +120,21 @@ impl Answer {
             outcome: Outcome::Replayed,
             upstream: None,
         })
+    }
+}
+
+impl Answer {
+    /// A retry that joined the stream of the request that holds its key: `head` (the
+    /// recorded status and fields, marked as replayed) and the stream from its start.
+    fn joined(head: StoredResponse, reader: Reader) -> Answer {
+        let execution = head.trace;
+        let (parts, _) = head.into_response().into_parts();
+        Answer {
+            execution,
+            response: Response::from_parts(parts, reader.boxed_unsync()),
+            outcome: Outcome::Replayed,
+            upstream: None,
+        }
     }
 }
 

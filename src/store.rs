@@ -346,6 +346,9 @@ pub enum UnknownReason {
     ResponseTooLarge,
     /// The byte budget could not hold the response while it was read for recording.
     OverBudget,
+    /// A streamed response broke mid-body (the upstream reset it, or did not end it
+    /// within its timeout): its first client got part of it.
+    StreamBroken,
     /// The claim's lease ran out with its owner gone (a proxy crashed or lost the
     /// store mid-request): written when a probe takes the record over.
     LeaseExpired,
@@ -361,6 +364,7 @@ impl UnknownReason {
             UnknownReason::UpstreamFailed => "upstream-failed",
             UnknownReason::ResponseTooLarge => "response-too-large",
             UnknownReason::OverBudget => "over-budget",
+            UnknownReason::StreamBroken => "stream-broken",
             UnknownReason::LeaseExpired => "lease-expired",
             UnknownReason::Unreadable => "unreadable",
         }
@@ -372,6 +376,7 @@ impl UnknownReason {
             b"upstream-failed" => Some(UnknownReason::UpstreamFailed),
             b"response-too-large" => Some(UnknownReason::ResponseTooLarge),
             b"over-budget" => Some(UnknownReason::OverBudget),
+            b"stream-broken" => Some(UnknownReason::StreamBroken),
             b"lease-expired" => Some(UnknownReason::LeaseExpired),
             b"unreadable" => Some(UnknownReason::Unreadable),
             _ => None,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, ReplayKind, UpstreamKey};
+use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, ReplayKind, StreamMode, UpstreamKey};
 use crate::problem::Profile;
 use crate::request_target::Spelling;
 
@@ -296,6 +296,7 @@ pub(super) struct RawIdempotency {
     pub(super) replay: Spanned<ReplayKind>,
     pub(super) replay_headers: Option<Spanned<Vec<String>>>,
     pub(super) refetch: Option<Spanned<RawRefetch>>,
+    pub(super) stream: StreamMode,
 }
 
 /// `[route.idempotency.refetch]`: how a `replay = "refetch"` route asks its upstream
@@ -394,6 +395,7 @@ impl Default for RawIdempotency {
             replay: Spanned::new(0..0, ReplayKind::Stored),
             replay_headers: None,
             refetch: None,
+            stream: StreamMode::Auto,
         }
     }
 }

@@ -657,6 +657,12 @@ pub const SETTINGS: &[Setting] = &[
         backends: Backends::All,
     },
     Setting {
+        key: "route.idempotency.stream",
+        default: DefaultValue::Toml("\"auto\""),
+        meaning: "which responses reach the first client as the upstream sends them, recorded as they pass (see [Streaming](streaming.md)): `\"auto\"` a `text/event-stream` response and one with no `Content-Length`; `\"always\"` every response; `\"never\"` none: each is read whole, then sent",
+        backends: Backends::All,
+    },
+    Setting {
         key: "route.idempotency.replay_headers",
         default: DefaultValue::Text("`[\"location\"]` with `replay = \"status\"` or `\"refetch\"`"),
         meaning: "the response fields a `status` or `refetch` record keeps (never one in `replay_exclude_headers`); refused with `replay = \"stored\"`",

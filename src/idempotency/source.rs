@@ -444,6 +444,9 @@ mod tests {
             raw in proptest::collection::vec(character(), 0..300),
         ) {
             let value: String = raw.into_iter().collect::<String>().trim_matches([' ', '\t']).to_string();
+            // A value that reads as another JSON value (`0`, `true`) is tagged on a route
+            // with a json: source, by design (`untyped`, and its own test above).
+            proptest::prop_assume!(untyped(IdempotencyKey(value.clone())).as_str() == value);
             let body = [br#"{"amount":5,"ref":"#.as_slice(), &canonical_json::quoted(&value), b"}"].concat();
             let json = verdict(&sources(&["json:/ref"]), &[], &body);
             let named = verdict(&sources(&["header:Idempotency-Key", "json:/ref"]), &[], &body);

@@ -7,7 +7,9 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, response};
+use http_body::Body as _;
 use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
@@ -15,16 +17,18 @@ use super::claim::OwnedClaim;
 use super::send::send;
 use super::{Answer, Guarded, Handled, Prepared, Proxy, Refusal};
 use crate::body::{self, Buffered, ProxyBody, StreamedBody, full};
-use crate::config::{IdempotencyPolicy, Mode, UpstreamKey};
+use crate::config::{IdempotencyPolicy, Mode, ReplayKind, StreamMode, UpstreamKey};
 use crate::error::{ProxyError, Rejection, UpstreamError};
 use crate::idempotency::{self, IdempotencyKey, Recording};
 use crate::record::{IDEMPOTENCY_EXPIRES, http_date};
 use crate::store::{StoreKey, StoredResponse, UnknownReason};
-use crate::upstream;
+use crate::{stream, upstream};
 
 impl Proxy {
     /// Sends the claimed request from a task of its own, and returns its response once
-    /// the record is updated, so that a retry that follows it sees the record.
+    /// the record is updated, so that a retry that follows it sees the record; a
+    /// streamed response as soon as its head comes, its record updated before its body
+    /// ends.
     pub(super) async fn forward(&self, guarded: Guarded, claim: OwnedClaim, prepared: Prepared) -> Handled {
         let mut request = prepared.into_request();
         let rewritten = upstream::prepare_request(&mut request, &guarded.route.config.upstream, &guarded.client)
@@ -38,11 +42,9 @@ impl Proxy {
         let proxy = self.clone();
         let mut guarded = guarded;
         let exchange = async move {
-            let ended = proxy.exchange(&mut guarded, claim, request).await;
+            proxy.exchange(&mut guarded, claim, request, sender).await;
             // The bodies are recorded or handed on: the request no longer counts.
             drop(guarded);
-            // The client may have gone: the record is already updated.
-            let _ = sender.send(ended);
         };
         // Boxed once here: the exchange's state is kilobytes, which spawning would
         // otherwise copy through each wrapper into the task.
@@ -50,9 +52,15 @@ impl Proxy {
         receiver.await.unwrap_or_else(|_| Err(ProxyError::ExchangeLost.into()))
     }
 
-    /// Runs in its own task: forwards the claimed request, then resolves the claim by
-    /// what came back.
-    async fn exchange(&self, guarded: &mut Guarded, mut claim: OwnedClaim, request: Request<ProxyBody>) -> Handled {
+    /// Runs in its own task: forwards the claimed request, answers on `answer` (the
+    /// client may have gone), and resolves the claim by what came back.
+    async fn exchange(
+        &self,
+        guarded: &mut Guarded,
+        mut claim: OwnedClaim,
+        request: Request<ProxyBody>,
+        answer: oneshot::Sender<Handled>,
+    ) {
         claim.forwarding();
         let (sent, clock, elapsed) = send(&guarded.route, request, self.shared.spans).await;
         let failed = |rejection: Rejection| Refusal {
@@ -64,11 +72,17 @@ impl Proxy {
             Ok(response) => response,
             Err(error) => {
                 self.upstream_failed(guarded, claim, &error).await;
-                return Err(failed(error.into()));
+                let _ = answer.send(Err(failed(error.into())));
+                return;
             }
         };
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
+        if streams(guarded.policy.stream, &parts.headers, &body) {
+            return self
+                .stream(guarded, claim, (parts, body), &clock, elapsed, answer)
+                .await;
+        }
         let limit = guarded.policy.max_response_body_bytes;
         let share = &mut guarded.share;
         let buffered = body::buffer_response(body, limit, clock.deadline, clock.timeout, |bytes| {
@@ -77,7 +91,8 @@ impl Proxy {
         let body = match buffered.await {
             Err(error) => {
                 self.upstream_failed(guarded, claim, &error).await;
-                return Err(failed(error.into()));
+                let _ = answer.send(Err(failed(error.into())));
+                return;
             }
             Ok(Buffered::Whole(body)) => {
                 if let Some(until) = self.record(guarded, claim, &parts, &body).await {
@@ -94,7 +109,73 @@ impl Proxy {
                 StreamedBody::new(Some(head), rest, clock.deadline, clock.timeout).boxed_unsync()
             }
         };
-        Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed))
+        let _ = answer.send(Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed)));
+    }
+
+    /// A response streamed to its client as it comes, and recorded as it passes
+    /// (docs/design.md §25): the client gets the head at once and each chunk as the
+    /// upstream sends it; the record completes once the body has ended, before the
+    /// client's does. A body that breaks is never recorded as whole: its record is
+    /// unknown, and its readers' streams break too. Past `max_response_body_bytes` or
+    /// the byte budget, the rest goes to the first client alone, unrecorded. The
+    /// upstream's body is read to its end (or its deadline) whether or not the client
+    /// stays, so that a retry gets the whole answer.
+    async fn stream(
+        &self,
+        guarded: &mut Guarded,
+        claim: OwnedClaim,
+        (mut parts, mut body): (response::Parts, Incoming),
+        clock: &upstream::Clock,
+        elapsed: std::time::Duration,
+        answer: oneshot::Sender<Handled>,
+    ) {
+        let (policy, status) = (guarded.policy.clone(), parts.status);
+        let passed = |parts, body| Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed));
+        if idempotency::recording_for(status, policy.on_server_error, policy.on_unauthorized) == Recording::Release {
+            claim.release().await;
+            let body = StreamedBody::new(None, body, clock.deadline, clock.timeout).boxed_unsync();
+            let _ = answer.send(passed(parts, body));
+            return;
+        }
+        let until = claim.replay_until();
+        let head = StoredResponse::recorded(&parts, Bytes::new(), &policy)
+            .traced(guarded.execution)
+            .replayed_until(Some(until));
+        if policy.mode == Mode::Enforce {
+            parts.headers.insert(IDEMPOTENCY_EXPIRES, http_date(until));
+        }
+        let (recording, first) = stream::Recording::start(guarded.share.hold(), head.clone());
+        // A retry that waits joins it (a `status` or `refetch` record replays no body,
+        // so its retries wait for the record instead).
+        let joinable = policy.mode == Mode::Enforce && policy.replay == ReplayKind::Stored;
+        if joinable {
+            self.shared.waiting.streams.register(&guarded.record, &recording);
+        }
+        let _ = answer.send(passed(parts, first.boxed_unsync()));
+        let ended = pump(&recording, &mut body, clock, policy.max_response_body_bytes).await;
+        if joinable {
+            self.shared.waiting.streams.unregister(&guarded.record, &recording);
+        }
+        match ended {
+            Ok(None) => {
+                let body = match policy.replay {
+                    ReplayKind::Stored => recording.body(),
+                    ReplayKind::Status | ReplayKind::Refetch => Bytes::new(),
+                };
+                claim.complete(StoredResponse { body, ..head }).await;
+                recording.whole();
+            }
+            Ok(Some((chunk, reason))) => {
+                recording.hand_on(StreamedBody::new(Some(chunk), body, clock.deadline, clock.timeout));
+                let over_budget = reason == UnknownReason::OverBudget;
+                self.unrecordable(guarded, claim, status, over_budget).await;
+            }
+            Err(broken) => {
+                tracing::warn!(error = %broken, "the streamed response broke; the key's outcome is now unknown");
+                self.unknown_outcome(guarded, claim, UnknownReason::StreamBroken).await;
+                recording.broken(broken);
+            }
+        }
     }
 
     /// The upstream's whole response: recorded, or the key released, as its status says.
@@ -153,6 +234,49 @@ impl Proxy {
             UpstreamError::Failed(_) => UnknownReason::UpstreamFailed,
         };
         self.unknown_outcome(guarded, claim, reason).await;
+    }
+}
+
+/// How a streamed body's reading ended: whole, past what may be recorded (the chunk
+/// that did not fit, and why), or broken.
+type Pumped = Result<Option<(Bytes, UnknownReason)>, stream::Broken>;
+
+/// Reads `body` into `recording` until it ends, breaks, passes its deadline, or passes
+/// `limit` bytes or the byte budget.
+async fn pump(recording: &stream::Recording, body: &mut Incoming, clock: &upstream::Clock, limit: u64) -> Pumped {
+    loop {
+        let frame = match tokio::time::timeout_at(clock.deadline, body.frame()).await {
+            Err(_) => return Err(stream::Broken::TimedOut(clock.timeout)),
+            Ok(None) => return Ok(None),
+            Ok(Some(Err(_))) => return Err(stream::Broken::Upstream),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        // Trailers are not recorded, as a buffered response's are not.
+        let Ok(chunk) = frame.into_data() else { continue };
+        if recording.bytes() + chunk.len() as u64 > limit {
+            return Ok(Some((chunk, UnknownReason::ResponseTooLarge)));
+        }
+        if let Err(chunk) = recording.push(chunk) {
+            return Ok(Some((chunk, UnknownReason::OverBudget)));
+        }
+    }
+}
+
+/// Whether a response with `headers` and `body` streams to its client as it comes, as
+/// the route's `stream` says: `"auto"` streams server-sent events and a body of no
+/// declared length.
+fn streams(mode: StreamMode, headers: &http::HeaderMap, body: &Incoming) -> bool {
+    match mode {
+        StreamMode::Never => false,
+        StreamMode::Always => true,
+        StreamMode::Auto => {
+            let events = headers
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.split(';').next())
+                .is_some_and(|kind| kind.trim().eq_ignore_ascii_case("text/event-stream"));
+            events || body.size_hint().exact().is_none()
+        }
     }
 }
 

@@ -3,31 +3,37 @@
 //! store when the record changes (see `store::notify`), never by polling it, and
 //! re-reads the record by claiming again: completed → the replay; released → it owns
 //! the key and forwards its own request (the claim is atomic, so one waiter wins);
-//! unknown → 409 `outcome-unknown`; still in flight at the deadline → 409
+//! unknown → 409 `outcome-unknown`; in flight with its response streaming from this
+//! process → it joins the stream (`stream`); still in flight at the deadline → 409
 //! `request-in-progress`. A lost notification costs time, not a wrong answer: a
 //! waiter re-reads at the end of the first request's lease and at its deadline.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::pin::Pin;
+
+use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::{Guarded, Handled, Prepared, Proxy, Refusal};
+use super::{Answer, Guarded, Handled, Prepared, Proxy, Refusal};
 use crate::error::Rejection;
 use crate::idempotency::Decision;
 use crate::metrics::{Metrics, WaitEnd};
 use crate::store::notify::{Watch, Watcher};
+use crate::stream::Streams;
 
 /// How soon a waiter whose store failed reads its record again, unless woken first.
 const STORE_RETRY: Duration = Duration::from_millis(100);
 
-/// The process's waiters: where they learn that a record changed, and their bound.
-/// Shared by the workers.
+/// The process's waiters: where they learn that a record changed, their bound, and
+/// the responses streaming here that they may join. Shared by the workers.
 #[derive(Clone)]
 pub(crate) struct Waiting {
     watcher: Watcher,
     slots: Arc<Semaphore>,
+    pub(super) streams: Arc<Streams>,
 }
 
 impl Waiting {
@@ -35,6 +41,7 @@ impl Waiting {
         Waiting {
             watcher,
             slots: Arc::new(Semaphore::new(max)),
+            streams: Arc::default(),
         }
     }
 }
@@ -102,13 +109,10 @@ impl Proxy {
         let (watch, notify) = watched(&waiting.watcher, &prepared.claim.key).await;
         tally.subscribed();
         let mut changed = false; // woken by a change, to find the key in flight again: `renew`
-
         loop {
             // Registered before the record is read, so a change between the read and
-            // the wait still wakes it.
-            let notified = notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            // the wait still wakes it; and a response that begins to stream here.
+            let (notified, streamed) = (armed(&notify), armed(self.shared.waiting.streams.announced()));
             let wake = match self.claimed(&prepared).await {
                 Ok(Decision::Forward(claim)) => {
                     tally.end(WaitEnd::Claimed);
@@ -124,6 +128,9 @@ impl Proxy {
                     continue;
                 }
                 Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {
+                    if let Some(joined) = self.join(&prepared, &mut tally) {
+                        return Ok(joined);
+                    }
                     Instant::now() + lease_remaining
                 }
                 // The store failing for a moment (a restart, a failover) does not end
@@ -148,8 +155,18 @@ impl Proxy {
                     return Err(error.into());
                 }
             };
-            changed = woken(notified.as_mut(), deadline.min(wake)).await;
+            changed = woken(notified, streamed, deadline.min(wake)).await;
         }
+    }
+}
+
+impl Proxy {
+    /// The answer of a waiter whose key's response is streaming from this process: it
+    /// joins the stream.
+    fn join(&self, prepared: &Prepared, tally: &mut Tally) -> Option<Answer> {
+        let (head, reader) = self.shared.waiting.streams.join(&prepared.claim.key)?;
+        tally.end(WaitEnd::Joined);
+        Some(Answer::joined(head, reader))
     }
 }
 
@@ -172,10 +189,19 @@ async fn watched(watcher: &Watcher, key: &crate::store::StoreKey) -> (Option<Wat
     (watch, notify)
 }
 
-/// Waits for a change or until `until`: whether a change woke it.
-async fn woken(notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>, until: Instant) -> bool {
+/// A wake-up from `notify`, registered now: a notification from here on wakes it.
+fn armed(notify: &Notify) -> Pin<Box<Notified<'_>>> {
+    let mut notified = Box::pin(notify.notified());
+    notified.as_mut().enable();
+    notified
+}
+
+/// Waits for a change, a stream to join, or until `until`: whether a change of the
+/// record woke it.
+async fn woken(notified: Pin<Box<Notified<'_>>>, streamed: Pin<Box<Notified<'_>>>, until: Instant) -> bool {
     tokio::select! {
         () = notified => true,
+        () = streamed => false,
         () = tokio::time::sleep_until(until) => false,
     }
 }

@@ -9,6 +9,11 @@
 //! - `x-test-fail: reset`  close the connection instead of answering
 //! - `x-test-fail: truncate` send the head, then close mid-body
 //! - `x-test-response-header: NAME: VALUE` add that field to the response (repeatable)
+//! - `x-test-stream: N`    answer with server-sent events: N events
+//!   (`data: {"execution":ID,"event":I}`), as they are sent, with no length
+//! - `x-test-stream-hold: NAME` send the first event, then wait for `release(NAME)`
+//! - `x-test-stream-fail: reset` after the first event (and the hold), break the stream
+//! - `x-test-stream-event-bytes: N` pad each event to N bytes
 //! - `x-test-effect: never` the request is executed (logged) but never takes effect
 //! - a path ending in `/slow` answers after 1.5 s
 //!
@@ -252,6 +257,70 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TestBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+
+fn whole(body: Bytes) -> TestBody {
+    Full::new(body).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// A body sent frame by frame from a task: each event as it is written.
+struct ChannelBody(tokio::sync::mpsc::Receiver<Result<Bytes, BoxError>>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|next| next.map(|next| next.map(http_body::Frame::data)))
+    }
+}
+
+/// The events of execution `id`, as `x-test-stream*` ask.
+fn events(state: Arc<State>, id: u64, headers: &HeaderMap, count: usize) -> Response<TestBody> {
+    let pad = header(headers, "x-test-stream-event-bytes").and_then(|n| n.parse::<usize>().ok());
+    let hold = header(headers, "x-test-stream-hold").map(str::to_string);
+    let fail = header(headers, "x-test-stream-fail") == Some("reset");
+    let event = move |index: usize| {
+        let mut text = format!("data: {{\"execution\":{id},\"event\":{index}}}");
+        if let Some(pad) = pad {
+            let fill = pad.saturating_sub(text.len() + 2);
+            text.push_str(&" ".repeat(fill));
+        }
+        text.push_str("\n\n");
+        Bytes::from(text)
+    };
+    let (sender, receiver) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        for index in 0..count {
+            if index == 1 {
+                if let Some(name) = &hold {
+                    let mut released = gate(&state, name).subscribe();
+                    let _ = released.wait_for(|open| *open).await;
+                }
+                if fail {
+                    let _ = sender.send(Err("the stream broken by the test".into())).await;
+                    return;
+                }
+            }
+            if sender.send(Ok(event(index))).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut response = Response::new(ChannelBody(receiver).boxed_unsync());
+    response
+        .headers_mut()
+        .insert("content-type", "text/event-stream".parse().expect("header"));
+    response
+        .headers_mut()
+        .insert("x-execution-id", id.to_string().parse().expect("header"));
+    response
+}
 
 const LOOKUP_PREFIX: &str = "/v1/payments/by-key/";
 
@@ -309,11 +378,13 @@ async fn lookup(state: Arc<State>, parts: http::request::Parts, body: Bytes) -> 
     response
 }
 
-async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Response<Full<Bytes>>, BoxError> {
+async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Response<TestBody>, BoxError> {
     let (parts, body) = request.into_parts();
     let body = body.collect().await.map(|body| body.to_bytes()).unwrap_or_default();
     if parts.uri.path().starts_with(LOOKUP_PREFIX) {
-        return Ok(lookup(state, parts, body).await);
+        return Ok(lookup(state, parts, body)
+            .await
+            .map(|body| body.map_err(|never| match never {}).boxed_unsync()));
     }
     let id = state.next_id.fetch_add(1, Ordering::SeqCst) + 1;
     let key = header(&parts.headers, "idempotency-key").unwrap_or("").to_string();
@@ -347,8 +418,11 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
     match header(&parts.headers, "x-test-fail") {
         // Answering with an error makes hyper drop the connection without a response.
         Some("reset") => return Err("reset requested by the test".into()),
-        Some("truncate") => return Ok(truncated()),
+        Some("truncate") => return Ok(truncated().map(|body| body.map_err(|never| match never {}).boxed_unsync())),
         _ => {}
+    }
+    if let Some(count) = header(&parts.headers, "x-test-stream").and_then(|n| n.parse::<usize>().ok()) {
+        return Ok(events(state.clone(), id, &parts.headers, count));
     }
     let status = header(&parts.headers, "x-test-status")
         .and_then(|status| status.parse().ok())
@@ -362,7 +436,7 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
             body.len()
         )),
     };
-    let mut response = Response::new(Full::new(body));
+    let mut response = Response::new(whole(body));
     *response.status_mut() = status;
     response
         .headers_mut()

@@ -284,6 +284,7 @@ impl Validator<'_> {
             replay,
             replay_headers,
             refetch,
+            stream: raw.stream,
         })
     }
 
