@@ -2,7 +2,8 @@
 //! HTTP/1.1 connections or HTTP/2 streams, each request with an idempotency key of its
 //! own (`--keys fresh`), one shared key (`--keys fixed`) or none. Prints one JSON line:
 //! requests, seconds, requests per second, answers by status, errors, and latency
-//! percentiles. Not a test helper: `bench/load.py` runs it.
+//! percentiles, to the whole response and to its first body byte (`ttfb`). Not a test
+//! helper: `bench/load.py` and `bench/stream.py` run it.
 //!
 //!     cargo run --release --example loadgen -- --url http://127.0.0.1:8080/v1/payments \
 //!         --connections 2000 --duration 10 --keys fresh [--h2 --streams 10]
@@ -61,6 +62,8 @@ fn options() -> Options {
 #[derive(Default)]
 struct Tally {
     latencies_us: Vec<u32>,
+    /// To the first byte of the body.
+    first_bytes_us: Vec<u32>,
     statuses: BTreeMap<u16, u64>,
     errors: u64,
 }
@@ -159,11 +162,27 @@ async fn lane(
         match sent {
             Ok(response) => {
                 let status = response.status().as_u16();
-                let read = response.into_body().collect().await;
-                if read.is_err() {
+                let mut body = response.into_body();
+                let mut first = None;
+                let mut failed = false;
+                while let Some(frame) = body.frame().await {
+                    match frame {
+                        Ok(frame) if frame.is_data() && first.is_none() => first = Some(started.elapsed()),
+                        Ok(_) => {}
+                        Err(_) => {
+                            failed = true;
+                            break;
+                        }
+                    }
+                }
+                if failed {
                     tally.errors += 1;
                     continue;
                 }
+                let first = first.unwrap_or_else(|| started.elapsed());
+                tally
+                    .first_bytes_us
+                    .push(u32::try_from(first.as_micros()).unwrap_or(u32::MAX));
                 tally
                     .latencies_us
                     .push(u32::try_from(started.elapsed().as_micros()).unwrap_or(u32::MAX));
@@ -263,20 +282,25 @@ fn main() {
         }
     }
     let errors: u64 = tallies.iter().map(|t| t.errors).sum();
-    let at = |q: f64| {
-        latencies
-            .get(((latencies.len() as f64 - 1.0) * q).round() as usize)
+    let mut first_bytes: Vec<u32> = tallies.iter().flat_map(|t| t.first_bytes_us.iter().copied()).collect();
+    first_bytes.sort_unstable();
+    let quantile = |sorted: &[u32], q: f64| {
+        sorted
+            .get(((sorted.len() as f64 - 1.0) * q).round() as usize)
             .map_or(0.0, |us| f64::from(*us) / 1000.0)
     };
+    let at = |q: f64| quantile(&latencies, q);
     let seconds = elapsed.as_secs_f64();
     let statuses: Vec<String> = statuses.iter().map(|(s, c)| format!("\"{s}\":{c}")).collect();
     println!(
-        "{{\"requests\":{},\"seconds\":{seconds:.3},\"rps\":{:.1},\"status\":{{{}}},\"errors\":{errors},\"p50_ms\":{:.2},\"p99_ms\":{:.2},\"max_ms\":{:.2}}}",
+        "{{\"requests\":{},\"seconds\":{seconds:.3},\"rps\":{:.1},\"status\":{{{}}},\"errors\":{errors},\"p50_ms\":{:.2},\"p99_ms\":{:.2},\"max_ms\":{:.2},\"ttfb_p50_ms\":{:.3},\"ttfb_p99_ms\":{:.3}}}",
         latencies.len(),
         latencies.len() as f64 / seconds,
         statuses.join(","),
         at(0.5),
         at(0.99),
-        at(1.0)
+        at(1.0),
+        quantile(&first_bytes, 0.5),
+        quantile(&first_bytes, 0.99)
     );
 }

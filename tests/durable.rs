@@ -400,6 +400,7 @@ async fn a_storm_across_sigkills_runs_each_key_at_most_once() {
             duplicates: 3,
             concurrency: 64,
             jitter_ms: 20,
+            streamed: false,
         };
         let total = storm.total();
         let run = StormRun {

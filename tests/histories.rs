@@ -99,6 +99,59 @@ async fn a_duplicate_storm_across_three_proxy_processes_runs_each_key_once() {
     faultless_storm(&proxies, "storm", 20, &upstream, &redis).await;
 }
 
+/// Streamed answers (docs/design.md §25) raced by their retries: every answer is five
+/// server-sent events 5 ms apart, which the proxies stream as they record them; the
+/// duplicates that arrive meanwhile on the same process join the live stream, those on
+/// the others wait for the record. No key runs twice, and every answer a key got is the
+/// same, streamed, joined or replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_storm_of_streamed_answers_raced_by_their_retries_runs_each_key_once() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let mut config = storm_config(&redis.url(), &upstream.url(), "2s");
+    config.idempotency += "\nwait_for_in_flight = \"5s\"";
+    let proxies = [
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+        ChildProxy::start(&config).await,
+    ];
+    let storm = Storm {
+        name: "streamed",
+        targets: proxies.iter().map(|p| p.addr).collect(),
+        logical: 300,
+        duplicates: 10,
+        concurrency: 96,
+        jitter_ms: 20,
+        streamed: true,
+    };
+    let run = storm.start();
+    storm.run(&run).await;
+    let liveness = storm.settle(&run).await;
+    let report = storm.check(&run, &upstream.log(), &redis.dump_ttls(), RETENTION, vec![]);
+    let joined: f64 = {
+        let mut total = 0.0;
+        for proxy in &proxies {
+            total += metric(proxy.admin, "idemproxy_waits_total{result=\"joined\"}")
+                .await
+                .unwrap_or(0.0);
+        }
+        total
+    };
+    println!(
+        "streamed: {} ops in {:.1?}, {joined} joined a live stream",
+        storm.total(),
+        run.started.elapsed()
+    );
+    report.assert_clean("streamed storm: 3 processes, 300 keys x 10");
+    liveness.assert_live("streamed storm", 1.0);
+    assert_eq!(report.max_executions_per_key, 1);
+    assert_eq!(
+        report.executions, storm.logical,
+        "every logical operation ran exactly once"
+    );
+    assert!(joined > 0.0, "some retries joined a live stream");
+}
+
 /// A storm of 1,000 keys with `duplicates` each through `proxies`, with no fault:
 /// every key runs exactly once and ends in a success, and the history is clean.
 /// `name` prefixes the storm's keys, so it is a valid key itself.
@@ -116,6 +169,7 @@ async fn faultless_storm(
         duplicates,
         concurrency: 96,
         jitter_ms: 50,
+        streamed: false,
     };
     let run = storm.start();
     storm.run(&run).await;
@@ -188,6 +242,7 @@ async fn late_storm(remember: Option<&str>) -> (support::history::Report, usize)
         duplicates: 5,
         concurrency: 64,
         jitter_ms: 20,
+        streamed: false,
     };
     let run = storm.start();
     storm.run(&run).await;
@@ -271,6 +326,7 @@ async fn storm_with_redis_fault(fault: RedisFault) {
         duplicates: 10,
         concurrency: 48,
         jitter_ms: 20,
+        streamed: false,
     };
     let run = storm.start();
     let mut outages = Vec::new();

@@ -49,6 +49,7 @@ async fn storm(
         duplicates,
         concurrency: 64,
         jitter_ms: 30,
+        streamed: false,
     };
     let run = storm.start();
     let from = Instant::now();

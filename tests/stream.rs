@@ -422,3 +422,34 @@ async fn the_byte_budget_holds_under_two_hundred_stalled_streams() {
     // Every byte is given back once the readers are done.
     support::client::until_metric(admin, "idemproxy_buffered_bytes", 0.0).await;
 }
+
+/// Shutdown while a response streams: the proxy stops accepting, and waits (within
+/// `shutdown_grace`) for the recording to end and its record to be written. The client
+/// gets the whole stream, and after a restart on the same SQLite file the retry gets
+/// the replay: the upstream ran once.
+#[tokio::test(flavor = "multi_thread")]
+async fn shutdown_waits_for_a_recording_in_progress() {
+    let upstream = Upstream::start().await;
+    let directory = tempfile::tempdir().expect("a directory");
+    let config = streaming_config(StoreKind::Sqlite(directory.path().join("records.db")), &upstream, "");
+    let running = idemproxy::start(config.config()).await.expect("start the proxy");
+    let mut first = Streaming::open(running.addr, Version::Http1, "d1", &held_stream("d1")).await;
+    let execution = first.header("x-execution-id").expect("the execution id").to_string();
+    assert_eq!(first.next().await.expect("the first event"), event(&execution, 0));
+    let token = running.shutdown_token();
+    let stopped = tokio::spawn(running.stopped());
+    token.cancel();
+    upstream.release("d1");
+    let rest = first.rest().await.expect("the whole stream, through the shutdown");
+    assert_eq!(
+        format!("{}{}", event(&execution, 0), String::from_utf8_lossy(&rest)),
+        events(&execution, 5)
+    );
+    within(stopped).await.expect("the proxy stopped");
+
+    let proxy = config.start().await;
+    let retry = post(proxy.addr(), Some("d1"), "{}", &[]).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, events(&execution, 5).as_bytes());
+    assert_eq!(upstream.executions("d1"), 1);
+}

@@ -65,6 +65,7 @@ fn storm(name: &'static str, proxies: &[ChildProxy], logical: usize) -> Storm {
         duplicates: 10,
         concurrency: 48,
         jitter_ms: 20,
+        streamed: false,
     }
 }
 

@@ -324,6 +324,7 @@ async fn waiting_storm(name: &'static str, targets: Vec<SocketAddr>, upstream: &
         duplicates: 20,
         concurrency: 96,
         jitter_ms: 50,
+        streamed: false,
     };
     let run = storm.start();
     storm.run(&run).await;

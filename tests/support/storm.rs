@@ -23,6 +23,8 @@ pub struct Storm {
     pub duplicates: usize,
     pub concurrency: usize,
     pub jitter_ms: u64,
+    /// Each answer is five server-sent events, 5 ms apart, which the proxy streams.
+    pub streamed: bool,
 }
 
 pub struct StormRun {
@@ -109,6 +111,7 @@ impl Storm {
         let permits = Arc::new(Semaphore::new(self.concurrency));
         let mut tasks = tokio::task::JoinSet::new();
         let jitter = self.jitter_ms.to_string();
+        let streamed = self.streamed;
         for logical in 0..self.logical {
             for copy in 0..self.duplicates {
                 let permit = permits.clone().acquire_owned().await.expect("semaphore");
@@ -121,7 +124,7 @@ impl Storm {
                     jitter.clone(),
                 );
                 tasks.spawn(async move {
-                    one_op(&client, target, &scope, &key, &jitter, &history).await;
+                    one_op(&client, target, &scope, &key, &jitter, streamed, &history).await;
                     progress.fetch_add(1, Ordering::SeqCst);
                     drop(permit);
                 });
@@ -246,13 +249,24 @@ impl Liveness {
     }
 }
 
-async fn one_op(client: &PooledClient, target: SocketAddr, scope: &str, key: &str, jitter: &str, history: &History) {
-    let headers = [
+async fn one_op(
+    client: &PooledClient,
+    target: SocketAddr,
+    scope: &str,
+    key: &str,
+    jitter: &str,
+    streamed: bool,
+    history: &History,
+) {
+    let mut headers = vec![
         ("idempotency-key", key),
         ("authorization", scope),
         ("content-type", "application/json"),
         ("x-test-jitter-ms", jitter),
     ];
+    if streamed {
+        headers.extend([("x-test-stream", "5"), ("x-test-stream-gap-ms", "5")]);
+    }
     let started = Instant::now();
     let outcome = pooled_send(
         client,

@@ -14,6 +14,7 @@
 //! - `x-test-stream-hold: NAME` send the first event, then wait for `release(NAME)`
 //! - `x-test-stream-fail: reset` after the first event (and the hold), break the stream
 //! - `x-test-stream-event-bytes: N` pad each event to N bytes
+//! - `x-test-stream-gap-ms: N` send the events N ms apart (pacing, not synchronisation)
 //! - `x-test-effect: never` the request is executed (logged) but never takes effect
 //! - a path ending in `/slow` answers after 1.5 s
 //!
@@ -285,6 +286,7 @@ fn events(state: Arc<State>, id: u64, headers: &HeaderMap, count: usize) -> Resp
     let pad = header(headers, "x-test-stream-event-bytes").and_then(|n| n.parse::<usize>().ok());
     let hold = header(headers, "x-test-stream-hold").map(str::to_string);
     let fail = header(headers, "x-test-stream-fail") == Some("reset");
+    let gap = header(headers, "x-test-stream-gap-ms").and_then(|n| n.parse::<u64>().ok());
     let event = move |index: usize| {
         let mut text = format!("data: {{\"execution\":{id},\"event\":{index}}}");
         if let Some(pad) = pad {
@@ -306,6 +308,9 @@ fn events(state: Arc<State>, id: u64, headers: &HeaderMap, count: usize) -> Resp
                     let _ = sender.send(Err("the stream broken by the test".into())).await;
                     return;
                 }
+            }
+            if let Some(gap) = gap.filter(|_| index > 0) {
+                tokio::time::sleep(std::time::Duration::from_millis(gap)).await;
             }
             if sender.send(Ok(event(index))).await.is_err() {
                 return;
