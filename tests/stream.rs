@@ -381,6 +381,11 @@ async fn the_byte_budget_holds_under_two_hundred_stalled_streams() {
         let mut extra = held_stream("m");
         extra.push(("x-test-stream-event-bytes", "2048".into()));
         let mut stream = Streaming::open(addr, Version::Http2Narrow, &key, &extra).await;
+        assert_eq!(
+            stream.status(),
+            StatusCode::OK,
+            "{key}: its head while the upstream holds the rest"
+        );
         let head = stream.next().await.expect("the first event");
         streams.push((key, head, stream));
     }
