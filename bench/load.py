@@ -139,8 +139,11 @@ def idemproxy(workdir, name, upstream, redis, store_connections, store_timeout=N
     return process, listen, admin
 
 
-def nginx_proxy(workdir, name, upstream, connections):
+def nginx_proxy(workdir, name, upstream, connections, buffering=True):
+    """nginx proxy_pass to `upstream` with keep-alive, on HTTP/1.1 and HTTP/2 (h2c);
+    with `buffering` off, each response is passed on as it comes (bench/stream.py)."""
     port, h2 = free_port(), free_port()
+    unbuffered = "" if buffering else "proxy_buffering off;"
     process = start_nginx(workdir, name, textwrap.dedent(f"""
         upstream backend {{
           server 127.0.0.1:{upstream};
@@ -153,6 +156,7 @@ def nginx_proxy(workdir, name, upstream, connections):
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_read_timeout 30s;
+            {unbuffered}
           }}
         }}
         server {{

@@ -24,30 +24,9 @@ import tempfile
 import textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import start_nginx, wait_port  # noqa: E402
+from bench import wait_port  # noqa: E402
 from common import IDEMPROXY, free_port  # noqa: E402
-from load import SLOW, loadgen  # noqa: E402
-
-
-def nginx_unbuffered(workdir, upstream, connections):
-    port = free_port()
-    process = start_nginx(workdir, f"nginx-sse-{port}", textwrap.dedent(f"""
-        upstream backend {{
-          server 127.0.0.1:{upstream};
-          keepalive 1024;
-        }}
-        server {{
-          listen 127.0.0.1:{port} reuseport backlog=4096;
-          location / {{
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 30s;
-          }}
-        }}"""), workers=2, connections=connections)
-    wait_port(port, what="nginx")
-    return process, port
+from load import SLOW, loadgen, nginx_proxy  # noqa: E402
 
 
 def idemproxy(workdir, name, upstream, store):
@@ -91,7 +70,8 @@ def main():
     upstream = subprocess.Popen([SLOW, "--port", str(upstream_port), "--delay-ms", "0", "--events", "5",
                                  "--gap-ms", str(args.gap_ms), "--threads", "1"], stdout=subprocess.DEVNULL)
     wait_port(upstream_port, what="the event-stream upstream")
-    nginx, nginx_port = nginx_unbuffered(workdir, upstream_port, max(connections) * 2 + 256)
+    nginx, nginx_port, _ = nginx_proxy(workdir, "nginx-sse", upstream_port, max(connections) * 2 + 256,
+                                       buffering=False)
     memory, memory_port = idemproxy(workdir, "memory", upstream_port, "memory")
     sqlite, sqlite_port = idemproxy(workdir, "sqlite", upstream_port, "sqlite")
     targets = [("nginx proxy_pass, proxy_buffering off", nginx_port),

@@ -6,7 +6,9 @@
 
 use serde_json::{Value, json};
 
-use crate::config::{FingerprintBody, IdempotencyPolicy, KeySource, Mode, Profile, ReplayKind, Route, UpstreamKey};
+use crate::config::{
+    FingerprintBody, IdempotencyPolicy, KeySource, Mode, Profile, ReplayKind, Route, StreamMode, UpstreamKey,
+};
 use crate::idempotency::MAX_KEY_LEN;
 use crate::problem::{Listed, ProblemKind, problem_type};
 
@@ -334,11 +336,11 @@ fn expiry(policy: &IdempotencyPolicy) -> String {
 /// (docs/design.md §25).
 fn streaming(policy: &IdempotencyPolicy) -> String {
     let which = match policy.stream {
-        crate::config::StreamMode::Never => {
+        StreamMode::Never => {
             return "Every response is read whole, recorded, then sent with its length.".to_string();
         }
-        crate::config::StreamMode::Auto => "A text/event-stream response, and one with no Content-Length,",
-        crate::config::StreamMode::Always => "Every response",
+        StreamMode::Auto => "A text/event-stream response, and one with no Content-Length,",
+        StreamMode::Always => "Every response",
     };
     let joins = match policy.wait_for_in_flight.is_zero() || policy.replay != ReplayKind::Stored {
         true => "a retry while it streams gets 409 request-in-progress",

@@ -103,6 +103,19 @@ impl Answer {
         }
     }
 
+    /// A retry that joined the stream of the request that holds its key: `head` (the
+    /// recorded status and fields, marked as replayed) and the stream from its start.
+    fn joined(head: StoredResponse, reader: Reader) -> Answer {
+        let execution = head.trace;
+        let (parts, _) = head.into_response().into_parts();
+        Answer {
+            execution,
+            response: Response::from_parts(parts, reader.boxed_unsync()),
+            outcome: Outcome::Replayed,
+            upstream: None,
+        }
+    }
+
     /// A replay of `stored`, its body holding its bytes of the byte budget (in the
     /// guarded request's `share`) until the client has taken the last of them: a
     /// client that does not read holds them against `max_buffered_bytes`, never beside
@@ -120,21 +133,6 @@ impl Answer {
             outcome: Outcome::Replayed,
             upstream: None,
         })
-    }
-}
-
-impl Answer {
-    /// A retry that joined the stream of the request that holds its key: `head` (the
-    /// recorded status and fields, marked as replayed) and the stream from its start.
-    fn joined(head: StoredResponse, reader: Reader) -> Answer {
-        let execution = head.trace;
-        let (parts, _) = head.into_response().into_parts();
-        Answer {
-            execution,
-            response: Response::from_parts(parts, reader.boxed_unsync()),
-            outcome: Outcome::Replayed,
-            upstream: None,
-        }
     }
 }
 

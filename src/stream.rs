@@ -40,6 +40,15 @@ pub(crate) enum Broken {
     Abandoned,
 }
 
+/// A chunk a recording could not take, and why.
+#[derive(Debug)]
+pub(crate) enum Refused {
+    /// It would pass the record's cap (`max_response_body_bytes`).
+    TooLarge(Bytes),
+    /// The byte budget cannot hold it.
+    OverBudget(Bytes),
+}
+
 /// How a recording ended.
 #[derive(Debug, Clone, Copy)]
 enum End {
@@ -115,17 +124,15 @@ impl Recording {
         (Recording { live }, first)
     }
 
-    /// The bytes recorded so far.
-    pub(crate) fn bytes(&self) -> u64 {
-        self.live.state().bytes
-    }
-
-    /// Records `chunk` and hands it to the readers, if the byte budget can hold it;
-    /// else gives it back.
-    pub(crate) fn push(&self, chunk: Bytes) -> Result<(), Bytes> {
+    /// Records `chunk` and hands it to the readers, if the recording stays within
+    /// `limit` bytes and the byte budget can hold it; else gives it back, saying which.
+    pub(crate) fn push(&self, chunk: Bytes, limit: u64) -> Result<(), Refused> {
         let mut state = self.live.state();
+        if state.bytes + chunk.len() as u64 > limit {
+            return Err(Refused::TooLarge(chunk));
+        }
         if !state.held.take(chunk.len() as u64) {
-            return Err(chunk);
+            return Err(Refused::OverBudget(chunk));
         }
         state.bytes += chunk.len() as u64;
         state.chunks.push(chunk);
@@ -178,7 +185,7 @@ impl Recording {
 
     /// Whether `live` is this recording's.
     fn is(&self, live: &Weak<Live>) -> bool {
-        std::ptr::eq(Arc::as_ptr(&self.live), live.as_ptr())
+        Weak::ptr_eq(&Arc::downgrade(&self.live), live)
     }
 }
 

@@ -135,6 +135,11 @@ fn event(execution: &str, index: usize) -> String {
     format!("data: {{\"execution\":{execution},\"event\":{index}}}\n\n")
 }
 
+/// The whole stream a reader got: the first event, read on its own, and `rest`.
+fn after_first(execution: &str, rest: &[u8]) -> String {
+    format!("{}{}", event(execution, 0), String::from_utf8_lossy(rest))
+}
+
 fn events(execution: &str, count: usize) -> String {
     (0..count).map(|index| event(execution, index)).collect()
 }
@@ -163,7 +168,7 @@ async fn the_first_event_arrives_while_the_rest_is_held(store: StoreKind, versio
     assert_eq!(chunk, event(&execution, 0), "the first event, while the rest is held");
     upstream.release("s1");
     let rest = first.rest().await.expect("the rest of the stream");
-    let whole = format!("{}{}", event(&execution, 0), String::from_utf8_lossy(&rest));
+    let whole = after_first(&execution, &rest);
     assert_eq!(whole, events(&execution, 5));
 
     let retry = post(addr, Some(&key), "{}", &[]).await;
@@ -299,16 +304,10 @@ async fn twenty_waiting_retries_join_the_live_stream_and_the_upstream_runs_once(
     upstream.release("j1");
     let whole = events(&execution, 5);
     let rest = first.rest().await.expect("the first client's stream");
-    assert_eq!(
-        format!("{}{}", event(&execution, 0), String::from_utf8_lossy(&rest)),
-        whole
-    );
+    assert_eq!(after_first(&execution, &rest), whole);
     for retry in joined {
         let rest = retry.rest().await.expect("a joined reader's stream");
-        assert_eq!(
-            format!("{}{}", event(&execution, 0), String::from_utf8_lossy(&rest)),
-            whole
-        );
+        assert_eq!(after_first(&execution, &rest), whole);
     }
     assert_eq!(upstream.executions("j1"), 1);
     drop(stalled);
@@ -446,10 +445,7 @@ async fn shutdown_waits_for_a_recording_in_progress() {
     token.cancel();
     upstream.release("d1");
     let rest = first.rest().await.expect("the whole stream, through the shutdown");
-    assert_eq!(
-        format!("{}{}", event(&execution, 0), String::from_utf8_lossy(&rest)),
-        events(&execution, 5)
-    );
+    assert_eq!(after_first(&execution, &rest), events(&execution, 5));
     within(stopped).await.expect("the proxy stopped");
 
     let proxy = config.start().await;

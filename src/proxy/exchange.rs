@@ -165,9 +165,12 @@ impl Proxy {
                 claim.complete(StoredResponse { body, ..head }).await;
                 recording.whole();
             }
-            Ok(Some((chunk, reason))) => {
+            Ok(Some(refused)) => {
+                let (chunk, over_budget) = match refused {
+                    stream::Refused::TooLarge(chunk) => (chunk, false),
+                    stream::Refused::OverBudget(chunk) => (chunk, true),
+                };
                 recording.hand_on(StreamedBody::new(Some(chunk), body, clock.deadline, clock.timeout));
-                let over_budget = reason == UnknownReason::OverBudget;
                 self.unrecordable(guarded, claim, status, over_budget).await;
             }
             Err(broken) => {
@@ -239,7 +242,7 @@ impl Proxy {
 
 /// How a streamed body's reading ended: whole, past what may be recorded (the chunk
 /// that did not fit, and why), or broken.
-type Pumped = Result<Option<(Bytes, UnknownReason)>, stream::Broken>;
+type Pumped = Result<Option<stream::Refused>, stream::Broken>;
 
 /// Reads `body` into `recording` until it ends, breaks, passes its deadline, or passes
 /// `limit` bytes or the byte budget.
@@ -253,11 +256,8 @@ async fn pump(recording: &stream::Recording, body: &mut Incoming, clock: &upstre
         };
         // Trailers are not recorded, as a buffered response's are not.
         let Ok(chunk) = frame.into_data() else { continue };
-        if recording.bytes() + chunk.len() as u64 > limit {
-            return Ok(Some((chunk, UnknownReason::ResponseTooLarge)));
-        }
-        if let Err(chunk) = recording.push(chunk) {
-            return Ok(Some((chunk, UnknownReason::OverBudget)));
+        if let Err(refused) = recording.push(chunk, limit) {
+            return Ok(Some(refused));
         }
     }
 }

@@ -8,10 +8,9 @@
 //! `request-in-progress`. A lost notification costs time, not a wrong answer: a
 //! waiter re-reads at the end of the first request's lease and at its deadline.
 
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
-
-use std::pin::Pin;
 
 use tokio::sync::futures::Notified;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
