@@ -153,6 +153,20 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// `[store.encryption]`: the keys recorded responses are sealed with.
     pub encryption: Option<Encryption>,
+    /// `[store.previous]`: the shared store a fleet is switching from, read for keys
+    /// this one does not hold until `until` (docs/design.md §26). A reload may add,
+    /// change or drop it.
+    pub previous: Option<Previous>,
+}
+
+/// `[store.previous]`: a Redis or Postgres store, read only, with the key prefix and
+/// record keys of the store it precedes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Previous {
+    pub backend: Backend,
+    pub timeout: Duration,
+    /// Past this time it is not read.
+    pub until: std::time::SystemTime,
 }
 
 /// `[store.encryption]` (docs/design.md §20): new records are sealed with `current`;
@@ -963,6 +977,15 @@ impl std::fmt::Display for Config {
             )?,
             Backend::Redis(redis) => writeln!(f, "store  {redis}")?,
             Backend::Postgres(postgres) => writeln!(f, "store  {postgres}")?,
+        }
+        if let Some(previous) = &self.store.previous {
+            let until = humantime::format_rfc3339_seconds(previous.until);
+            match &previous.backend {
+                Backend::Redis(redis) => write!(f, "previous {redis}")?,
+                Backend::Postgres(postgres) => write!(f, "previous {postgres}")?,
+                Backend::Memory(_) | Backend::Sqlite(_) => write!(f, "previous (embedded)")?,
+            }
+            writeln!(f, ", read for keys the store does not hold until {until}")?;
         }
         match &self.store.encryption {
             None => writeln!(

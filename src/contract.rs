@@ -293,7 +293,7 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
                         "detail": {"type": "string"},
                         "operation": {"type": "string", "description": "on outcome-unknown: the operation's id"},
                         "reconciling": {"type": "boolean", "description": "on outcome-unknown: whether the proxy is asking the upstream"},
-                        "reason": {"type": "string", "description": "on outcome-unknown: why (upstream-timeout, upstream-failed, response-too-large, over-budget, stream-broken, lease-expired, or unreadable: the recorded response cannot be opened)"},
+                        "reason": {"type": "string", "description": "on outcome-unknown: why (upstream-timeout, upstream-failed, response-too-large, over-budget, stream-broken, lease-expired, moved-in-flight: in flight in the store it was copied from, or unreadable: the recorded response cannot be opened)"},
                     },
                 },
                 "StripeError": {

@@ -138,6 +138,10 @@ pub enum StoreError {
     /// primary that is not a primary).
     #[error("the store cannot serve: {0}")]
     Unready(&'static str),
+    /// `[store.previous]` could not be read for a key the store does not hold: the key
+    /// may be recorded there, so it is neither claimed nor forwarded.
+    #[error("the previous store cannot be read: {0}")]
+    Previous(Box<StoreError>),
 }
 
 /// What a store's bound counts: its records, or the bytes they hold.
@@ -208,7 +212,13 @@ impl StoreError {
             StoreError::Protocol(_) => StoreCause::Protocol,
             StoreError::NotReplicated { .. } => StoreCause::NotReplicated,
             StoreError::Unready(_) => StoreCause::Unready,
+            StoreError::Previous(_) => StoreCause::Previous,
         }
+    }
+
+    /// Whether `[store.previous]` could not be read (the store itself answered).
+    pub fn is_previous(&self) -> bool {
+        matches!(self, StoreError::Previous(_))
     }
 
     /// Whether the operation may have been applied although it failed: a timeout or a
@@ -226,6 +236,7 @@ impl StoreError {
             | StoreError::ScopeFull { .. }
             | StoreError::ClientFull { .. }
             | StoreError::Unready(_)
+            | StoreError::Previous(_)
             | StoreError::Handshake(_)
             | StoreError::File(_) => false,
         }
@@ -247,6 +258,7 @@ label_values! {
         Protocol => "protocol",
         NotReplicated => "not_replicated",
         Unready => "unready",
+        Previous => "previous",
     }
 }
 
@@ -453,6 +465,7 @@ impl Rejection {
                 | StoreError::Protocol(_)
                 | StoreError::NotReplicated { .. }
                 | StoreError::Unready(_)
+                | StoreError::Previous(_)
                 | StoreError::Disk(_)
                 | StoreError::File(_),
             ) => ProblemKind::StoreUnavailable,

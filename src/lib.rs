@@ -14,7 +14,8 @@
 //! whose contract (`records`) the CLI shares. `contract` makes the published
 //! idempotency contract from the config (the well-known document, OpenAPI, Markdown);
 //! `conformance` runs that contract's black-box cases against any endpoint; `horizon`
-//! estimates the store each route's `remember` holds at a rate (`check --rate`). `trace`
+//! estimates the store each route's `remember` holds at a rate (`check --rate`); `copy`
+//! moves every record of one store into another (`store copy`). `trace`
 //! makes the spans and exports them. A unit test below keeps the modules free of import
 //! cycles. The binary in `main.rs` only parses the command line. Test seams sit behind
 //! the `test-util` feature.
@@ -60,6 +61,7 @@ pub mod canonical_json;
 pub mod config;
 pub mod conformance;
 pub mod contract;
+pub mod copy;
 pub mod error;
 pub mod horizon;
 pub mod idempotency;

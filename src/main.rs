@@ -130,6 +130,20 @@ enum StoreCommand {
         #[arg(long, env = "IDEMPROXY_CONFIG", default_value = "proxy.toml")]
         config: PathBuf,
     },
+    /// Copy every record of the store one config names into the store another names,
+    /// with its state, fingerprint, sealed response and remaining lifetimes (records
+    /// in flight arrive unknown). A key the target holds keeps the target's record.
+    /// Run it again after an interruption: it skips what is there. Progress on
+    /// stderr; exit status 1 when anything was not copied.
+    Copy {
+        /// The config of the store to copy from (not a memory store; a SQLite file
+        /// that a running proxy holds is refused).
+        #[arg(long)]
+        from: PathBuf,
+        /// The config of the store to copy into.
+        #[arg(long)]
+        to: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -237,6 +251,37 @@ fn store_schema(path: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `idemproxy store copy`: every record from one store into another, progress on
+/// stderr, the summary on stdout.
+fn store_copy(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<ExitCode> {
+    let (source, target) = (Config::load(from)?, Config::load(to)?);
+    idemproxy::copy::check(&source, &target)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    eprintln!(
+        "copying the {} store of {} into the {} store of {}",
+        source.store.backend.name(),
+        from.display(),
+        target.store.backend.name(),
+        to.display()
+    );
+    let copied = runtime.block_on(idemproxy::copy::run(&source, &target, |progress| {
+        eprintln!("{progress}");
+    }));
+    match copied {
+        Ok(copied) => {
+            println!("copied: {copied}");
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(error) => {
+            eprintln!("idemproxy: store copy: {error}");
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // `serve` sets up its logging once its config says whether traces are exported.
@@ -264,6 +309,12 @@ fn main() -> ExitCode {
         Command::Store {
             command: StoreCommand::Schema { config },
         } => store_schema(&config),
+        Command::Store {
+            command: StoreCommand::Copy { from, to },
+        } => match store_copy(&from, &to) {
+            Ok(code) => return code,
+            Err(error) => Err(error),
+        },
         Command::Config {
             command: ConfigCommand::Reference,
         } => {

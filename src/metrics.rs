@@ -31,6 +31,10 @@ label_values! {
         BeginProbe => "begin_probe",
         DeferProbe => "defer_probe",
         Ping => "ping",
+        /// A `[store.previous]` read of a key the store does not hold.
+        PreviousRead => "previous_read",
+        /// What that read found, written over the claim that looked.
+        TakeOver => "take_over",
     }
 }
 
@@ -171,6 +175,9 @@ pub(crate) struct Metrics {
     max_buffered_bytes: Gauge,
     config_reloads: [Counter; ReloadResult::ALL.len()],
     waiters: Gauge,
+    /// `[store.previous]`: whether it is read, and the records found there.
+    previous_reading: Gauge,
+    previous_records: Counter,
     waits: [Counter; WaitEnd::ALL.len()],
     wait_seconds: Histogram,
     reconciliations: Family<ReconcileLabels, Counter>,
@@ -418,6 +425,18 @@ impl Metrics {
                 "Duplicates waiting now for their first request (wait_for_in_flight; bound: server.max_waiters)",
                 Gauge::default(),
             ),
+            previous_reading: register(
+                r,
+                "store_previous_reading",
+                "1 while [store.previous] is read for keys the store does not hold; 0 without one, or past its until",
+                Gauge::default(),
+            ),
+            previous_records: register(
+                r,
+                "store_previous_records",
+                "Records found in [store.previous] for keys the store did not hold, and copied into it",
+                Counter::default(),
+            ),
             waits: result_counters(
                 r,
                 "waits",
@@ -561,6 +580,16 @@ impl Metrics {
                 .get_or_create(&labels)
                 .set(i64::try_from(value).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Whether `[store.previous]` is read now.
+    pub(crate) fn previous_reading(&self, reading: bool) {
+        self.previous_reading.set(i64::from(reading));
+    }
+
+    /// A record found in `[store.previous]` was copied into the store.
+    pub(crate) fn previous_record(&self) {
+        self.previous_records.inc();
     }
 
     pub(crate) fn waiters(&self) -> &Gauge {

@@ -20,6 +20,7 @@ use tracing::{Instrument, Span};
 
 use self::admit::{Admission, Admitted};
 use self::claim::{Ledger, OwnedClaim};
+pub(crate) use self::claim::{PreviousStore, Stores};
 use self::send::send;
 use crate::body::BodyLimits;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
@@ -30,7 +31,7 @@ use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
 use crate::record::ExecutionTrace;
 use crate::router::{RouteState, Router};
-use crate::store::{AnyStore, StoreKey, StoredResponse};
+use crate::store::{StoreKey, StoredResponse};
 use crate::stream::Reader;
 use crate::trace::{self, Spans};
 use crate::upstream::{self, HttpClient};
@@ -201,7 +202,7 @@ fn routes(config: &Config, metrics: &Metrics, client: &HttpClient, probes: &Prob
 impl Proxy {
     pub(crate) fn new(
         config: &Config,
-        store: AnyStore,
+        stores: Stores,
         metrics: Arc<Metrics>,
         guarded: GuardedRequests,
         waiting: Waiting,
@@ -215,7 +216,7 @@ impl Proxy {
                 router: ArcSwap::from_pointee(router),
                 client,
                 metrics: metrics.clone(),
-                ledger: Ledger::new(store, metrics, tasks.clone(), Spans::new(config.tracing.is_some())),
+                ledger: Ledger::new(stores, metrics, tasks.clone(), Spans::new(config.tracing.is_some())),
                 key_prefix: config.store.key_prefix.clone(),
                 guarded,
                 waiting,
@@ -236,6 +237,11 @@ impl Proxy {
         self.shared
             .access_log
             .store(config.server.access_log, Ordering::Relaxed);
+        // The reloader made a handle of the same config before any worker swapped.
+        match PreviousStore::open(config) {
+            Ok(previous) => self.shared.ledger.set_previous(previous),
+            Err(error) => tracing::error!(%error, "[store.previous] cannot be used; the one read before is kept"),
+        }
         Ok(())
     }
 
@@ -410,7 +416,8 @@ impl Proxy {
         let prepared = Prepared::new(&guarded, read.parts, read.body)?;
         let decision = match self.claimed(&prepared).await {
             Ok(decision) => decision,
-            Err(error) if policy.on_store_error == OnStoreError::Forward => {
+            // A previous store that cannot be read may hold the key: never forwarded.
+            Err(error) if policy.on_store_error == OnStoreError::Forward && !error.is_previous() => {
                 tracing::warn!(%error, "store unavailable; forwarding unguarded (on_store_error = forward)");
                 // With the key the upstream always gets on this route, so that an
                 // upstream that deduplicates still can.

@@ -431,9 +431,10 @@ impl Worker {
             source,
         })?;
         let process = &self.process;
+        let previous = crate::proxy::PreviousStore::open(&self.config).map_err(StartError::Store)?;
         let proxy = Proxy::new(
             &self.config,
-            store,
+            crate::proxy::Stores { store, previous },
             process.metrics.clone(),
             process.guarded.clone(),
             process.waiting.clone(),

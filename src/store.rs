@@ -27,6 +27,7 @@ pub use crate::record::StoredResponse;
 mod codes;
 mod lifecycle;
 pub mod memory;
+pub mod moving;
 pub(crate) mod notify;
 pub mod postgres;
 pub mod redis;
@@ -70,6 +71,24 @@ pub(crate) async fn open(config: &StoreConfig) -> Result<Opened, StoreError> {
         Backend::Redis(redis) => self::redis::open(redis, timeout)?.opened(sealer),
         Backend::Postgres(postgres) => self::postgres::open(postgres, timeout).await?.opened(sealer),
     })
+}
+
+/// The store `config` names, as one handle, for a tool that reads or writes records
+/// itself (`store copy`, tests): its background work (a sweeper) does not run.
+pub async fn open_for_tools(config: &StoreConfig) -> Result<AnyStore, StoreError> {
+    let opened = open(config).await?;
+    (opened.factory)()
+}
+
+/// A handle on a `[store.previous]`, made in the worker that reads it: it connects on
+/// its first lookup (the previous store may be down at start or at a reload), and
+/// nothing of it is written but by `carried`'s reads.
+pub(crate) fn previous(previous: &crate::config::Previous) -> Result<AnyStore, StoreError> {
+    match &previous.backend {
+        Backend::Redis(redis) => Ok(RedisStore::new(redis, previous.timeout)?.into()),
+        Backend::Postgres(postgres) => Ok(PostgresStore::lazy(postgres, previous.timeout)?.into()),
+        Backend::Memory(_) | Backend::Sqlite(_) => Err(StoreError::Unready(NOT_SHARED)),
+    }
 }
 
 /// How a backend hands out handles: one shared by every worker (the memory map, the
@@ -355,6 +374,9 @@ pub enum UnknownReason {
     /// The recorded response cannot be opened: sealed under a key no longer
     /// configured, or altered. Never written: what a claim reads such a record as.
     Unreadable,
+    /// In flight when it was moved from another store (`store copy`, a
+    /// `[store.previous]` lookup): its forwarder may still have been running.
+    MovedInFlight,
 }
 
 impl UnknownReason {
@@ -367,6 +389,7 @@ impl UnknownReason {
             UnknownReason::StreamBroken => "stream-broken",
             UnknownReason::LeaseExpired => "lease-expired",
             UnknownReason::Unreadable => "unreadable",
+            UnknownReason::MovedInFlight => "moved-in-flight",
         }
     }
 
@@ -379,6 +402,7 @@ impl UnknownReason {
             b"stream-broken" => Some(UnknownReason::StreamBroken),
             b"lease-expired" => Some(UnknownReason::LeaseExpired),
             b"unreadable" => Some(UnknownReason::Unreadable),
+            b"moved-in-flight" => Some(UnknownReason::MovedInFlight),
             _ => None,
         }
     }
@@ -722,6 +746,12 @@ macro_rules! delegate {
         }
     };
 }
+/// Why a memory store has no records to move.
+const NOT_MOVED: &str = "a memory store lives in its process: it has no records to copy to or from";
+
+/// Why an embedded store is not looked up as a previous store.
+const NOT_SHARED: &str = "only a shared store (redis, postgres) is read as a previous store";
+
 /// The configured store: one of the four backends, and the keys its records are
 /// sealed with, if any (`sealed`). Every response it is given is sealed before the
 /// backend sees it, every one it returns opened, and every fingerprint kept as an HMAC.
@@ -793,6 +823,66 @@ impl AnyStore {
             sealed_by: sealed::sealed_by(&stored),
             response: sealed::open(self.sealer(), key, stored),
         }))
+    }
+
+    /// Up to about `limit` records from `cursor`, as they move to another store
+    /// (`moving`), and where the next page starts; `prefix` is `store.key_prefix`. The
+    /// memory store lives in its process, and has nothing to move.
+    pub async fn export(
+        &self,
+        prefix: &str,
+        cursor: &moving::Cursor,
+        limit: usize,
+    ) -> Result<(Vec<moving::Carried>, moving::Cursor), StoreError> {
+        match &self.engine {
+            Engine::Memory(_) => Err(StoreError::Unready(NOT_MOVED)),
+            Engine::Sqlite(store) => store.export(cursor, limit),
+            Engine::Redis(store) => store.export(prefix, cursor, limit).await,
+            Engine::Postgres(store) => store.export(cursor, limit).await,
+        }
+    }
+
+    /// About how many records it holds, for a copy's progress (Redis: at most).
+    pub async fn count(&self) -> Result<u64, StoreError> {
+        match &self.engine {
+            Engine::Memory(_) => Err(StoreError::Unready(NOT_MOVED)),
+            Engine::Sqlite(store) => Ok(store.usage()?.records as u64),
+            Engine::Redis(store) => store.count().await,
+            Engine::Postgres(store) => store.count().await,
+        }
+    }
+
+    /// Writes moved records where their keys hold none (`moving`).
+    pub async fn import(&self, records: Vec<moving::Carried>) -> Result<moving::Imported, StoreError> {
+        match &self.engine {
+            Engine::Memory(_) => Err(StoreError::Unready(NOT_MOVED)),
+            Engine::Sqlite(store) => store.import(records).await,
+            Engine::Redis(store) => store.import(&records, None).await,
+            Engine::Postgres(store) => store.import(&records, None).await,
+        }
+    }
+
+    /// The record under `key` as it would move: what a `[store.previous]` lookup
+    /// reads. Only the shared stores are looked up so.
+    pub(crate) async fn carried(&self, key: &StoreKey) -> Result<Option<moving::Carried>, StoreError> {
+        match &self.engine {
+            Engine::Redis(store) => store.carried(key).await,
+            Engine::Postgres(store) => store.carried(key).await,
+            Engine::Memory(_) | Engine::Sqlite(_) => Err(StoreError::Unready(NOT_SHARED)),
+        }
+    }
+
+    /// Writes `record` over the in-flight claim `owner` made on its key (or where the
+    /// key holds none): a `[store.previous]` lookup keeps what it found. `false` when
+    /// the key holds another record.
+    pub(crate) async fn take_over(&self, record: moving::Carried, owner: OwnerToken) -> Result<bool, StoreError> {
+        let records = std::slice::from_ref(&record);
+        let imported = match &self.engine {
+            Engine::Redis(store) => store.import(records, Some(owner)).await?,
+            Engine::Postgres(store) => store.import(records, Some(owner)).await?,
+            Engine::Memory(_) | Engine::Sqlite(_) => return Err(StoreError::Unready(NOT_SHARED)),
+        };
+        Ok(imported.written == 1)
     }
 
     fn seal(&self, key: &StoreKey, response: &StoredResponse) -> Result<Option<StoredResponse>, StoreError> {

@@ -147,6 +147,52 @@ pub(super) struct RawStore {
     pub(super) password_env: Option<Spanned<String>>,
     pub(super) schema: Option<Spanned<String>>,
     pub(super) migrate: Option<Spanned<bool>>,
+    /// `[store.previous]`: the store being moved from, read only (docs/design.md §26).
+    pub(super) previous: Option<Spanned<RawPrevious>>,
+}
+
+/// `[store.previous]`: where the previous store is and as whom, as `[store]` says it
+/// for those backends, and until when it is read.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPrevious {
+    pub(super) backend: Spanned<BackendKind>,
+    pub(super) until: Option<Spanned<String>>,
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) urls: Option<Spanned<Vec<String>>>,
+    pub(super) master_name: Option<Spanned<String>>,
+    pub(super) schema: Option<Spanned<String>>,
+    pub(super) password_env: Option<Spanned<String>>,
+    pub(super) connections: Option<Spanned<usize>>,
+    pub(super) timeout: Option<Spanned<HumanDuration>>,
+    pub(super) tls_ca_file: Option<Spanned<String>>,
+    pub(super) tls_cert_file: Option<Spanned<String>>,
+    pub(super) tls_key_file: Option<Spanned<String>>,
+}
+
+impl RawPrevious {
+    /// The previous store as a `[store]` table of its own, for the same checks.
+    pub(super) fn into_store(self, key_prefix: &Spanned<String>) -> RawStore {
+        let defaults = RawStore::default();
+        let postgres = *self.backend.get_ref() == BackendKind::Postgres;
+        RawStore {
+            backend: self.backend,
+            url: self.url,
+            urls: self.urls,
+            master_name: self.master_name,
+            schema: self.schema,
+            password_env: self.password_env,
+            connections: self.connections,
+            timeout: self.timeout.unwrap_or(defaults.timeout),
+            tls_ca_file: self.tls_ca_file,
+            tls_cert_file: self.tls_cert_file,
+            tls_key_file: self.tls_key_file,
+            key_prefix: key_prefix.clone(),
+            // Never written: the store it reads is not migrated.
+            migrate: postgres.then(|| Spanned::new(0..0, false)),
+            ..defaults
+        }
+    }
 }
 
 impl BackendKind {
@@ -245,6 +291,7 @@ impl Default for RawStore {
             password_env: None,
             schema: None,
             migrate: None,
+            previous: None,
         }
     }
 }

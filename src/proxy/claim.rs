@@ -5,12 +5,16 @@
 //! claim; dropped before it is resolved, it releases itself if nothing was forwarded.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwapOption;
 
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, Span};
 
+use crate::config::Config;
 use crate::error::StoreError;
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::{AnyStore, ClaimOutcome, ClaimRequest, OwnerToken, RecordStore, StoreKey, StoredResponse};
@@ -26,20 +30,80 @@ const MAX_RETRY_PAUSE: Duration = Duration::from_secs(2);
 #[derive(Clone)]
 pub(super) struct Ledger {
     store: AnyStore,
+    /// `[store.previous]`, while a fleet switches stores; a reload swaps it.
+    previous: Arc<ArcSwapOption<PreviousStore>>,
     metrics: Arc<Metrics>,
     tasks: TaskTracker,
     /// Each operation runs in a span of its own (`Span::none()` with tracing off).
     spans: Spans,
 }
 
+/// The stores a worker's requests use: its handle on the store, and on the store a
+/// fleet is switching from, if any.
+pub(crate) struct Stores {
+    pub(crate) store: AnyStore,
+    pub(crate) previous: Option<PreviousStore>,
+}
+
+/// The store a fleet is switching from (docs/design.md §26): read for a key the store
+/// does not hold, until `until`.
+pub(crate) struct PreviousStore {
+    store: AnyStore,
+    until: SystemTime,
+    /// Whether this worker has said that `until` has passed.
+    told: AtomicBool,
+}
+
+impl PreviousStore {
+    /// A handle on `config.store.previous`, if it names one (connecting on first use).
+    pub(crate) fn open(config: &Config) -> Result<Option<PreviousStore>, StoreError> {
+        let Some(previous) = &config.store.previous else {
+            return Ok(None);
+        };
+        Ok(Some(PreviousStore {
+            store: crate::store::previous(previous)?,
+            until: previous.until,
+            told: AtomicBool::new(false),
+        }))
+    }
+
+    /// Whether it is read now; past `until`, says so once (a log line, the gauge).
+    fn reading(&self, metrics: &Metrics) -> bool {
+        if SystemTime::now() < self.until {
+            return true;
+        }
+        if !self.told.swap(true, Ordering::Relaxed) {
+            metrics.previous_reading(false);
+            tracing::info!(
+                until = %humantime::format_rfc3339_seconds(self.until),
+                "[store.previous] is past its until and is no longer read; remove it from the config"
+            );
+        }
+        false
+    }
+}
+
 impl Ledger {
-    pub(super) fn new(store: AnyStore, metrics: Arc<Metrics>, tasks: TaskTracker, spans: Spans) -> Ledger {
-        Ledger {
+    pub(super) fn new(stores: Stores, metrics: Arc<Metrics>, tasks: TaskTracker, spans: Spans) -> Ledger {
+        let Stores { store, previous } = stores;
+        let ledger = Ledger {
             store,
+            previous: Arc::new(ArcSwapOption::empty()),
             metrics,
             tasks,
             spans,
-        }
+        };
+        ledger.set_previous(previous);
+        ledger
+    }
+
+    /// Reads `previous` from now on (a reload).
+    pub(super) fn set_previous(&self, previous: Option<PreviousStore>) {
+        let reading = previous
+            .as_ref()
+            .is_some_and(|previous| SystemTime::now() < previous.until);
+        self.metrics.previous_reading(reading);
+        self.previous.store(previous.map(Arc::new));
     }
 
     /// Claims `request.key` for `request.owner`. Acquired, the claim is the caller's to
@@ -51,6 +115,57 @@ impl Ledger {
         request: &ClaimRequest,
         span: &Span,
     ) -> Result<ClaimOutcome<OwnedClaim>, StoreError> {
+        match self.claim_here(request, span).await? {
+            ClaimOutcome::Acquired(claim) => self.before_previous(request, claim).await,
+            existing => Ok(existing),
+        }
+    }
+
+    /// An acquired claim on a key the store did not hold, where `[store.previous]` is
+    /// read: the key is looked up there. Absent, the claim stands. Found, the record is
+    /// written over the claim (in flight there, it arrives unknown) and read back as
+    /// any claim reads a record it finds. Unreadable, the claim is released and the
+    /// request refused: the key may be recorded there, so nothing is forwarded.
+    async fn before_previous(
+        &self,
+        request: &ClaimRequest,
+        claim: OwnedClaim,
+    ) -> Result<ClaimOutcome<OwnedClaim>, StoreError> {
+        let Some(previous) = self.previous.load_full() else {
+            return Ok(ClaimOutcome::Acquired(claim));
+        };
+        if !previous.reading(&self.metrics) {
+            return Ok(ClaimOutcome::Acquired(claim));
+        }
+        let found = match self
+            .timed(StoreOp::PreviousRead, previous.store.carried(&request.key))
+            .await
+        {
+            Ok(None) => return Ok(ClaimOutcome::Acquired(claim)),
+            Ok(Some(found)) => found,
+            Err(error) => {
+                claim.release_in_background();
+                return Err(StoreError::Previous(Box::new(error)));
+            }
+        };
+        if let Err(error) = self
+            .timed(StoreOp::TakeOver, self.store.take_over(found, request.owner))
+            .await
+        {
+            // Fenced on this claim: a release after the record landed changes nothing.
+            claim.release_in_background();
+            return Err(error);
+        }
+        self.metrics.previous_record();
+        let span = claim.span.clone();
+        claim.disown();
+        // What the store now holds for the key: the record found, read as any claim
+        // reads one (or, had it expired in between, a claim of this request's own).
+        self.claim_here(request, &span).await
+    }
+
+    /// The claim in this store alone.
+    async fn claim_here(&self, request: &ClaimRequest, span: &Span) -> Result<ClaimOutcome<OwnedClaim>, StoreError> {
         let claim = OwnedClaim {
             ledger: self.clone(),
             record: request.key.clone(),

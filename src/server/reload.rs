@@ -53,6 +53,8 @@ pub enum ReloadError {
     Worker(#[source] rustls::Error),
     #[error("a worker thread has stopped")]
     WorkerGone,
+    #[error("[store.previous] cannot be used")]
+    Previous(#[source] crate::error::StoreError),
 }
 
 impl ReloadError {
@@ -60,7 +62,7 @@ impl ReloadError {
         match self {
             ReloadError::Invalid(_) => ReloadResult::Invalid,
             ReloadError::NeedsRestart(_) => ReloadResult::Refused,
-            ReloadError::Worker(_) | ReloadError::WorkerGone => ReloadResult::Failed,
+            ReloadError::Worker(_) | ReloadError::WorkerGone | ReloadError::Previous(_) => ReloadResult::Failed,
         }
     }
 }
@@ -85,6 +87,11 @@ impl Reloader {
         let changed = old.needs_restart(&new);
         if !changed.is_empty() {
             return Err(ReloadError::NeedsRestart(changed));
+        }
+        // A `[store.previous]` whose handle cannot be made (its TLS files) is refused
+        // here, before any worker swaps: a worker then never loses the one it reads.
+        if let Some(previous) = &new.store.previous {
+            crate::store::previous(previous).map_err(ReloadError::Previous)?;
         }
         // Every worker builds its routes first and swaps them when built. A failure
         // here is one no start-up could have passed (the routes' TLS is validated

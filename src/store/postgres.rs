@@ -32,6 +32,7 @@ use crate::error::{Held, StoreError};
 
 mod connect;
 mod listen;
+mod moving;
 pub mod schema;
 mod sweep;
 
@@ -42,6 +43,7 @@ pub use self::connect::connector;
 pub struct PostgresStore {
     pool: Pool,
     calls: Arc<Calls>,
+    moving: Arc<moving::MovingCalls>,
     timeout: Duration,
     /// `store.max_records_per_scope`.
     scope_max: i64,
@@ -194,6 +196,14 @@ impl PostgresStore {
         Ok(PostgresStore::new(config, pg, connector, timeout))
     }
 
+    /// A store that connects on its first use and neither makes nor checks the schema:
+    /// a `[store.previous]`, read only, that may be down when the proxy starts.
+    pub fn lazy(config: &PostgresConfig, timeout: Duration) -> Result<PostgresStore, StoreError> {
+        let connector = connector(config)?;
+        let pg = connect::pg_config(config, timeout);
+        Ok(PostgresStore::new(config, pg, connector, timeout))
+    }
+
     /// A worker's store: a pool of `config.connections`, connecting lazily.
     pub fn new(
         config: &PostgresConfig,
@@ -220,6 +230,7 @@ impl PostgresStore {
             pool,
             dial: Arc::new((pg, connector)),
             calls: Arc::new(Calls::new(&config.schema)),
+            moving: Arc::new(moving::MovingCalls::new(&config.schema)),
             timeout,
             scope_max: i64::try_from(config.max_records_per_scope).unwrap_or(i64::MAX),
             min_acks: i32::try_from(config.min_replica_acks).unwrap_or(i32::MAX),

@@ -27,6 +27,7 @@ use crate::config::{RedisConfig, RedisTopology};
 use crate::error::StoreError;
 
 mod layout;
+mod moving;
 mod seams;
 mod subscriber;
 mod topology;
@@ -53,6 +54,7 @@ static SCRIPTS: LazyLock<Arc<Scripts>> = LazyLock::new(|| {
         resolve: Script::new(include_str!("scripts/resolve.lua")),
         begin_probe: Script::new(include_str!("scripts/begin_probe.lua")),
         defer_probe: Script::new(include_str!("scripts/defer_probe.lua")),
+        import: Script::new(include_str!("scripts/import.lua")),
     })
 });
 
@@ -69,6 +71,8 @@ struct Scripts {
     resolve: Script,
     begin_probe: Script,
     defer_probe: Script,
+    /// A record moved from another store (`moving`).
+    import: Script,
 }
 
 /// One of the lifecycle scripts, to swap in a test.
@@ -219,6 +223,7 @@ impl RedisStore {
             &self.scripts.resolve,
             &self.scripts.begin_probe,
             &self.scripts.defer_probe,
+            &self.scripts.import,
         ] {
             let mut connection = self.connection();
             let loaded = tokio::time::timeout(self.timeout, script.prepare_invoke().load_async(&mut connection)).await;

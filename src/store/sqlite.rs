@@ -36,6 +36,7 @@ use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::{Held, StoreError};
 
 mod file;
+mod moving;
 mod replays;
 mod writer;
 

@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use crate::config::raw::{BackendKind, RawEncryption, RawStore};
+use crate::config::raw::{BackendKind, RawEncryption, RawPrevious, RawStore};
 use crate::config::reference::{Backends, SETTINGS};
 use crate::config::{
     Backend, ClientIdentity, DEFAULT_MAX_BYTES, DEFAULT_MAX_RECORDS, DEFAULT_POSTGRES_CONNECTIONS,
     DEFAULT_POSTGRES_MAX_RECORDS_PER_SCOPE, DEFAULT_REPLICA_ACK_TIMEOUT, DEFAULT_SQLITE_CACHE_BYTES,
     DEFAULT_SQLITE_MAX_BYTES, DEFAULT_SQLITE_MAX_RECORDS, DEFAULT_STORE_CONNECTIONS, Encryption, PostgresConfig,
-    RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
+    Previous, RecordKey, RedisConfig, RedisTopology, SqliteConfig, StoreConfig, StoreLimits, StoreTls,
 };
 use crate::error::ConfigError;
 use crate::tls::{self, TlsError};
@@ -67,11 +67,55 @@ impl Validator<'_> {
             None => None,
             Some(encryption) => Some(self.encryption(encryption.get_ref())?),
         };
+        let previous = match raw.previous {
+            None => None,
+            Some(previous) => Some(self.previous(previous, &raw.key_prefix)?),
+        };
         Ok(StoreConfig {
             backend,
             key_prefix: raw.key_prefix.into_inner(),
             timeout: raw.timeout.into_inner().0,
             encryption,
+            previous,
+        })
+    }
+
+    /// `[store.previous]`: a shared store (an embedded one is moved with `store copy`
+    /// during a stop), read with this store's key prefix and record keys, until a time.
+    fn previous(&self, raw: Spanned<RawPrevious>, key_prefix: &Spanned<String>) -> Result<Previous, ConfigError> {
+        let span = raw.span();
+        let mut raw = raw.into_inner();
+        let Some(until) = raw.until.take() else {
+            return Err(self.error(
+                span,
+                "store.previous.until",
+                "is required: the time (RFC 3339, e.g. \"2027-01-31T00:00:00Z\") after which the previous store is no longer read",
+            ));
+        };
+        let until = humantime::parse_rfc3339_weak(until.get_ref()).map_err(|error| {
+            self.error(
+                until.span(),
+                "store.previous.until",
+                format!("is not an RFC 3339 time: {error}"),
+            )
+        })?;
+        if matches!(raw.backend.get_ref(), BackendKind::Memory | BackendKind::Sqlite) {
+            return Err(self.error(
+                raw.backend.span(),
+                "store.previous.backend",
+                format!(
+                    "a {} store is one process's own: move its records with `idemproxy store copy` during a stop; \
+                     [store.previous] reads a shared store (redis, redis-sentinel, redis-cluster, postgres)",
+                    raw.backend.get_ref().name()
+                ),
+            ));
+        }
+        let raw = raw.into_store(key_prefix);
+        let store = self.store(raw)?;
+        Ok(Previous {
+            backend: store.backend,
+            timeout: store.timeout,
+            until,
         })
     }
 

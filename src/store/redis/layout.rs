@@ -35,9 +35,10 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::error::StoreError;
+use crate::store::moving::{self, Carried, CarriedSchedule, CarriedState, RawResponse};
 use crate::store::{
-    ClaimOutcome, Existing, Fingerprint, OwnerToken, Probe, RecordState, RecordSummary, Spent, StoredResponse,
-    SummaryState, UnknownReason,
+    ClaimOutcome, Existing, Fingerprint, OwnerToken, Probe, RecordState, RecordSummary, Spent, StoreKey,
+    StoredResponse, SummaryState, UnknownReason,
 };
 
 /// The format version, the first byte of every record: the one place it is named (the
@@ -199,6 +200,14 @@ fn decode(value: Bytes, pttl: Option<i64>) -> Result<Decoded, StoreError> {
 /// A recorded response as `2C` holds it after its fingerprint, and `<key>:r` whole:
 /// `<status><headers length>:<headers><body>`.
 fn decode_response(tail: Bytes) -> Result<StoredResponse, StoreError> {
+    let (status, headers, body) = split_response(&tail)?;
+    StoredResponse::decode(status, &headers, body)
+        .ok_or(StoreError::Protocol("a completed record that does not decode"))
+}
+
+/// A recorded response's parts as kept: its status's three digits, its encoded
+/// headers, its body.
+fn split_response(tail: &Bytes) -> Result<(&[u8], Bytes, Bytes), StoreError> {
     let bad = |what| StoreError::Protocol(what);
     let status = tail.get(..3).ok_or(bad("a completed record without a status"))?;
     let colon = tail
@@ -211,11 +220,10 @@ fn decode_response(tail: Bytes) -> Result<StoredResponse, StoreError> {
         .and_then(|length| length.parse().ok())
         .ok_or(bad("a completed record with a malformed headers' length"))?;
     let headers_end = colon + 1 + length;
-    let headers = tail
-        .get(colon + 1..headers_end)
-        .ok_or(bad("a completed record cut short"))?;
-    StoredResponse::decode(status, headers, tail.slice(headers_end..))
-        .ok_or(bad("a completed record that does not decode"))
+    if tail.len() < headers_end {
+        return Err(bad("a completed record cut short"));
+    }
+    Ok((status, tail.slice(colon + 1..headers_end), tail.slice(headers_end..)))
 }
 
 /// A `2K` record read with what `<key>:r` held: its response, or past its retention
@@ -334,6 +342,191 @@ pub(super) fn summary(
         state,
         owner,
     }))
+}
+
+/// A record as it moves to another store (`store::moving`), from its value, its
+/// `PTTL`, and what `<key>:r` held with its `PTTL`. `None` when it was gone.
+pub(super) fn carried(
+    key: StoreKey,
+    value: Option<Bytes>,
+    pttl: i64,
+    response: Option<Bytes>,
+    response_pttl: i64,
+) -> Result<Option<Carried>, StoreError> {
+    let bad = |what| StoreError::Protocol(what);
+    let Some(value) = value.filter(|_| pttl > 0) else {
+        return Ok(None);
+    };
+    if value.first() != Some(&VERSION) {
+        return Err(bad("a record in a format this idemproxy does not understand"));
+    }
+    let fingerprint = value
+        .get(FINGERPRINT)
+        .and_then(Fingerprint::from_hex)
+        .ok_or(bad("a record with a malformed fingerprint"))?;
+    let ttl = moving::left(pttl);
+    // The TTL at which a record's response expires (`/<keep>`), as what is left of it.
+    let keep = |tail: &[u8]| {
+        let slash = tail.iter().rposition(|byte| *byte == b'/')?;
+        let keep: i64 = std::str::from_utf8(&tail[slash + 1..]).ok()?.parse().ok()?;
+        Some(moving::left(pttl - keep))
+    };
+    let tail = value.get(OWNER.end..).unwrap_or_default();
+    let carried = |response_ttl, state| Carried {
+        key: key.clone(),
+        fingerprint,
+        ttl,
+        response_ttl,
+        state,
+    };
+    Ok(Some(match value.get(1) {
+        Some(&IN_FLIGHT) => {
+            let owner = value.get(OWNER).and_then(OwnerToken::from_hex);
+            let rest: Option<i64> = std::str::from_utf8(without_keep(tail))
+                .ok()
+                .and_then(|rest| rest.parse().ok());
+            let (owner, rest) = owner
+                .zip(rest)
+                .ok_or(bad("an in-flight record without its owner or lease"))?;
+            let mut moved = Carried::in_flight(key.clone(), fingerprint, ttl, keep(tail), owner);
+            if let (true, CarriedState::Unknown { reason, .. }) = (pttl <= rest, &mut moved.state) {
+                *reason = UnknownReason::LeaseExpired;
+            }
+            moved
+        }
+        Some(&COMPLETED) => {
+            let kept = value.slice(FINGERPRINT.end..);
+            let (status, headers, body) = split_response(&kept)?;
+            let status = std::str::from_utf8(status).ok().and_then(|status| status.parse().ok());
+            let status = status.ok_or(bad("a completed record without a status"))?;
+            let response = Some(RawResponse { headers, body });
+            carried(
+                None,
+                CarriedState::Completed {
+                    status,
+                    completed_at: None,
+                    response,
+                },
+            )
+        }
+        Some(&KEPT) => {
+            let Read::Kept(spent) = decode(value.clone(), Some(pttl))?.state else {
+                return Err(bad("a completed record that does not decode"));
+            };
+            let beside = response.filter(|_| response_pttl > 0);
+            let (response_ttl, response) = match beside {
+                None => (Some(Duration::ZERO), None),
+                Some(beside) => {
+                    let (_, headers, body) = split_response(&beside)?;
+                    (Some(moving::left(response_pttl)), Some(RawResponse { headers, body }))
+                }
+            };
+            let status = spent.status.as_u16();
+            carried(
+                response_ttl,
+                CarriedState::Completed {
+                    status,
+                    completed_at: spent.completed_at,
+                    response,
+                },
+            )
+        }
+        Some(&UNKNOWN) => {
+            let Read::Unknown { reason, owner, .. } = decode(value.clone(), Some(pttl))?.state else {
+                return Err(bad("an unknown record that does not decode"));
+            };
+            let owner = owner.as_deref().and_then(OwnerToken::from_hex);
+            let tail = value
+                .get(if owner.is_some() { OWNER.end } else { FINGERPRINT.end }..)
+                .unwrap_or_default();
+            let schedule = without_keep(tail)
+                .splitn(3, |byte| *byte == b':')
+                .skip(1)
+                .map(|number| std::str::from_utf8(number).ok()?.parse::<i64>().ok())
+                .collect::<Option<Vec<i64>>>()
+                .and_then(|numbers| match numbers[..] {
+                    [due, give_up] => Some(CarriedSchedule {
+                        due_in: (due >= 0).then(|| moving::left(pttl - due)),
+                        give_up_in: moving::left(pttl - give_up),
+                    }),
+                    _ => None,
+                });
+            carried(
+                keep(tail),
+                CarriedState::Unknown {
+                    reason,
+                    owner,
+                    schedule,
+                },
+            )
+        }
+        _ => return Err(bad("a record in an unknown state")),
+    }))
+}
+
+/// The value a moved record is written with, and the response kept beside it
+/// (`<key>:r`, with its PTTL) where the record outlives it; `now` is when it is
+/// written, in milliseconds since the epoch (a completion time the source did not keep).
+pub(super) fn moved(record: &Carried, now: i64) -> (Vec<u8>, Option<(Vec<u8>, Duration)>) {
+    let mut value = Vec::with_capacity(OWNER.end + 64);
+    let fingerprint = record.fingerprint.to_hex();
+    let response_part = |status: u16, response: &RawResponse| {
+        let mut part = format!("{status:03}{}:", response.headers.len()).into_bytes();
+        part.extend_from_slice(&response.headers);
+        part.extend_from_slice(&response.body);
+        part
+    };
+    let ttl = moving::millis(record.ttl);
+    let keep = ttl - moving::millis(record.response_left());
+    match &record.state {
+        CarriedState::Completed {
+            status,
+            response: Some(response),
+            ..
+        } if record.live_response().is_some() && record.response_with_record() => {
+            value.extend_from_slice(&[VERSION, COMPLETED]);
+            value.extend_from_slice(fingerprint.as_bytes());
+            value.extend_from_slice(&response_part(*status, response));
+            (value, None)
+        }
+        CarriedState::Completed {
+            status, completed_at, ..
+        } => {
+            value.extend_from_slice(&[VERSION, KEPT]);
+            value.extend_from_slice(fingerprint.as_bytes());
+            let completed = completed_at.map_or(now, |at| {
+                at.duration_since(std::time::UNIX_EPOCH).map_or(0, moving::millis)
+            });
+            value.extend_from_slice(format!("{status:03}{completed}").as_bytes());
+            let beside = record
+                .live_response()
+                .map(|response| (response_part(*status, response), record.response_left()));
+            (value, beside)
+        }
+        CarriedState::Unknown {
+            reason,
+            owner,
+            schedule,
+        } => {
+            value.extend_from_slice(&[VERSION, UNKNOWN]);
+            value.extend_from_slice(fingerprint.as_bytes());
+            if let Some(owner) = owner {
+                value.extend_from_slice(owner.to_hex().as_bytes());
+            }
+            value.extend_from_slice(reason.as_str().as_bytes());
+            if let Some(schedule) = schedule {
+                let due = schedule
+                    .due_in
+                    .map_or(-1, |due_in| (ttl - moving::millis(due_in)).max(0));
+                let give_up = (ttl - moving::millis(schedule.give_up_in)).max(0);
+                value.extend_from_slice(format!(":{due}:{give_up}").as_bytes());
+            }
+            if keep > 0 {
+                value.extend_from_slice(format!("/{keep}").as_bytes());
+            }
+            (value, None)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -488,6 +681,7 @@ mod tests {
             ("resolve", include_str!("../scripts/resolve.lua")),
             ("begin_probe", include_str!("../scripts/begin_probe.lua")),
             ("defer_probe", include_str!("../scripts/defer_probe.lua")),
+            ("import", include_str!("../scripts/import.lua")),
         ];
         let tags: Vec<String> = [IN_FLIGHT, COMPLETED, KEPT, UNKNOWN]
             .iter()

@@ -1,0 +1,201 @@
+//! Moving records into and out of the SQLite file (`store::moving`): a page of live
+//! records in key order, read on a read connection; and a batch written in one of the
+//! writer's commits, each row only where the key holds no live record.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use rusqlite::{Connection, params};
+
+use super::writer::{Millis, disk};
+use super::{RECORD_OVERHEAD, SqliteStore};
+use crate::error::StoreError;
+use crate::store::moving::{self, Carried, CarriedSchedule, CarriedState, Cursor, Imported, RawResponse};
+use crate::store::{Fingerprint, OwnerToken, StoreKey, UnknownReason};
+
+const PAGE: &str = "SELECT key, fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
+                    probe_due, probe_give_up, response_until, completed_at FROM records \
+                    WHERE key > ?1 AND expires_at > ?2 ORDER BY key LIMIT ?3";
+
+impl SqliteStore {
+    /// Up to `limit` live records after `cursor`, in key order.
+    pub(crate) fn export(&self, cursor: &Cursor, limit: usize) -> Result<(Vec<Carried>, Cursor), StoreError> {
+        let after = match cursor {
+            Cursor::Start => String::new(),
+            Cursor::After(key) => key.clone(),
+            Cursor::Scan(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
+        };
+        let records = self.read(|conn, now| page(conn, &after, now, limit))?;
+        let next = match records.last() {
+            Some(last) if records.len() == limit => Cursor::After(last.key.as_str().to_owned()),
+            _ => Cursor::End,
+        };
+        Ok((records, next))
+    }
+
+    /// Writes each record where its key holds no live one, in one commit.
+    pub(crate) async fn import(&self, records: Vec<Carried>) -> Result<Imported, StoreError> {
+        let records = std::sync::Arc::new(records);
+        self.write(move |conn, now| {
+            let mut imported = Imported::default();
+            for record in records.iter().filter(|record| !record.ttl.is_zero()) {
+                match insert(conn, record, now)? {
+                    true => imported.written += 1,
+                    false => imported.kept += 1,
+                }
+            }
+            Ok(imported)
+        })
+        .await
+    }
+}
+
+fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec<Carried>, StoreError> {
+    let mut statement = conn.prepare_cached(PAGE).map_err(|error| disk(&error, false))?;
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let rows = statement
+        .query_map(params![after, now, limit], |row| {
+            let blob = |index: usize| row.get::<_, Option<Vec<u8>>>(index);
+            let number = |index: usize| row.get::<_, Option<i64>>(index);
+            let key: String = row.get(0)?;
+            let fingerprint = Fingerprint::from_bytes(&row.get::<_, Vec<u8>>(1)?);
+            let expires_at: i64 = row.get(2)?;
+            let state: String = row.get(3)?;
+            let owner = blob(4)?.and_then(|owner| OwnerToken::from_bytes(&owner));
+            let response_until = number(12)?;
+            let (ttl, response_ttl) = (
+                moving::left(expires_at - now),
+                response_until.map(|at| moving::left(at - now)),
+            );
+            let key = StoreKey::from_derived(key);
+            let state = match (state.as_str(), owner) {
+                ("in_flight", Some(owner)) => {
+                    let expired = number(5)?.is_none_or(|lease_until| lease_until <= now);
+                    let mut moved = Carried::in_flight(key.clone(), Fingerprint([0; 32]), ttl, response_ttl, owner);
+                    if let (true, CarriedState::Unknown { reason, .. }) = (expired, &mut moved.state) {
+                        *reason = UnknownReason::LeaseExpired;
+                    }
+                    Some(moved.state)
+                }
+                ("completed", _) => number(6)?.and_then(|status| u16::try_from(status).ok()).map(|status| {
+                    let body = blob(8).ok().flatten();
+                    let headers = blob(7).ok().flatten().unwrap_or_default();
+                    CarriedState::Completed {
+                        status,
+                        completed_at: number(13).ok().flatten().and_then(crate::record::from_epoch_millis),
+                        response: body.map(|body| RawResponse {
+                            headers: Bytes::from(headers),
+                            body: Bytes::from(body),
+                        }),
+                    }
+                }),
+                ("unknown", owner) => {
+                    let reason: Option<String> = row.get(9)?;
+                    let (due, give_up) = (number(10)?, number(11)?);
+                    reason
+                        .and_then(|reason| UnknownReason::parse(reason.as_bytes()))
+                        .map(|reason| CarriedState::Unknown {
+                            reason,
+                            owner,
+                            schedule: give_up.map(|give_up_at| CarriedSchedule {
+                                due_in: due.map(|due| moving::left(due - now)),
+                                give_up_in: moving::left(give_up_at - now),
+                            }),
+                        })
+                }
+                _ => None,
+            };
+            Ok(state.zip(fingerprint).map(|(state, fingerprint)| Carried {
+                key,
+                fingerprint,
+                ttl,
+                response_ttl,
+                state,
+            }))
+        })
+        .map_err(|error| disk(&error, false))?;
+    let mut records = Vec::new();
+    for row in rows {
+        let record = row.map_err(|error| disk(&error, false))?;
+        records.push(record.ok_or(StoreError::Protocol("a record in the store's file does not decode"))?);
+    }
+    Ok(records)
+}
+
+/// Writes `record` unless its key holds a live record (an expired one is replaced);
+/// `true` when it was written.
+fn insert(conn: &Connection, record: &Carried, now: Millis) -> Result<bool, StoreError> {
+    let at = |left: Duration| now + moving::millis(left);
+    let key = record.key.as_str();
+    super::execute(
+        conn,
+        "DELETE FROM records WHERE key = ?1 AND expires_at <= ?2",
+        params![key, now],
+    )?;
+    let response_until = (!record.response_with_record()).then(|| at(record.response_left()));
+    let (state, owner, status, completed_at, response, reason, due, give_up) = match &record.state {
+        CarriedState::Completed {
+            status, completed_at, ..
+        } => {
+            let completed_at =
+                completed_at.map(|at| at.duration_since(std::time::UNIX_EPOCH).map_or(0, moving::millis));
+            let status = Some(i64::from(*status));
+            (
+                "completed",
+                None,
+                status,
+                completed_at,
+                record.live_response(),
+                None,
+                None,
+                None,
+            )
+        }
+        CarriedState::Unknown {
+            reason,
+            owner,
+            schedule,
+        } => {
+            let owner = Carried::unknown_owner(*owner)?;
+            let due = schedule.and_then(|schedule| schedule.due_in.map(at));
+            let give_up = schedule.map(|schedule| at(schedule.give_up_in));
+            let reason = Some(reason.as_str());
+            ("unknown", Some(owner), None, None, None, reason, due, give_up)
+        }
+    };
+    let size =
+        RECORD_OVERHEAD + key.len() + response.map_or(0, |response| response.headers.len() + response.body.len());
+    let written = super::execute(
+        conn,
+        "INSERT INTO records (key, fingerprint, expires_at, state, owner, status, headers, body, reason, probe_due, \
+         probe_give_up, size, response_until, completed_at) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) ON CONFLICT (key) DO NOTHING",
+        params![
+            key,
+            &record.fingerprint.0[..],
+            at(record.ttl),
+            state,
+            owner.as_ref().map(|owner| &owner.as_bytes()[..]),
+            status,
+            response.map(|response| &response.headers[..]),
+            response.map(|response| &response.body[..]),
+            reason,
+            due,
+            give_up,
+            i64::try_from(size).unwrap_or(i64::MAX),
+            response_until,
+            completed_at,
+        ],
+    )?;
+    let spent = written == 1 && state == "completed" && response.is_none();
+    if spent {
+        // Counted as the sweeper's drop of a response counts it (`records_spent`).
+        super::execute(
+            conn,
+            "INSERT INTO shares (kind, id, records, bytes) VALUES (3, 0, 1, 0) \
+             ON CONFLICT DO UPDATE SET records = records + 1",
+            [],
+        )?;
+    }
+    Ok(written == 1)
+}
