@@ -7,7 +7,8 @@
 //! lifecycle (usage, commit figures, unsettled records, warm-up) is a default method it
 //! overrides. `AnyStore` is what callers hold: it dispatches to the backend and seals
 //! and opens records (`sealed`). `open` picks the backend the config names, so that
-//! nothing outside this module names one; `notify` tells waiters that a record changed.
+//! nothing outside this module names one; `notify` tells waiters that a record changed;
+//! `moving` carries records from one store to another (`store copy`, `[store.previous]`).
 //! The store knows nothing of HTTP routing or of how store keys are derived.
 
 use std::fmt;
