@@ -8,7 +8,7 @@ defaults (fsync on) and SQLite on this machine's disk. Runs the release binaries
 (build them first: cargo build --release --examples --bins). Prints figures; asserts
 nothing.
 
-    python3 bench/copy.py [--records 1000000]
+    python3 bench/copy.py [--records 1000000] [--pairs sqlite-postgres,redis-sqlite,...]
 """
 
 import argparse
@@ -48,6 +48,8 @@ retention = "1h"
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--pairs", default="sqlite-postgres,sqlite-redis,postgres-redis,redis-postgres,redis-sqlite,"
+                                           "postgres-sqlite")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="copy-bench-", dir=os.path.join(os.path.dirname(IDEMPROXY), ".."))
     children = []
@@ -58,12 +60,12 @@ def main():
         children.append(redis)
         pg = Postgres(work, free_port(), children)
         stores = {
-            "sqlite": lambda n: f'backend = "sqlite"\npath = "{work}/records-{n}.db"\nmax_bytes = "64GiB"\nmax_records = 100000000',
+            "sqlite": lambda n: f'backend = "sqlite"\npath = "{work}/records-{n}.db"\nmax_bytes = "64GiB"\n'
+                                f'max_records = 100000000',
             "postgres": lambda n: f'backend = "postgres"\nurl = "postgres://postgres@127.0.0.1:{pg.port}/postgres"\nschema = "s{n}"',
             "redis": lambda n: f'backend = "redis"\nurl = "redis://127.0.0.1:{redis_port}/{n}"',
         }
-        pairs = [("sqlite", "postgres"), ("sqlite", "redis"), ("postgres", "redis"), ("redis", "postgres"),
-                 ("redis", "sqlite"), ("postgres", "sqlite")]
+        pairs = [tuple(pair.split("-")) for pair in args.pairs.split(",")]
         print(f"{'from':<10} {'to':<10} {'records':>9} {'seconds':>8} {'records/s':>10} {'1 M':>8} {'10 M':>8}")
         for n, (source, target) in enumerate(pairs):
             time.sleep(0.5)

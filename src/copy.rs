@@ -20,6 +20,8 @@ use crate::store::{AnyStore, UnknownReason};
 
 /// Records read and written a page at a time.
 pub const PAGE: usize = 1000;
+/// The least time a page's read or write is given.
+const PAGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How many times a page whose write failed is tried again before the copy stops.
 const TRIES: u32 = 3;
 
@@ -116,9 +118,12 @@ pub async fn run(from: &Config, to: &Config, mut progress: impl FnMut(&Progress)
     copied
 }
 
-/// The store `config` names, and the tasks it runs until the copy ends.
+/// The store `config` names, and the tasks it runs until the copy ends. Each page
+/// is given `PAGE_TIMEOUT` at least, whatever `store.timeout` gives a request.
 async fn open(side: &'static str, config: &Config) -> Result<(AnyStore, crate::store::Background), CopyError> {
-    let opened = crate::store::open(&config.store)
+    let mut store = config.store.clone();
+    store.timeout = store.timeout.max(PAGE_TIMEOUT);
+    let opened = crate::store::open(&store)
         .await
         .map_err(|source| CopyError::Open { side, source })?;
     let store = (opened.factory)().map_err(|source| CopyError::Open { side, source })?;

@@ -372,6 +372,10 @@ async fn the_byte_budget_holds_under_two_hundred_stalled_streams() {
     let mut config = streaming_config(StoreKind::Memory, &upstream, "max_response_body_bytes = \"64KiB\"");
     config.server =
         "max_buffered_bytes = \"1MiB\"\nmax_request_body_bytes = \"64KiB\"\nmax_guarded_requests = 1000".into();
+    // Each stream's whole exchange is bounded by the upstream timeout, counted from its
+    // request: 200 streams opened one after another on a loaded machine may take more
+    // than the default 5 s before the test reads them (it then saw a broken stream).
+    config.upstream_timeout = "60s".into();
     let proxy = config.start().await;
     let (addr, admin) = (proxy.addr(), proxy.admin());
     let mut streams = Vec::new();

@@ -41,8 +41,10 @@ impl MovingCalls {
             count: format!("SELECT count(*) FROM {schema}.records WHERE expires_at > clock_timestamp()"),
             page: select(schema, "key > $1 ORDER BY key LIMIT $2"),
             one: select(schema, "key = $1"),
+            // A waiter on the claim a record is written over is told, as the
+            // functions tell it of any change to a claim it marked.
             import: format!(
-                "INSERT INTO {schema}.records AS r (key, fingerprint, state, owner, expires_at, status, headers, body, \
+                "WITH written AS (INSERT INTO {schema}.records AS r (key, fingerprint, state, owner, expires_at, status, headers, body, \
                  reason, probe_due, probe_give_up, response_until, completed_at) \
                  SELECT key, fingerprint, state, owner, {ttl}, status, headers, body, reason, {due}, {give_up}, \
                  {response}, to_timestamp(completed_ms / 1000.0) \
@@ -56,7 +58,10 @@ impl MovingCalls {
                  reason = excluded.reason, probe_due = excluded.probe_due, probe_give_up = excluded.probe_give_up, \
                  response_until = excluded.response_until, completed_at = excluded.completed_at, scope = NULL \
                  WHERE r.expires_at <= clock_timestamp() OR (r.state = 'in_flight' AND r.owner = $14) \
-                 RETURNING key",
+                 RETURNING key, waited) \
+                 SELECT key FROM written WHERE NOT waited \
+                 UNION ALL SELECT key FROM (SELECT key, pg_notify('{channel}', key) FROM written WHERE waited) AS told",
+                channel = super::schema::channel(schema),
                 ttl = at("ttl_ms"),
                 due = at("due_ms"),
                 give_up = at("give_up_ms"),

@@ -31,6 +31,8 @@ const MAX_BATCH: usize = 1024;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Most expired records one sweep deletes; more left, the next sweep comes at once.
 const SWEEP_BATCH: i64 = 1000;
+/// The log's size past which a checkpoint holds the writer until the log starts over.
+const LOG_BOUND: i64 = 64 * 1024 * 1024;
 /// How long the checkpointer lets commits gather before it copies them into the file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 
@@ -264,14 +266,28 @@ fn run(
 
 /// The checkpointer: woken by commits, it lets them gather for `CHECKPOINT_EVERY`, then
 /// copies the log into the database file (`PASSIVE`: it never blocks the writer or a
-/// reader, and the writer starts the log over once all of it is copied).
+/// reader, and the writer starts the log over once all of it is copied). Under writes
+/// that never pause (a copy into the store: `store::moving`), a passive checkpoint never
+/// catches up and the log would grow without bound; once it holds more than
+/// `LOG_BOUND`, the checkpoint is a `RESTART`, which waits for the writer's commit in
+/// progress, holds the next one while it copies the rest, and has the log started over
+/// (and cut to `journal_size_limit`).
 fn checkpoint_on(conn: &Connection, poked: &Receiver<()>) {
+    let page_size: i64 = conn
+        .pragma_query_value(None, "page_size", |row| row.get(0))
+        .unwrap_or(4096);
     while poked.recv().is_ok() {
         // A throttle, not a wait for anything: the commits of the next 100 ms are copied
         // by this one checkpoint (the pokes they send meanwhile are taken below).
         std::thread::sleep(CHECKPOINT_EVERY);
         while poked.try_recv().is_ok() {}
-        let copied = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(0));
+        let copied = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get::<_, i64>(1));
+        let copied = match copied {
+            Ok(frames) if frames.saturating_mul(page_size) > LOG_BOUND => {
+                conn.query_row("PRAGMA wal_checkpoint(RESTART)", [], |row| row.get::<_, i64>(0))
+            }
+            other => other,
+        };
         if let Err(error) = copied {
             tracing::warn!(%error, "cannot copy the store's log into its file; trying again after the next commit");
         }
