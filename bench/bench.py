@@ -36,7 +36,9 @@ the same cases without it: Redis (rd, re vs d, e), memory (ru, rv vs u, v), SQLi
 vs w, x) and Postgres (rpf, rpr vs pf, pr), starting those stores as --stores and
 --postgres do; and (rs): fresh keys on SQLite with a 3 s retention, so that the sweeper
 drops responses all through the run, with what it dropped a second and the proxy's CPU
-per request, beside (rw)),
+per request, beside (rw)), --durable (also run (af) and (ae): fresh keys and replays on
+Redis with `appendonly yes` and `appendfsync always`, its log on this disk, beside the
+--stores cases, with the SQLite writer thread's CPU per write),
 --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
@@ -109,6 +111,16 @@ STORE_CASES = [
 # Each SQLite case and what it is held to: the memory store's same case, and Redis'.
 ON_SQLITE = {"w": ("u", "d"), "x": ("v", "e")}
 
+# With --durable (issue 54): the store a team would run instead of SQLite for the same
+# durability on one machine, Redis with `appendonly yes` and `appendfsync always` (its
+# log on this machine's disk), beside the --stores cases, from the same run.
+DURABLE_CASES = [
+    ("af", "idemproxy POST, fresh key, Redis appendfsync always", "redis-aof", "fresh.lua", "/v1/payments"),
+    ("ae", "idemproxy POST, replay, Redis appendfsync always", "redis-aof", "replay.lua", "/v1/payments"),
+]
+# Each SQLite case and its case on Redis with appendfsync always.
+ON_AOF = {"w": "af", "x": "ae"}
+
 # With --sealed: fresh keys and replays with 1 KiB and 64 KiB response bodies, on the
 # Redis idemproxy (records in clear) and on one with [store.encryption] (records
 # sealed with AES-256-GCM) on the same redis-server, from the same run.
@@ -167,8 +179,10 @@ IN_HEADER = {"kj": "kh"}
 # A 1 KiB request body with the key in its client_reference field: the same bytes in
 # both key cases, so that only where the proxy finds the key differs.
 FRESH_1K = textwrap.dedent("""
-    math.randomseed(os.time() + math.floor(os.clock() * 1000000))
-    local prefix = string.format("%x%x", math.random(0, 0x7fffffff), math.random(0, 0x7fffffff))
+    -- A per-run salt from the command line (run_wrk): LuaJIT's own generator repeats
+    -- its draws across runs, and keys would repeat with it.
+    local prefix = "k"
+    init = function(args) prefix = table.concat(args, "-") end
     local counter = 0
     local memo = string.rep("x", 960)
     wrk.method = "POST"
@@ -196,8 +210,10 @@ SCRIPTS = {
     "get.lua": 'wrk.method = "GET"\n',
     # A fresh key on every request: a per-run random prefix plus a counter.
     "fresh.lua": textwrap.dedent("""
-        math.randomseed(os.time() + math.floor(os.clock() * 1000000))
-        local prefix = string.format("%x%x", math.random(0, 0x7fffffff), math.random(0, 0x7fffffff))
+        -- A per-run salt from the command line (run_wrk): LuaJIT's own generator
+        -- repeats its draws across runs, and keys would repeat with it.
+        local prefix = "k"
+        init = function(args) prefix = table.concat(args, "-") end
         local counter = 0
         wrk.method = "POST"
         wrk.body = '{"amount":1000}'
@@ -426,7 +442,7 @@ class RssSampler:
 def run_wrk(port, script, path, connections, duration):
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", script,
-         f"http://127.0.0.1:{port}{path}"],
+         f"http://127.0.0.1:{port}{path}", "--", os.urandom(8).hex()],
         capture_output=True, text=True)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -455,6 +471,7 @@ def main():
     parser.add_argument("--postgres", action="store_true")
     parser.add_argument("--keys", action="store_true")
     parser.add_argument("--remember", action="store_true")
+    parser.add_argument("--durable", action="store_true")
     parser.add_argument("--pg-connections", type=int, default=4)
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
@@ -467,6 +484,10 @@ def main():
         args.stores = args.postgres = True
         cases = (CASES + (CLUSTER_CASES if args.cluster else []) + (TRACE_CASES if args.traces else [])
                  + STORE_CASES + POSTGRES_CASES + (KEY_CASES if args.keys else []) + REMEMBER_CASES)
+    if args.durable:
+        args.stores = True
+        known = {case[0] for case in cases}
+        cases += [case for case in STORE_CASES + DURABLE_CASES if case[0] not in known]
     if args.sealed:
         # (k) and (p) are already among CASES: each case runs once.
         known = {case[0] for case in cases}
@@ -476,6 +497,7 @@ def main():
         # The baselines the chosen cases are compared with run too.
         wanted |= {BASELINE.get(case, "b") for case in wanted} | {UNTRACED[c] for c in wanted if c in UNTRACED}
         wanted |= {other for c in wanted if c in ON_SQLITE for other in ON_SQLITE[c]}
+        wanted |= {ON_AOF[c] for c in wanted if c in ON_AOF and args.durable}
         wanted |= {UNSEALED[c] for c in wanted if c in UNSEALED}
         wanted |= {ON_POSTGRES[c] for c in wanted if c in ON_POSTGRES}
         wanted |= {IN_HEADER[c] for c in wanted if c in IN_HEADER}
@@ -494,7 +516,8 @@ def main():
                                             "remember-redis-admin", "remember-memory", "remember-memory-admin",
                                             "remember-sqlite", "remember-sqlite-admin", "remember-postgres",
                                             "remember-postgres-admin", "sweeping-sqlite",
-                                            "sweeping-sqlite-admin")}
+                                            "sweeping-sqlite-admin", "redis-aof", "redis-aof-admin",
+                                            "redis-aof-server")}
     # The SQLite file where commits are fsyncs: beside the build, on the repository's disk.
     disk_dir = tempfile.mkdtemp(prefix="idemproxy-bench-sqlite-",
                                 dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"))
@@ -644,6 +667,19 @@ def main():
                 proxies[name] = idemproxy_config(name, ports[name], ports[f"{name}-admin"], store)
                 redis_ports[name] = []
 
+        if args.durable:
+            aof_dir = tempfile.mkdtemp(prefix="aof-", dir=disk_dir)
+            children.append(subprocess.Popen(
+                ["redis-server", "--port", str(ports["redis-aof-server"]), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction",
+                 "--dir", aof_dir],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            wait_port(ports["redis-aof-server"], what="redis (appendfsync always)")
+            proxies["redis-aof"] = idemproxy_config(
+                "redis-aof", ports["redis-aof"], ports["redis-aof-admin"],
+                f'backend = "redis"\n                url = "redis://127.0.0.1:{ports["redis-aof-server"]}/0"')
+            redis_ports["redis-aof"] = [ports["redis-aof-server"]]
+
         postgres = None
         if args.postgres:
             postgres = Postgres(disk_dir, ports["pg"], children)
@@ -687,6 +723,7 @@ def main():
                     fsyncs = FsyncCounter(proxies["sqlite"].pid) if target == "sqlite" and args.stores else None
                     pg_before = postgres.counters() if target == "postgres" else None
                     proxy_cpu_before = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid)
+                    writer_before = thread_cpu_seconds(proxies[target].pid, WRITER) if target == "sqlite" else 0
                     dropped_before = dropped(ports, target)
                     if script == "h2":
                         run = run_h2load(ports[target], path, connections, args.duration)
@@ -702,6 +739,8 @@ def main():
                     run["fsyncs"] = fsyncs.stop() if fsyncs else 0
                     run["proxy_cpu"] = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid) - proxy_cpu_before
                     run["dropped"] = dropped(ports, target) - dropped_before
+                    run["writer_cpu"] = (thread_cpu_seconds(proxies[target].pid, WRITER) - writer_before
+                                         if target == "sqlite" else 0)
                     if pg_before is not None:
                         after = postgres.counters()
                         run["pg_statements"], run["pg_cpu"] = after[0] - pg_before[0], after[1] - pg_before[1]
@@ -829,6 +868,26 @@ class FsyncCounter:
         return total
 
 
+# The SQLite store's writer thread, as /proc shows its name (15 bytes).
+WRITER = "idemproxy-sqlite-writer"[:15]
+
+
+def thread_cpu_seconds(pid, name):
+    """The CPU seconds (user and system) of the threads of `pid` named `name`."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            pass
+    return total
+
+
 def dropped(ports, target):
     """The responses a SQLite store's sweeper has dropped at the end of their retention."""
     if target not in ("sqlite", "remember-sqlite", "sweeping-sqlite"):
@@ -881,7 +940,7 @@ def print_table(results, connection_counts, args, cases):
             rps, p99 = median(runs, "rps"), median(runs, "p99_ms")
             requests = sum(run["requests"] for run in runs)
             non2xx = sum(run["non2xx"] + run["socket_errors"] for run in runs)
-            if target in ("idemproxy", "cluster", "traced", "traced-1pct", "sealed", "remember-redis"):
+            if target in ("idemproxy", "cluster", "traced", "traced-1pct", "sealed", "remember-redis", "redis-aof"):
                 commands = f"{sum(run['commands'] for run in runs) / requests:.3f}"
                 trips = f"{max(0, sum(run['reads'] for run in runs)) / requests:.3f}"
                 cpu = f"{sum(run['redis_cpu'] for run in runs) / requests * 1e6:.1f}"
@@ -916,9 +975,10 @@ def print_table(results, connection_counts, args, cases):
     on_sqlite = [case for case in cases if case[0] in ON_SQLITE]
     if on_sqlite:
         print()
-        print("| SQLite case | conns | req/s vs memory | req/s vs Redis | p50 / p99 ms added to nginx's | "
-              "commits/s | writes per commit | fsyncs/s |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| SQLite case | conns | req/s vs memory | req/s vs Redis | req/s vs Redis AOF always | "
+              "p99 vs Redis AOF always | p50 / p99 ms added to nginx's | commits/s | writes per commit | "
+              "fsyncs/s | writer CPU µs/write |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for connections in connection_counts:
             base = results[("b", connections)]
             for case, label, _, _, _ in on_sqlite:
@@ -928,13 +988,17 @@ def print_table(results, connection_counts, args, cases):
                 commit_count = sum(run["commits"][0] for run in runs)
                 writes = sum(run["commits"][1] for run in runs)
                 fsync_count = sum(run["fsyncs"] for run in runs)
+                writer = (f"{sum(run['writer_cpu'] for run in runs) / writes * 1e6:.1f}" if writes else "-")
+                aof = results.get((ON_AOF[case], connections))
+                versus_aof = (f"{median(runs, 'rps') / median(aof, 'rps'):.2f}x | "
+                              f"{median(runs, 'p99_ms') / median(aof, 'p99_ms'):.2f}x" if aof else "- | -")
                 print(f"| ({case}) {label} | {connections} | "
                       f"{median(runs, 'rps') / median(memory, 'rps'):.2f}x | "
-                      f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x | "
+                      f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x | {versus_aof} | "
                       f"{median(runs, 'p50_ms') - median(base, 'p50_ms'):.2f} / "
                       f"{median(runs, 'p99_ms') - median(base, 'p99_ms'):.2f} | "
                       f"{commit_count / seconds:,.0f} | {writes / max(commit_count, 1):.1f} | "
-                      f"{fsync_count / seconds:,.0f} |")
+                      f"{fsync_count / seconds:,.0f} | {writer} |")
     on_postgres = [case for case in cases if case[0] in ON_POSTGRES]
     if on_postgres:
         print()

@@ -374,7 +374,9 @@ impl SqliteStore {
         )
         .and_then(|checkpoints| {
             checkpoints.pragma_update(None, "synchronous", "FULL")?;
-            checkpoints.pragma_update(None, "busy_timeout", 5000)?;
+            // Only the checkpoint that starts the log over waits (for the writer's
+            // commit and for readers): briefly, since it holds the writer meanwhile.
+            checkpoints.pragma_update(None, "busy_timeout", 100)?;
             checkpoints.pragma_update(None, "mmap_size", 0)?;
             checkpoints.pragma_update(None, "cache_size", -64)?;
             Ok(checkpoints)
