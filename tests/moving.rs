@@ -39,16 +39,25 @@ async fn pay(addr: SocketAddr, key: &str, body: &str, extra: &[(&str, &str)]) ->
     send(addr, "POST", "/v1/payments", &headers, body).await
 }
 
+/// `idemproxy store copy` from one config file to the other.
+fn copy_command(from: &std::path::Path, to: &std::path::Path) -> Command {
+    let mut command = binary_command(&[]);
+    command.args(["store", "copy", "--from"]).arg(from).arg("--to").arg(to);
+    command
+}
+
 /// Runs `idemproxy store copy` from one config to the other.
 fn copy(from: &TestConfig, to: &TestConfig) -> Output {
     let (from, to) = (from.write_temp(), to.write_temp());
-    binary_command(&[])
-        .args(["store", "copy", "--from"])
-        .arg(from.path())
-        .arg("--to")
-        .arg(to.path())
+    copy_command(from.path(), to.path())
         .output()
         .expect("run idemproxy store copy")
+}
+
+/// How many records the Postgres store's table holds.
+fn records_in(postgres: &PostgresServer) -> usize {
+    let count = postgres.psql("SELECT count(*) FROM idemproxy.records");
+    count.parse().unwrap_or_else(|_| panic!("not a count: {count:?}"))
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -424,22 +433,12 @@ async fn a_copy_killed_part_way_and_run_again_copies_every_record_once() {
     // The target's schema, made before the copy starts, so that it can be counted.
     drop(store(&to.store).await);
     let (from_file, to_file) = (from.write_temp(), to.write_temp());
-    let mut first = binary_command(&[])
-        .args(["store", "copy", "--from"])
-        .arg(from_file.path())
-        .arg("--to")
-        .arg(to_file.path())
+    let mut first = copy_command(from_file.path(), to_file.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start the copy");
-    let count = || {
-        postgres
-            .psql("SELECT count(*) FROM idemproxy.records")
-            .trim()
-            .parse::<usize>()
-            .unwrap_or(0)
-    };
+    let count = || records_in(&postgres);
     // Killed once the target holds some records but not all (a poll on a condition).
     let deadline = Instant::now() + Duration::from_secs(60);
     while count() < 2000 && Instant::now() < deadline {
@@ -453,11 +452,7 @@ async fn a_copy_killed_part_way_and_run_again_copies_every_record_once() {
         (2000..RECORDS).contains(&at_kill),
         "the copy was killed part way: the target held {at_kill} of {RECORDS}"
     );
-    let output = Command::new(env!("CARGO_BIN_EXE_idemproxy"))
-        .args(["store", "copy", "--from"])
-        .arg(from_file.path())
-        .arg("--to")
-        .arg(to_file.path())
+    let output = copy_command(from_file.path(), to_file.path())
         .output()
         .expect("run the copy again");
     let stdout = text(&output.stdout);
@@ -558,12 +553,7 @@ async fn online(old: StoreKind, new: StoreKind, held_in_new: impl Fn() -> usize)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_online_switch_from_redis_to_postgres_replays_what_redis_recorded() {
     let (redis, postgres) = (RedisServer::start(), PostgresServer::start());
-    let count = || {
-        postgres
-            .psql("SELECT count(*) FROM idemproxy.records")
-            .parse()
-            .unwrap_or(0)
-    };
+    let count = || records_in(&postgres);
     online(
         StoreKind::Redis(redis.url()),
         StoreKind::Postgres(postgres.url()),
@@ -613,14 +603,10 @@ async fn a_previous_store_that_stops_answering_refuses_the_keys_it_might_hold() 
     assert_eq!((upstream.executions("paid"), upstream.executions("never-seen")), (1, 0));
     // The claims that looked are released (in the background: polled).
     let deadline = Instant::now() + Duration::from_secs(10);
-    while postgres.psql("SELECT count(*) FROM idemproxy.records") != "0" && Instant::now() < deadline {
+    while records_in(&postgres) != 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(
-        postgres.psql("SELECT count(*) FROM idemproxy.records"),
-        "0",
-        "a claim was left in the new store"
-    );
+    assert_eq!(records_in(&postgres), 0, "a claim was left in the new store");
     redis.resume();
     let replay = pay(proxy.addr, "paid", "{}", &[]).await;
     assert_eq!((replay.status.as_u16(), replay.replayed()), (201, true), "{replay:?}");

@@ -357,13 +357,7 @@ pub(super) fn carried(
     let Some(value) = value.filter(|_| pttl > 0) else {
         return Ok(None);
     };
-    if value.first() != Some(&VERSION) {
-        return Err(bad("a record in a format this idemproxy does not understand"));
-    }
-    let fingerprint = value
-        .get(FINGERPRINT)
-        .and_then(Fingerprint::from_hex)
-        .ok_or(bad("a record with a malformed fingerprint"))?;
+    let Decoded { fingerprint, state } = decode(value.clone(), Some(pttl))?;
     let ttl = moving::left(pttl);
     // The TTL at which a record's response expires (`/<keep>`), as what is left of it.
     let keep = |tail: &[u8]| {
@@ -371,7 +365,6 @@ pub(super) fn carried(
         let keep: i64 = std::str::from_utf8(&tail[slash + 1..]).ok()?.parse().ok()?;
         Some(moving::left(pttl - keep))
     };
-    let tail = value.get(OWNER.end..).unwrap_or_default();
     let carried = |response_ttl, state| Carried {
         key: key.clone(),
         fingerprint,
@@ -379,22 +372,18 @@ pub(super) fn carried(
         response_ttl,
         state,
     };
-    Ok(Some(match value.get(1) {
-        Some(&IN_FLIGHT) => {
-            let owner = value.get(OWNER).and_then(OwnerToken::from_hex);
-            let rest: Option<i64> = std::str::from_utf8(without_keep(tail))
-                .ok()
-                .and_then(|rest| rest.parse().ok());
-            let (owner, rest) = owner
-                .zip(rest)
-                .ok_or(bad("an in-flight record without its owner or lease"))?;
+    Ok(Some(match state {
+        Read::InFlight { owner, lease } => {
+            let owner = OwnerToken::from_hex(&owner).ok_or(bad("an in-flight record with a malformed owner"))?;
+            let tail = value.get(OWNER.end..).unwrap_or_default();
             let mut moved = Carried::in_flight(key.clone(), fingerprint, ttl, keep(tail), owner);
-            if let (true, CarriedState::Unknown { reason, .. }) = (pttl <= rest, &mut moved.state) {
+            if let (None, CarriedState::Unknown { reason, .. }) = (lease, &mut moved.state) {
                 *reason = UnknownReason::LeaseExpired;
             }
             moved
         }
-        Some(&COMPLETED) => {
+        // Moved with its headers as encoded (hidden fields, a seal), not as decoded.
+        Read::Completed(_) => {
             let kept = value.slice(FINGERPRINT.end..);
             let (status, headers, body) = split_response(&kept)?;
             let status = std::str::from_utf8(status).ok().and_then(|status| status.parse().ok());
@@ -409,10 +398,7 @@ pub(super) fn carried(
                 },
             )
         }
-        Some(&KEPT) => {
-            let Read::Kept(spent) = decode(value.clone(), Some(pttl))?.state else {
-                return Err(bad("a completed record that does not decode"));
-            };
+        Read::Kept(spent) => {
             let beside = response.filter(|_| response_pttl > 0);
             let (response_ttl, response) = match beside {
                 None => (Some(Duration::ZERO), None),
@@ -431,10 +417,7 @@ pub(super) fn carried(
                 },
             )
         }
-        Some(&UNKNOWN) => {
-            let Read::Unknown { reason, owner, .. } = decode(value.clone(), Some(pttl))?.state else {
-                return Err(bad("an unknown record that does not decode"));
-            };
+        Read::Unknown { reason, owner, .. } => {
             let owner = owner.as_deref().and_then(OwnerToken::from_hex);
             let tail = value
                 .get(if owner.is_some() { OWNER.end } else { FINGERPRINT.end }..)
@@ -460,7 +443,6 @@ pub(super) fn carried(
                 },
             )
         }
-        _ => return Err(bad("a record in an unknown state")),
     }))
 }
 

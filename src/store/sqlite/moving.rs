@@ -8,7 +8,7 @@ use bytes::Bytes;
 use rusqlite::{Connection, params};
 
 use super::writer::{Millis, disk};
-use super::{RECORD_OVERHEAD, SqliteStore};
+use super::{RECORD_OVERHEAD, SqliteStore, millis, until};
 use crate::error::StoreError;
 use crate::store::moving::{self, Carried, CarriedSchedule, CarriedState, Cursor, Imported, RawResponse};
 use crate::store::{Fingerprint, OwnerToken, StoreKey, UnknownReason};
@@ -63,10 +63,7 @@ fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec
             let state: String = row.get(3)?;
             let owner = blob(4)?.and_then(|owner| OwnerToken::from_bytes(&owner));
             let response_until = number(12)?;
-            let (ttl, response_ttl) = (
-                moving::left(expires_at - now),
-                response_until.map(|at| moving::left(at - now)),
-            );
+            let (ttl, response_ttl) = (until(now, expires_at), response_until.map(|at| until(now, at)));
             let key = StoreKey::from_derived(key);
             let state = match (state.as_str(), owner) {
                 ("in_flight", Some(owner)) => {
@@ -98,8 +95,8 @@ fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec
                             reason,
                             owner,
                             schedule: give_up.map(|give_up_at| CarriedSchedule {
-                                due_in: due.map(|due| moving::left(due - now)),
-                                give_up_in: moving::left(give_up_at - now),
+                                due_in: due.map(|due| until(now, due)),
+                                give_up_in: until(now, give_up_at),
                             }),
                         })
                 }
@@ -125,7 +122,7 @@ fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec
 /// Writes `record` unless its key holds a live record (an expired one is replaced);
 /// `true` when it was written.
 fn insert(conn: &Connection, record: &Carried, now: Millis) -> Result<bool, StoreError> {
-    let at = |left: Duration| now + moving::millis(left);
+    let at = |left: Duration| now + millis(left);
     let key = record.key.as_str();
     super::execute(
         conn,
