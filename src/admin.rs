@@ -138,7 +138,7 @@ impl Admin {
             }
             "/metrics" => {
                 self.guarded.report(&self.metrics);
-                if let Some(usage) = self.store.usage() {
+                if let Some(usage) = self.store.usage_off_runtime().await {
                     self.metrics.embedded_store(usage);
                 }
                 let mut response = text(StatusCode::OK, "");

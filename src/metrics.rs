@@ -631,7 +631,7 @@ impl Metrics {
         register(
             r,
             "store_commits",
-            "Transactions the SQLite store's writer committed: one fsync of its write-ahead log each",
+            "Transactions the SQLite store's writer committed (one fsync of its write-ahead log covers one or more)",
             stats.commits.clone(),
         );
         register(
@@ -643,7 +643,7 @@ impl Metrics {
         register(
             r,
             "store_commit_seconds",
-            "How long each SQLite commit took: the fsync of its write-ahead log, mostly",
+            "How long each SQLite commit that wrote took to be on disk: its COMMIT, then the fsync of its write-ahead log that covers it",
             stats.commit_seconds.clone(),
         );
         register(

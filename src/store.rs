@@ -762,6 +762,28 @@ pub struct AnyStore {
     sealer: Option<Arc<Sealer>>,
 }
 
+/// Runs a read of a store's file in tokio's blocking pool, off the runtime that
+/// called (docs/design.md §27): a busy file holds that thread, never a worker.
+pub(crate) async fn blocking<R: Send + 'static>(read: impl FnOnce() -> R + Send + 'static) -> Result<R, StoreError> {
+    tokio::task::spawn_blocking(read)
+        .await
+        .map_err(|_| StoreError::Unready("a read of the store's file did not finish"))
+}
+
+impl AnyStore {
+    /// What an embedded store holds, read off the runtime.
+    pub async fn usage_off_runtime(&self) -> Option<StoreUsage> {
+        let store = self.clone();
+        blocking(move || store.usage()).await.ok().flatten()
+    }
+
+    /// The records a fresh start must probe, read off the runtime.
+    pub async fn unsettled_off_runtime(&self) -> Result<Vec<Unsettled>, StoreError> {
+        let store = self.clone();
+        blocking(move || store.unsettled()).await?
+    }
+}
+
 /// One of the four backends.
 #[derive(Clone)]
 pub enum Engine {
@@ -837,7 +859,10 @@ impl AnyStore {
     ) -> Result<(Vec<moving::Carried>, moving::Cursor), StoreError> {
         match &self.engine {
             Engine::Memory(_) => Err(StoreError::Unready(NOT_MOVED)),
-            Engine::Sqlite(store) => store.export(cursor, limit),
+            Engine::Sqlite(store) => {
+                let (store, cursor) = (store.clone(), cursor.clone());
+                blocking(move || store.export(&cursor, limit)).await?
+            }
             Engine::Redis(store) => store.export(prefix, cursor, limit).await,
             Engine::Postgres(store) => store.export(cursor, limit).await,
         }
@@ -847,7 +872,10 @@ impl AnyStore {
     pub async fn count(&self) -> Result<u64, StoreError> {
         match &self.engine {
             Engine::Memory(_) => Err(StoreError::Unready(NOT_MOVED)),
-            Engine::Sqlite(store) => Ok(store.usage()?.records as u64),
+            Engine::Sqlite(store) => {
+                let store = store.clone();
+                Ok(blocking(move || store.usage()).await??.records as u64)
+            }
             Engine::Redis(store) => store.count().await,
             Engine::Postgres(store) => store.count().await,
         }

@@ -2838,3 +2838,66 @@ async fn a_sqlite_store_admits_no_claim_whose_response_could_not_be_recorded() {
     }
     drop(store);
 }
+
+/// Issue 54 (docs/design.md §27): only what a forward depends on waits for the fsync.
+/// With the syncer held, a claim of a free key is committed but not answered, while a
+/// completion committed after it is answered, and read by every claim, at once; the
+/// claim is answered once the fsync may run. A copy of the files taken after the claim
+/// was on disk and before the completion (the worst a power cut may leave of the
+/// completion's commit, whose fsync had not come) reads the record as in flight: a
+/// retry is refused, never given the key to run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_claim_waits_for_its_fsync_and_a_completion_only_for_its_commit() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    let (done, waiting) = (key("fsync-done"), key("fsync-waiting"));
+    let owner = new_owner();
+    assert_eq!(
+        store.claim(&claim(&done, owner, LONG)).await.expect("claim"),
+        ClaimOutcome::Acquired(())
+    );
+    // What is on disk now: the claim, fsync'd before it was answered.
+    let snapshot = dir.path().join("snapshot");
+    std::fs::create_dir(&snapshot).expect("snapshot directory");
+    let held = store.hold_fsyncs().await;
+    for suffix in ["", "-wal"] {
+        let name = format!("records.db{suffix}");
+        std::fs::copy(dir.path().join(&name), snapshot.join(&name)).expect("copy");
+    }
+    let claiming = {
+        let (store, waiting) = (store.clone(), waiting.clone());
+        tokio::spawn(async move { store.claim(&claim(&waiting, new_owner(), LONG)).await })
+    };
+    let completed = tokio::time::timeout(LONG, store.complete(&done, owner, &response("kept")))
+        .await
+        .expect("a completion waited for an fsync")
+        .expect("complete");
+    assert_eq!(completed, Write::Applied);
+    assert!(!claiming.is_finished(), "a claim was answered before its fsync");
+    match store.claim(&claim(&done, new_owner(), LONG)).await.expect("retry") {
+        ClaimOutcome::Existing(Existing {
+            state: RecordState::Completed(replayed),
+            ..
+        }) => assert_eq!(replayed, response("kept")),
+        other => panic!("a retry after the completion's commit: {other:?}"),
+    }
+    drop(held);
+    let claimed = claiming.await.expect("the claim's task").expect("claim");
+    assert_eq!(claimed, ClaimOutcome::Acquired(()));
+    drop(store);
+
+    let lost = sqlite_store(&snapshot.join("records.db"), StoreLimits::unbounded(100));
+    match lost
+        .claim(&claim(&done, new_owner(), LONG))
+        .await
+        .expect("retry after the loss")
+    {
+        ClaimOutcome::Existing(Existing {
+            state: RecordState::InFlight { .. },
+            ..
+        }) => {}
+        other => panic!("a completion lost with the log's unsynced tail: {other:?}"),
+    }
+    drop(lost);
+}

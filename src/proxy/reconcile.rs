@@ -171,7 +171,7 @@ impl Proxy {
     /// once its lease is over; one whose probe needs the client's key is probed with
     /// the key its record kept.
     pub(crate) async fn resume_unsettled(&self) {
-        let unsettled = match self.shared.ledger.store().unsettled() {
+        let unsettled = match self.shared.ledger.store().unsettled_off_runtime().await {
             Ok(unsettled) => unsettled,
             Err(error) => {
                 tracing::warn!(%error, "cannot list the records left unsettled; a retry finds each one");

@@ -24,7 +24,8 @@ use bytes::Bytes;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
 use self::file::FileLock;
-use self::writer::{Clock, Millis, Writer, disk};
+use self::shares::Counted;
+use self::writer::{Clock, Millis, Tx, Wait, Writer, disk};
 use super::lifecycle::{self, Change, Schedule, Share};
 use super::notify::{Hub, Watcher};
 use super::{
@@ -38,15 +39,12 @@ use crate::error::{Held, StoreError};
 mod file;
 mod moving;
 mod replays;
+mod shares;
 mod writer;
 
 #[cfg(feature = "test-util")]
 pub use self::file::create_at_version;
 
-const _: () = assert!(
-    RECORD_OVERHEAD == 160,
-    "DROP_RESPONSES sizes a record without its response so"
-);
 pub use self::file::{APPLICATION_ID, VERSION};
 
 /// What one record costs besides its key and response, as the per-scope byte share
@@ -118,10 +116,87 @@ impl Row {
     }
 }
 
-/// What the sweeper runs to drop responses past their retention: their headers and
-/// body go, and their size is the record's without them (`record_size`).
-pub(super) const DROP_RESPONSES: &str = "UPDATE records SET headers = NULL, body = NULL, size = 160 + length(key) \
-     WHERE rowid IN (SELECT rowid FROM records WHERE response_until <= ?1 AND body IS NOT NULL LIMIT ?2)";
+/// A `DELETE` that returns what the shares count of each record it deleted.
+macro_rules! deleting {
+    ($sql:literal) => {
+        concat!(
+            $sql,
+            " RETURNING scope, client, size, state = 'completed' AND body IS NULL AND response_until IS NOT NULL"
+        )
+    };
+}
+use deleting;
+
+/// Drops the responses of up to `limit` records past their retention (their headers
+/// and body go, and their size is the record's without them: `record_size`), for the
+/// sweeper: how many it dropped.
+fn drop_responses(tx: &Tx<'_>, now: Millis, limit: i64) -> Result<usize, StoreError> {
+    let found: Vec<(String, Option<i64>, i64)> = tx
+        .prepare_cached("SELECT key, scope, size FROM records WHERE response_until <= ?1 AND body IS NOT NULL LIMIT ?2")
+        .and_then(|mut statement| {
+            statement
+                .query_map((now, limit), |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+                .collect()
+        })
+        .map_err(|error| disk(&error, false))?;
+    let mut shares = tx.shares.borrow_mut();
+    for (key, scope, size) in &found {
+        let without = i64::try_from(RECORD_OVERHEAD + key.len()).unwrap_or(i64::MAX);
+        execute(
+            tx,
+            "UPDATE records SET headers = NULL, body = NULL, size = ?2 WHERE key = ?1",
+            params![key, without],
+        )?;
+        let counted = shares
+            .resized(tx, *scope, without - size)
+            .and_then(|()| shares.spent(tx));
+        counted.map_err(|error| disk(&error, false))?;
+    }
+    Ok(found.len())
+}
+
+/// Deletes up to `limit` expired records, the first to expire first: how many.
+fn delete_expired(tx: &Tx<'_>, now: Millis, limit: i64) -> Result<usize, StoreError> {
+    delete(
+        tx,
+        deleting!(
+            "DELETE FROM records WHERE key IN \
+             (SELECT key FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)"
+        ),
+        (now, limit),
+    )
+}
+
+/// Runs a `deleting!` statement, and takes what it deleted off the shares: how many.
+fn delete(tx: &Tx<'_>, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
+    let mut statement = tx.prepare_cached(sql).map_err(|error| disk(&error, false))?;
+    let mut rows = statement.query(params).map_err(|error| disk(&error, false))?;
+    let mut shares = tx.shares.borrow_mut();
+    let mut deleted = 0;
+    while let Some(row) = rows.next().map_err(|error| disk(&error, false))? {
+        let read = |row: &rusqlite::Row<'_>| -> rusqlite::Result<(Counted, i64, bool)> {
+            Ok((
+                Counted {
+                    scope: row.get(0)?,
+                    client: row.get(1)?,
+                },
+                row.get(2)?,
+                row.get(3)?,
+            ))
+        };
+        let (counted, size, spent) = read(row).map_err(|error| disk(&error, false))?;
+        shares
+            .removed(tx, counted, size, spent)
+            .map_err(|error| disk(&error, false))?;
+        deleted += 1;
+    }
+    Ok(deleted)
+}
+
+/// Deletes `key`'s record, if any: whether there was one.
+fn delete_key(tx: &Tx<'_>, key: &StoreKey) -> Result<bool, StoreError> {
+    Ok(delete(tx, deleting!("DELETE FROM records WHERE key = ?1"), [key.as_str()])? > 0)
+}
 
 /// Where a row's record stands: what it completed with is kept in its columns.
 type RowState = lifecycle::State<Millis, Completed>;
@@ -293,15 +368,15 @@ fn share(conn: &Connection, share: Share) -> Result<(i64, i64), StoreError> {
         .map_err(|error| disk(&error, false))
 }
 
-/// The file's pages in use: its pages less the free ones.
+/// The file's pages in use: its pages less the free ones (each pragma a cached
+/// statement: on the writer, every claim asks).
 fn used_pages(conn: &Connection) -> Result<i64, StoreError> {
-    let pages: i64 = conn
-        .pragma_query_value(None, "page_count", |row| row.get(0))
-        .map_err(|error| disk(&error, false))?;
-    let free: i64 = conn
-        .pragma_query_value(None, "freelist_count", |row| row.get(0))
-        .map_err(|error| disk(&error, false))?;
-    Ok(pages - free)
+    let pragma = |sql: &str| -> rusqlite::Result<i64> {
+        conn.prepare_cached(sql)
+            .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
+    };
+    let read = || Ok(pragma("PRAGMA page_count")? - pragma("PRAGMA freelist_count")?);
+    read().map_err(|error: rusqlite::Error| disk(&error, false))
 }
 
 fn execute(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
@@ -351,7 +426,9 @@ impl SqliteStore {
         let lock = file::lock(&config.path)?;
         let conn = file::open(&config.path)?;
         let setup = |conn: &Connection| -> rusqlite::Result<(i64, i64)> {
-            conn.pragma_update(None, "synchronous", "FULL")?;
+            // A commit writes the log; the syncer fsyncs it before any caller hears
+            // (writer.rs). A checkpoint still fsyncs the log before it copies it.
+            conn.pragma_update(None, "synchronous", "NORMAL")?;
             conn.pragma_update(None, "busy_timeout", 5000)?;
             conn.pragma_update(None, "temp_store", "MEMORY")?;
             // A cleared value (a probe key, a response purged) is zeroed in its page
@@ -386,7 +463,8 @@ impl SqliteStore {
         super::identity::adopt(identity, &config.path.display());
         let clock = Clock::default();
         let stats = CommitFigures::default();
-        let writer = Writer::start(conn, checkpoints, clock.clone(), stats.clone()).map_err(|source| {
+        let log = file::suffixed(&config.path, "-wal");
+        let writer = Writer::start(conn, checkpoints, log, clock.clone(), stats.clone()).map_err(|source| {
             StoreError::File(crate::error::StoreFileError::Io {
                 path: config.path.clone(),
                 what: "start its writer thread",
@@ -532,6 +610,13 @@ impl SqliteStore {
         release
     }
 
+    /// Holds the syncer until the returned guard is dropped: writes are committed, and
+    /// those that wait for the disk wait. For the tests of what waits for an fsync.
+    #[cfg(feature = "test-util")]
+    pub async fn hold_fsyncs(&self) -> tokio::sync::OwnedRwLockWriteGuard<()> {
+        self.shared.writer.fsyncs.clone().write_owned().await
+    }
+
     /// The number of records the file holds, expired or not.
     #[cfg(feature = "test-util")]
     pub fn len(&self) -> usize {
@@ -572,22 +657,42 @@ impl SqliteStore {
         Ok(conn)
     }
 
-    /// Runs `op` in the writer's next commit.
+    /// Runs `op` in the writer's next commit, answered once it is on disk.
     async fn write<R, F>(&self, op: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
-        F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+        F: Fn(&Tx<'_>, Millis) -> Result<R, StoreError> + Send + 'static,
     {
-        self.shared.writer.write(self.shared.timeout, op).await
+        self.shared.writer.write(self.shared.timeout, Wait::OnDisk, op).await
     }
 
-    /// Runs a compare-and-set on `key`'s record, and wakes its waiters if it changed it.
-    async fn change<R, F>(&self, key: &StoreKey, changed: impl Fn(&R) -> bool, op: F) -> Result<R, StoreError>
+    /// Runs a read on a read connection off the runtime, in tokio's blocking pool: a
+    /// busy file holds that thread, never a worker.
+    async fn read_off<R, F>(&self, read: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
-        F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+        F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
     {
-        let result = self.write(op).await?;
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.read(read))
+            .await
+            .unwrap_or(Err(StoreError::Unready("a read of the store's file did not finish")))
+    }
+
+    /// Runs a compare-and-set on `key`'s record, and wakes its waiters if it changed it
+    /// (once the commit is read by every read, on disk or not: `wait`).
+    async fn change<R, F>(
+        &self,
+        key: &StoreKey,
+        wait: Wait,
+        changed: impl Fn(&R) -> bool,
+        op: F,
+    ) -> Result<R, StoreError>
+    where
+        R: Send + 'static,
+        F: Fn(&Tx<'_>, Millis) -> Result<R, StoreError> + Send + 'static,
+    {
+        let result = self.shared.writer.write(self.shared.timeout, wait, op).await?;
         if changed(&result) {
             self.shared.hub.wake(key.as_str());
             // Completed, marked unknown, released or purged: no longer in flight.
@@ -726,7 +831,7 @@ struct Room<'a> {
 
 /// The file's shares, as `lifecycle::admit` asks for them.
 struct Ledger<'a> {
-    conn: &'a Connection,
+    tx: &'a Tx<'a>,
     limits: StoreLimits,
     room: Room<'a>,
     now: Millis,
@@ -735,7 +840,12 @@ struct Ledger<'a> {
 impl lifecycle::Ledger for Ledger<'_> {
     fn full(&mut self, of: Share) -> Result<Option<Held>, StoreError> {
         let bound = |limit: usize| i64::try_from(limit).unwrap_or(i64::MAX);
-        let (records, bytes) = share(self.conn, of)?;
+        let (records, bytes) = self
+            .tx
+            .shares
+            .borrow_mut()
+            .get(self.tx, of)
+            .map_err(|error| disk(&error, false))?;
         let (full_of_records, full_of_bytes) = match of {
             // The store's bytes are the file's pages in use, asked only when its
             // records leave room.
@@ -743,7 +853,7 @@ impl lifecycle::Ledger for Ledger<'_> {
                 let full_of_records = records >= bound(self.limits.max_records);
                 (
                     full_of_records,
-                    !full_of_records && used_pages(self.conn)? >= self.room.admit_pages,
+                    !full_of_records && used_pages(self.tx)? >= self.room.admit_pages,
                 )
             }
             Share::Scope(_) => (
@@ -762,22 +872,17 @@ impl lifecycle::Ledger for Ledger<'_> {
     }
 
     fn sweep(&mut self, share: Share) -> Result<(), StoreError> {
-        let (conn, now) = (self.conn, self.now);
+        let (tx, now) = (self.tx, self.now);
         match share {
-            Share::Store => execute(
-                conn,
-                "DELETE FROM records WHERE rowid IN \
-                 (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
-                (now, ROOM_BATCH),
-            ),
-            Share::Scope(ScopeId(scope)) => execute(
-                conn,
-                "DELETE FROM records WHERE scope = ?1 AND expires_at <= ?2",
+            Share::Store => delete_expired(tx, now, ROOM_BATCH),
+            Share::Scope(ScopeId(scope)) => delete(
+                tx,
+                deleting!("DELETE FROM records WHERE scope = ?1 AND expires_at <= ?2"),
                 (scope as i64, now),
             ),
-            Share::Client(ClientId(client)) => execute(
-                conn,
-                "DELETE FROM records WHERE client = ?1 AND expires_at <= ?2",
+            Share::Client(ClientId(client)) => delete(
+                tx,
+                deleting!("DELETE FROM records WHERE client = ?1 AND expires_at <= ?2"),
                 (client as i64, now),
             ),
         }
@@ -785,7 +890,7 @@ impl lifecycle::Ledger for Ledger<'_> {
     }
 
     fn first_expiry(&mut self, share: Share) -> Result<Duration, StoreError> {
-        let (conn, now) = (self.conn, self.now);
+        let (conn, now): (&Connection, Millis) = (self.tx, self.now);
         match share {
             Share::Store => space_due(conn, now),
             Share::Scope(ScopeId(scope)) => first_expiry(conn, "scope", scope as i64, now),
@@ -797,66 +902,76 @@ impl lifecycle::Ledger for Ledger<'_> {
     /// L5: six 100 KiB responses were admitted on a 5/8-full 1 MiB file, and three
     /// went unrecorded).
     fn reserve(&mut self, claim: &ClaimRequest) -> Result<Option<Duration>, StoreError> {
-        let (conn, page_size) = (self.conn, self.room.page_size);
+        let (conn, page_size): (&Connection, i64) = (self.tx, self.room.page_size);
         let used = || Ok(usize::try_from(used_pages(conn)?.saturating_mul(page_size)).unwrap_or(usize::MAX));
         self.room.reserved.refuses(used, claim.response_limit, self.now)
     }
 }
 
-/// The writer's half of a claim: the key is free (or was a moment ago, on a read
-/// connection), so unless a record appeared meanwhile, the claim takes it if the
-/// bounds have room.
+/// A claim, in the writer: what the key's live record says, with when a replay of it
+/// kept in memory stops; or, the key free, the claim takes it if the bounds have room.
 fn claim_free(
-    conn: &Connection,
+    tx: &Tx<'_>,
     claim: &ClaimRequest,
     limits: StoreLimits,
     room: Room<'_>,
     now: Millis,
-) -> Result<ClaimOutcome, StoreError> {
-    if let Some(row) = load(conn, &claim.key, true)? {
+) -> Result<(ClaimOutcome, Option<Millis>), StoreError> {
+    if let Some(row) = load(tx, &claim.key, true)? {
         if row.expires_at > now {
-            return existing(row, claim.owner, now);
+            // A replay kept in memory answers until the response's retention ends.
+            let replay_until = row.response_until.unwrap_or(row.expires_at);
+            return Ok((existing(row, claim.owner, now)?, Some(replay_until)));
         }
-        execute(conn, "DELETE FROM records WHERE key = ?1", [claim.key.as_str()])?;
+        delete_key(tx, &claim.key)?;
     }
-    let mut ledger = Ledger {
-        conn,
-        limits,
-        room,
-        now,
-    };
+    let mut ledger = Ledger { tx, limits, room, now };
     lifecycle::admit(&mut ledger, claim, &limits)?;
+    let counted = Counted {
+        scope: claim.scope.map(|ScopeId(scope)| scope as i64),
+        client: claim.client.map(|ClientId(client)| client as i64),
+    };
+    let size = record_size(&claim.key, None);
     execute(
-        conn,
+        tx,
         "INSERT INTO records (key, fingerprint, expires_at, scope, client, state, owner, lease_until, probe_key, size, \
          response_until) VALUES (?1, ?2, ?3, ?4, ?5, 'in_flight', ?6, ?7, ?8, ?9, ?10)",
         params![
             claim.key.as_str(),
             &claim.fingerprint.0[..],
             now + millis(claim.remember.max(claim.retention)),
-            claim.scope.map(|ScopeId(scope)| scope as i64),
-            claim.client.map(|ClientId(client)| client as i64),
+            counted.scope,
+            counted.client,
             &claim.owner.as_bytes()[..],
             now + millis(claim.lease),
             claim.probe_key,
-            record_size(&claim.key, None),
+            size,
             // Only a record that outlives its response has its drop to sweep.
             (claim.remember > claim.retention).then(|| now + millis(claim.retention)),
         ],
     )?;
+    tx.shares
+        .borrow_mut()
+        .added(tx, counted, size)
+        .map_err(|error| disk(&error, false))?;
     ledger
         .room
         .reserved
         .hold(&claim.key, claim.response_limit, now + millis(claim.lease));
-    Ok(ClaimOutcome::Acquired(()))
+    Ok((ClaimOutcome::Acquired(()), None))
 }
 
 /// Makes `key`'s record the completed `response` at `now` (its expiry and the end of
 /// its retention kept: past it, the sweeper drops the response within a second, and
 /// every read reads it as spent meanwhile).
-fn set_completed(conn: &Connection, key: &StoreKey, response: &StoredResponse, now: Millis) -> Result<(), StoreError> {
+fn set_completed(tx: &Tx<'_>, key: &StoreKey, response: &StoredResponse, now: Millis) -> Result<(), StoreError> {
+    let (scope, was): (Option<i64>, i64) = tx
+        .prepare_cached("SELECT scope, size FROM records WHERE key = ?1")
+        .and_then(|mut statement| statement.query_row([key.as_str()], |row| Ok((row.get(0)?, row.get(1)?))))
+        .map_err(|error| disk(&error, false))?;
+    let size = record_size(key, Some(response));
     execute(
-        conn,
+        tx,
         "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
          probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, size = ?5, \
          completed_at = ?6 WHERE key = ?1",
@@ -865,11 +980,14 @@ fn set_completed(conn: &Connection, key: &StoreKey, response: &StoredResponse, n
             response.status.as_u16(),
             response.encode_headers(),
             &response.body[..],
-            record_size(key, Some(response)),
+            size,
             now,
         ],
-    )
-    .map(drop)
+    )?;
+    tx.shares
+        .borrow_mut()
+        .resized(tx, scope, size - was)
+        .map_err(|error| disk(&error, false))
 }
 
 /// Writes a change the lifecycle decided on `key`'s record, with one statement.
@@ -900,8 +1018,10 @@ fn write_change(conn: &Connection, key: &StoreKey, change: Option<Change<Millis>
 impl RecordStore for SqliteStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         // A retry (the common case after the first request) is answered from a response
-        // kept in memory, or from the last commit; only a key found free is claimed
-        // through the writer.
+        // kept in memory; every other claim goes to the writer, which reads the key's
+        // record and takes the key if it is free, with no read of its own on the runtime
+        // (docs/design.md §27). A claim that finds its record writes nothing, and is
+        // answered at its commit without waiting for an fsync.
         let replays = &self.shared.replays;
         if let Some((fingerprint, response)) = replays.get(&claim.key, self.shared.clock.now()) {
             return Ok(ClaimOutcome::Existing(Existing {
@@ -910,43 +1030,34 @@ impl RecordStore for SqliteStore {
             }));
         }
         let ticket = replays.ticket();
-        let found = self.read(|conn, now| {
-            Ok(match load(conn, &claim.key, true)? {
-                Some(row) if row.expires_at > now => {
-                    // A replay kept in memory answers until the response's retention ends.
-                    let replay_until = row.response_until.unwrap_or(row.expires_at);
-                    Some((existing(row, claim.owner, now)?, replay_until))
-                }
-                _ => None,
-            })
-        })?;
-        if let Some((found, replay_until)) = found {
-            if let ClaimOutcome::Existing(Existing {
-                fingerprint,
-                state: RecordState::Completed(response),
-            }) = &found
-            {
-                #[cfg(feature = "test-util")]
-                if let Some(pause) = &self.read_pause {
-                    pause.reached.notify_one();
-                    pause.resume.notified().await;
-                }
-                replays.keep(ticket, &claim.key, *fingerprint, replay_until, response);
-            }
-            return Ok(found);
-        }
-        let (claim, limits, admit) = (claim.clone(), self.shared.limits, self.shared.admit_pages);
+        let (request, limits, admit) = (claim.clone(), self.shared.limits, self.shared.admit_pages);
         let (reserved, page_size) = (self.shared.reserved.clone(), self.shared.page_size);
-        self.write(move |conn, now| {
-            let mut reserved = lock(&reserved);
-            let room = Room {
-                admit_pages: admit,
-                page_size,
-                reserved: &mut reserved,
-            };
-            claim_free(conn, &claim, limits, room, now)
-        })
-        .await
+        let (found, replay_until) = self
+            .write(move |conn, now| {
+                let mut reserved = lock(&reserved);
+                let room = Room {
+                    admit_pages: admit,
+                    page_size,
+                    reserved: &mut reserved,
+                };
+                claim_free(conn, &request, limits, room, now)
+            })
+            .await?;
+        if let ClaimOutcome::Existing(Existing {
+            fingerprint,
+            state: RecordState::Completed(response),
+        }) = &found
+        {
+            #[cfg(feature = "test-util")]
+            if let Some(pause) = &self.read_pause {
+                pause.reached.notify_one();
+                pause.resume.notified().await;
+            }
+            if let Some(until) = replay_until {
+                replays.keep(ticket, &claim.key, *fingerprint, until, response);
+            }
+        }
+        Ok(found)
     }
 
     async fn complete(
@@ -958,6 +1069,7 @@ impl RecordStore for SqliteStore {
         let (record, response) = (key.clone(), response.clone());
         self.change(
             key,
+            Wait::Committed,
             |write| *write == Write::Applied,
             move |conn, now| {
                 Ok(match owned(conn, &record, owner, now)? {
@@ -982,6 +1094,7 @@ impl RecordStore for SqliteStore {
         let record = key.clone();
         self.change(
             key,
+            Wait::Committed,
             |write| *write == Write::Applied,
             move |conn, now| {
                 if owned(conn, &record, owner, now)?.is_none() {
@@ -1009,12 +1122,13 @@ impl RecordStore for SqliteStore {
         let record = key.clone();
         self.change(
             key,
+            Wait::Committed,
             |write| *write == Write::Applied,
             move |conn, now| {
                 if owned(conn, &record, owner, now)?.is_none() {
                     return Ok(Write::Fenced);
                 }
-                execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])?;
+                delete_key(conn, &record)?;
                 Ok(Write::Applied)
             },
         )
@@ -1024,11 +1138,7 @@ impl RecordStore for SqliteStore {
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
         let record = key.clone();
         let purged = self
-            .change(
-                key,
-                |_| true,
-                move |conn, _| Ok(execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])? > 0),
-            )
+            .change(key, Wait::OnDisk, |_| true, move |conn, _| delete_key(conn, &record))
             .await;
         // Forgotten however the write ended: a purge that may have landed is not undone
         // by a replay from memory.
@@ -1037,8 +1147,9 @@ impl RecordStore for SqliteStore {
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
-        self.read(
-            |conn, now| match load(conn, key, true)?.filter(|row| row.expires_at > now) {
+        let key = key.clone();
+        self.read_off(
+            move |conn, now| match load(conn, &key, true)?.filter(|row| row.expires_at > now) {
                 Some(row) if !row.spent(now) => match row.state {
                     RowState::Completed(completed) => Ok(Some(completed.response()?)),
                     _ => Ok(None),
@@ -1046,11 +1157,13 @@ impl RecordStore for SqliteStore {
                 _ => Ok(None),
             },
         )
+        .await
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        self.read(|conn, now| {
-            let Some(row) = load(conn, key, false)?.filter(|row| row.expires_at > now) else {
+        let key = key.clone();
+        self.read_off(move |conn, now| {
+            let Some(row) = load(conn, &key, false)?.filter(|row| row.expires_at > now) else {
                 return Ok(None);
             };
             let spent = row.spent(now);
@@ -1062,6 +1175,7 @@ impl RecordStore for SqliteStore {
                 owner,
             }))
         })
+        .await
     }
 
     async fn resolve(
@@ -1073,6 +1187,7 @@ impl RecordStore for SqliteStore {
         let (record, resolution) = (key.clone(), resolution.clone());
         self.change(
             key,
+            Wait::OnDisk,
             |resolved| *resolved == Resolved::Resolved,
             move |conn, now| {
                 let Some(row) = load(conn, &record, false)?.filter(|row| row.expires_at > now) else {
@@ -1084,7 +1199,7 @@ impl RecordStore for SqliteStore {
                 match &resolution {
                     Resolution::Applied(response) => set_completed(conn, &record, response, now)?,
                     Resolution::NotApplied => {
-                        execute(conn, "DELETE FROM records WHERE key = ?1", [record.as_str()])?;
+                        delete_key(conn, &record)?;
                     }
                 }
                 Ok(Resolved::Resolved)

@@ -7,7 +7,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use rusqlite::{Connection, params};
 
-use super::writer::{Millis, disk};
+use super::shares::Counted;
+use super::writer::{Millis, Tx, disk};
 use super::{RECORD_OVERHEAD, SqliteStore, millis, until};
 use crate::error::StoreError;
 use crate::store::moving::{self, Carried, CarriedSchedule, CarriedState, Cursor, Imported, RawResponse};
@@ -121,12 +122,12 @@ fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec
 
 /// Writes `record` unless its key holds a live record (an expired one is replaced);
 /// `true` when it was written.
-fn insert(conn: &Connection, record: &Carried, now: Millis) -> Result<bool, StoreError> {
+fn insert(tx: &Tx<'_>, record: &Carried, now: Millis) -> Result<bool, StoreError> {
     let at = |left: Duration| now + millis(left);
     let key = record.key.as_str();
-    super::execute(
-        conn,
-        "DELETE FROM records WHERE key = ?1 AND expires_at <= ?2",
+    super::delete(
+        tx,
+        super::deleting!("DELETE FROM records WHERE key = ?1 AND expires_at <= ?2"),
         params![key, now],
     )?;
     let response_until = (!record.response_with_record()).then(|| at(record.response_left()));
@@ -162,8 +163,9 @@ fn insert(conn: &Connection, record: &Carried, now: Millis) -> Result<bool, Stor
     };
     let size =
         RECORD_OVERHEAD + key.len() + response.map_or(0, |response| response.headers.len() + response.body.len());
+    let size = i64::try_from(size).unwrap_or(i64::MAX);
     let written = super::execute(
-        conn,
+        tx,
         "INSERT INTO records (key, fingerprint, expires_at, state, owner, status, headers, body, reason, probe_due, \
          probe_give_up, size, response_until, completed_at) \
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) ON CONFLICT (key) DO NOTHING",
@@ -179,20 +181,24 @@ fn insert(conn: &Connection, record: &Carried, now: Millis) -> Result<bool, Stor
             reason,
             due,
             give_up,
-            i64::try_from(size).unwrap_or(i64::MAX),
+            size,
             response_until,
             completed_at,
         ],
     )?;
-    let spent = written == 1 && state == "completed" && response.is_none();
-    if spent {
-        // Counted as the sweeper's drop of a response counts it (`records_spent`).
-        super::execute(
-            conn,
-            "INSERT INTO shares (kind, id, records, bytes) VALUES (3, 0, 1, 0) \
-             ON CONFLICT DO UPDATE SET records = records + 1",
-            [],
-        )?;
+    if written == 1 {
+        // A moved record counts against no scope or address (it keeps neither).
+        let mut shares = tx.shares.borrow_mut();
+        let uncounted = Counted {
+            scope: None,
+            client: None,
+        };
+        let mut counted = shares.added(tx, uncounted, size);
+        if state == "completed" && response.is_none() {
+            // Counted as the sweeper's drop of a response counts it.
+            counted = counted.and_then(|()| shares.spent(tx));
+        }
+        counted.map_err(|error| disk(&error, false))?;
     }
     Ok(written == 1)
 }

@@ -1,19 +1,36 @@
 //! The SQLite store's one writer: a thread that owns the connection every write goes
 //! through, and commits whatever is waiting as one transaction (group commit). Should
 //! a write fail (a full disk), the transaction is run again with each write in a
-//! savepoint of its own, so that it is undone alone and the others still commit. Each
-//! caller is answered only once the commit that holds its write is on disk
-//! (`synchronous = FULL`: the write-ahead log is fsync'd before `COMMIT` returns). A thousand claims at once cost
-//! a few commits, not a thousand. Between batches, the writer deletes expired records,
-//! a thousand at a time. The log is copied into the database file (checkpointed) by a
-//! second thread with a connection of its own, so that no commit waits for it.
+//! savepoint of its own, so that it is undone alone and the others still commit. A
+//! thousand claims at once cost a few commits, not a thousand. Between batches, the
+//! writer deletes expired records, a thousand at a time.
+//!
+//! Each caller that wrote is answered only once the commit that holds its write is on
+//! disk, but the writer does not wait for that (docs/design.md §27): its `COMMIT`
+//! writes the write-ahead log (`synchronous = NORMAL`), and a second thread, the
+//! syncer, fsyncs the log and then answers the callers of every commit the fsync
+//! covers, while the writer runs the next batch. One fsync covers every commit
+//! written before it, in order, so a caller is never answered before a write it
+//! depends on is on disk. A caller whose write changed nothing (a claim that found
+//! its record) is answered at its commit. A failed fsync leaves what is on disk
+//! unknown (the kernel may have dropped the pages it could not write): every caller
+//! it covers hears that its write may have landed, and the store takes no write
+//! again until it is restarted and SQLite recovers the log. The log is copied into
+//! the database file (checkpointed) by a third thread with a connection of its own,
+//! so that no commit waits for it.
 
+use std::fs::File;
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use std::cell::RefCell;
+use std::ops::Deref;
+
+use super::shares::Shares;
 use crate::store::CommitFigures;
 use rusqlite::Connection;
 use tokio::sync::oneshot;
@@ -60,14 +77,43 @@ impl Clock {
     }
 }
 
+/// What a write's caller waits for before it is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Wait {
+    /// The commit that holds it on disk: what a claim needs before its request is
+    /// forwarded, and what an operator's change is told.
+    OnDisk,
+    /// The commit that holds it, which every read then sees; on disk with the next
+    /// fsync, a moment later (docs/design.md §27 says what a crash in between costs).
+    Committed,
+}
+
+/// The writer's connection inside a commit, with the shares it keeps between
+/// commits (shares.rs). A write reads and writes through it as through the connection.
+pub(super) struct Tx<'a> {
+    conn: &'a Connection,
+    pub(super) shares: &'a RefCell<Shares>,
+}
+
+impl Deref for Tx<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
 /// One write waiting for the writer.
 trait Job: Send {
     /// Whether its caller still waits for it (a write nobody waits for is not run).
     fn wanted(&self) -> bool;
 
+    /// Whether its caller waits for it to be on disk, not only committed.
+    fn durable(&self) -> bool;
+
     /// Runs the write inside the batch's transaction (in a savepoint of its own when
     /// `alone`), keeping its result to answer with: whether it succeeded.
-    fn run(&mut self, conn: &Connection, now: Millis, alone: bool) -> bool;
+    fn run(&mut self, tx: &Tx<'_>, now: Millis, alone: bool) -> bool;
 
     /// Answers with the kept result once the commit is known.
     fn answer(self: Box<Self>, commit: &Result<(), DiskError>);
@@ -78,6 +124,7 @@ trait Job: Send {
 
 struct Pending<R, F> {
     op: F,
+    wait: Wait,
     reply: oneshot::Sender<Result<R, StoreError>>,
     result: Option<Result<R, StoreError>>,
 }
@@ -85,16 +132,20 @@ struct Pending<R, F> {
 impl<R, F> Job for Pending<R, F>
 where
     R: Send + 'static,
-    F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+    F: Fn(&Tx<'_>, Millis) -> Result<R, StoreError> + Send + 'static,
 {
     fn wanted(&self) -> bool {
         !self.reply.is_closed()
     }
 
-    fn run(&mut self, conn: &Connection, now: Millis, alone: bool) -> bool {
+    fn durable(&self) -> bool {
+        self.wait == Wait::OnDisk
+    }
+
+    fn run(&mut self, tx: &Tx<'_>, now: Millis, alone: bool) -> bool {
         let result = match alone {
-            true => in_savepoint(conn, |conn| (self.op)(conn, now)),
-            false => (self.op)(conn, now),
+            true => in_savepoint(tx, |tx| (self.op)(tx, now)),
+            false => (self.op)(tx, now),
         };
         let succeeded = result.is_ok();
         self.result = Some(result);
@@ -117,14 +168,19 @@ where
     }
 }
 
-/// Runs `op` in a savepoint: undone alone if it fails.
-fn in_savepoint<R>(conn: &Connection, op: impl FnOnce(&Connection) -> Result<R, StoreError>) -> Result<R, StoreError> {
-    conn.execute_batch("SAVEPOINT write")
+/// Runs `op` in a savepoint: undone alone if it fails, with what it changed in the
+/// shares.
+fn in_savepoint<R>(tx: &Tx<'_>, op: impl FnOnce(&Tx<'_>) -> Result<R, StoreError>) -> Result<R, StoreError> {
+    tx.execute_batch("SAVEPOINT write")
         .map_err(|error| disk(&error, false))?;
-    let result = op(conn);
+    let mark = tx.shares.borrow().mark();
+    let result = op(tx);
     let ended = match result {
-        Ok(_) => conn.execute_batch("RELEASE write"),
-        Err(_) => conn.execute_batch("ROLLBACK TO write; RELEASE write"),
+        Ok(_) => tx.execute_batch("RELEASE write"),
+        Err(_) => {
+            tx.shares.borrow_mut().undo_to(mark);
+            tx.execute_batch("ROLLBACK TO write; RELEASE write")
+        }
     };
     ended.map_err(|error| disk(&error, false))?;
     result
@@ -156,6 +212,9 @@ fn disk_error(error: &rusqlite::Error, during_commit: bool) -> DiskError {
 pub(super) struct Writer {
     jobs: Option<mpsc::Sender<Box<dyn Job>>>,
     thread: Option<JoinHandle<()>>,
+    /// Held, the syncer fsyncs nothing (`test-util`: `SqliteStore::hold_fsyncs`).
+    #[cfg(feature = "test-util")]
+    pub(super) fsyncs: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -165,46 +224,69 @@ impl std::fmt::Debug for Writer {
 }
 
 impl Writer {
-    /// Starts the writer on `conn` and the checkpointer on `checkpoints`, a second
-    /// connection to the same file: SQLite's automatic checkpoint is turned off on the
-    /// writer, and every commit wakes the checkpointer instead.
+    /// Starts the writer on `conn`, the syncer on the write-ahead log at `log`, and the
+    /// checkpointer on `checkpoints`, a second connection to the same file: SQLite's
+    /// automatic checkpoint is turned off on the writer, and every commit wakes the
+    /// checkpointer instead.
     pub(super) fn start(
         conn: Connection,
         checkpoints: Connection,
+        log: PathBuf,
         clock: Clock,
         stats: CommitFigures,
     ) -> std::io::Result<Writer> {
         let (jobs, queue) = mpsc::channel();
         let (pokes, poked) = mpsc::sync_channel(1);
+        let (synced, to_sync) = mpsc::channel();
+        let broken = Arc::new(AtomicBool::new(false));
         let checkpointer = std::thread::Builder::new()
             .name("idemproxy-checkpoints".into())
             .spawn(move || checkpoint_on(&checkpoints, &poked))?;
+        #[cfg(feature = "test-util")]
+        let fsyncs = Arc::new(tokio::sync::RwLock::new(()));
+        let syncer = Syncer {
+            log,
+            stats: stats.clone(),
+            broken: broken.clone(),
+            #[cfg(feature = "test-util")]
+            fsyncs: fsyncs.clone(),
+        };
+        let syncer = std::thread::Builder::new()
+            .name("idemproxy-fsync".into())
+            .spawn(move || syncer.run(&to_sync))?;
         let thread = std::thread::Builder::new()
             .name("idemproxy-sqlite-writer".into())
             .spawn(move || {
-                let conn = run(conn, &queue, &pokes, &clock, &stats);
-                // The checkpointer stops once the pokes are gone; the writer's connection,
+                let writes = Writes { pokes, synced, broken };
+                let conn = run(conn, &queue, &writes, &clock, &stats);
+                // The syncer answers what is left once the writer is gone, and the
+                // checkpointer stops once the pokes are gone; the writer's connection,
                 // closed last, then checkpoints what is left and removes the log.
-                drop(pokes);
+                drop(writes);
+                let _ = syncer.join();
                 let _ = checkpointer.join();
                 drop(conn);
             })?;
         Ok(Writer {
             jobs: Some(jobs),
             thread: Some(thread),
+            #[cfg(feature = "test-util")]
+            fsyncs,
         })
     }
 
-    /// Runs `op` in the next commit, and answers once that commit is on disk, or with
-    /// `StoreError::Timeout` after `timeout` (a write not begun by then is never run).
-    pub(super) async fn write<R, F>(&self, timeout: Duration, op: F) -> Result<R, StoreError>
+    /// Runs `op` in the next commit, and answers once that commit is on disk (or only
+    /// committed: `wait`), or with `StoreError::Timeout` after `timeout` (a write not
+    /// begun by then is never run).
+    pub(super) async fn write<R, F>(&self, timeout: Duration, wait: Wait, op: F) -> Result<R, StoreError>
     where
         R: Send + 'static,
-        F: Fn(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
+        F: Fn(&Tx<'_>, Millis) -> Result<R, StoreError> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let job: Box<dyn Job> = Box::new(Pending {
             op,
+            wait,
             reply,
             result: None,
         });
@@ -232,13 +314,33 @@ impl Drop for Writer {
     }
 }
 
+/// Where the writer's commits go: to the syncer, and a poke to the checkpointer.
+struct Writes {
+    pokes: SyncSender<()>,
+    synced: mpsc::Sender<Written>,
+    /// Set by the syncer once an fsync failed: no write is taken again.
+    broken: Arc<AtomicBool>,
+}
+
+/// A commit written to the log, with the callers that wait for it to be on disk.
+struct Written {
+    jobs: Vec<Box<dyn Job>>,
+    /// When its `COMMIT` began.
+    began: Instant,
+}
+
 fn run(
     conn: Connection,
     queue: &mpsc::Receiver<Box<dyn Job>>,
-    pokes: &SyncSender<()>,
+    writes: &Writes,
     clock: &Clock,
     stats: &CommitFigures,
 ) -> Connection {
+    let shares = RefCell::new(Shares::default());
+    let tx = Tx {
+        conn: &conn,
+        shares: &shares,
+    };
     let mut next_sweep = Instant::now() + SWEEP_EVERY;
     loop {
         let wait = next_sweep.saturating_duration_since(Instant::now());
@@ -255,12 +357,16 @@ fn run(
             }
         }
         if !batch.is_empty() {
-            commit(&conn, batch, clock.now(), stats);
-            // Full: a checkpoint is already due, and takes this commit too.
-            let _ = pokes.try_send(());
+            if writes.broken.load(Ordering::Acquire) {
+                refuse_all(batch, &broken());
+            } else {
+                commit(&tx, batch, clock.now(), writes, stats);
+                // Full: a checkpoint is already due, and takes this commit too.
+                let _ = writes.pokes.try_send(());
+            }
         }
-        if Instant::now() >= next_sweep {
-            let full = sweep(&conn, clock.now(), stats);
+        if Instant::now() >= next_sweep && !writes.broken.load(Ordering::Acquire) {
+            let full = sweep(&tx, clock.now(), stats);
             next_sweep = Instant::now() + if full { Duration::ZERO } else { SWEEP_EVERY };
         }
     }
@@ -298,12 +404,14 @@ fn checkpoint_on(conn: &Connection, poked: &Receiver<()>) {
     }
 }
 
-/// Runs `batch` as one transaction, then answers each write. The writes run one after
-/// another, without savepoints (each would journal every page it touches a second
-/// time); should one fail (a full disk), the transaction is undone and run again with
-/// each write in a savepoint of its own, so that the one that failed is undone alone and
-/// the others still commit.
-fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &CommitFigures) {
+/// Runs `batch` as one transaction, then answers each write that changed nothing and
+/// hands the others to the syncer. The writes run one after another, without
+/// savepoints (each would journal every page it touches a second time); should one
+/// fail (a full disk), the transaction is undone and run again with each write in a
+/// savepoint of its own, so that the one that failed is undone alone and the others
+/// still commit.
+fn commit(tx: &Tx<'_>, mut batch: Vec<Box<dyn Job>>, now: Millis, writes: &Writes, stats: &CommitFigures) {
+    let conn = tx.conn;
     batch.retain(|job| job.wanted());
     if batch.is_empty() {
         return;
@@ -311,47 +419,145 @@ fn commit(conn: &Connection, mut batch: Vec<Box<dyn Job>>, now: Millis, stats: &
     let begin = |batch: Vec<Box<dyn Job>>| match conn.execute_batch("BEGIN IMMEDIATE") {
         Ok(()) => Some(batch),
         Err(error) => {
-            let failure = disk_error(&error, false);
-            for job in batch {
-                job.refuse(&failure);
-            }
+            refuse_all(batch, &disk_error(&error, false));
             None
         }
     };
     let Some(mut batch) = begin(batch) else {
         return;
     };
-    if !batch.iter_mut().all(|job| job.run(conn, now, false)) {
+    // Which writes changed a row: only those wait for the fsync.
+    let mut wrote = vec![false; batch.len()];
+    let mut run_all = |batch: &mut [Box<dyn Job>], alone: bool| {
+        for (job, wrote) in batch.iter_mut().zip(wrote.iter_mut()) {
+            let before = conn.total_changes();
+            let succeeded = job.run(tx, now, alone);
+            *wrote = conn.total_changes() != before;
+            if !succeeded && !alone {
+                return false;
+            }
+        }
+        true
+    };
+    if !run_all(&mut batch, false) {
         let _ = conn.execute_batch("ROLLBACK");
+        tx.shares.borrow_mut().forget();
         let Some(again) = begin(batch) else {
             return;
         };
         batch = again;
-        for job in &mut batch {
-            job.run(conn, now, true);
+        run_all(&mut batch, true);
+    }
+    let began = Instant::now();
+    let committed = match tx.shares.borrow_mut().write_back(conn) {
+        Ok(()) => conn.execute_batch("COMMIT").map_err(|error| disk_error(&error, true)),
+        Err(error) => Err(disk_error(&error, false)),
+    };
+    if let Err(failure) = committed {
+        if !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        tx.shares.borrow_mut().forget();
+        for job in batch {
+            job.answer(&Err(failure.clone()));
+        }
+        return;
+    }
+    stats.commits.inc();
+    stats.writes.inc_by(batch.len() as u64);
+    // What changed nothing, or need only be committed, is answered now.
+    let mut written = Vec::with_capacity(batch.len());
+    for (job, wrote) in batch.into_iter().zip(wrote) {
+        match wrote && job.durable() {
+            true => written.push(job),
+            false => job.answer(&Ok(())),
         }
     }
-    let started = Instant::now();
-    let committed = conn.execute_batch("COMMIT").map_err(|error| disk_error(&error, true));
-    stats.commit_seconds.observe(started.elapsed().as_secs_f64());
-    if committed.is_ok() {
-        stats.commits.inc();
-        stats.writes.inc_by(batch.len() as u64);
-    } else if !conn.is_autocommit() {
-        let _ = conn.execute_batch("ROLLBACK");
+    if written.is_empty() {
+        return;
     }
+    if let Err(mpsc::SendError(lost)) = writes.synced.send(Written { jobs: written, began }) {
+        for job in lost.jobs {
+            job.answer(&Err(broken()));
+        }
+    }
+}
+
+/// Answers every write in `batch` with `failure`; none is run.
+fn refuse_all(batch: Vec<Box<dyn Job>>, failure: &DiskError) {
     for job in batch {
-        job.answer(&committed);
+        job.refuse(failure);
+    }
+}
+
+/// What a write hears once an fsync of the log failed.
+fn broken() -> DiskError {
+    DiskError {
+        message: "an fsync of the store's log failed: what is on disk is unknown until the proxy is restarted".into(),
+        may_have_written: true,
+    }
+}
+
+/// The syncer: fsyncs the write-ahead log once for every commit the writer wrote
+/// since its last fsync, then answers their callers, oldest first.
+struct Syncer {
+    log: PathBuf,
+    stats: CommitFigures,
+    broken: Arc<AtomicBool>,
+    #[cfg(feature = "test-util")]
+    fsyncs: Arc<tokio::sync::RwLock<()>>,
+}
+
+impl Syncer {
+    fn run(self, to_sync: &Receiver<Written>) {
+        let mut log: Option<File> = None;
+        while let Ok(first) = to_sync.recv() {
+            let mut commits = vec![first];
+            commits.extend(to_sync.try_iter());
+            let synced = match self.broken.load(Ordering::Acquire) {
+                true => Err(broken()),
+                false => self.sync(&mut log),
+            };
+            if synced.is_err() {
+                self.broken.store(true, Ordering::Release);
+            }
+            for commit in commits {
+                if synced.is_ok() {
+                    self.stats.commit_seconds.observe(commit.began.elapsed().as_secs_f64());
+                }
+                for job in commit.jobs {
+                    job.answer(&synced);
+                }
+            }
+        }
+    }
+
+    /// One fsync of the log (its data and size: `fdatasync`), opened at the first.
+    fn sync(&self, log: &mut Option<File>) -> Result<(), DiskError> {
+        #[cfg(feature = "test-util")]
+        let _open = self.fsyncs.blocking_read();
+        let failed = |error: std::io::Error| {
+            tracing::error!(%error, log = %self.log.display(), "cannot fsync the store's log: \
+                            the store takes no write until the proxy is restarted");
+            broken()
+        };
+        if log.is_none() {
+            // SQLite made the log when the store opened the file in write-ahead mode,
+            // and keeps it while any connection is open (file.rs refuses a link).
+            *log = Some(File::open(&self.log).map_err(failed)?);
+        }
+        match log {
+            Some(file) => file.sync_data().map_err(failed),
+            None => Err(broken()),
+        }
     }
 }
 
 /// Deletes up to `SWEEP_BATCH` expired records, and drops up to as many responses
 /// past their retention (their record kept: docs/design.md §24), each in a
 /// transaction of its own: whether either found as many (more may be left).
-fn sweep(conn: &Connection, now: Millis, stats: &CommitFigures) -> bool {
-    let dropped = conn
-        .prepare_cached(super::DROP_RESPONSES)
-        .and_then(|mut statement| statement.execute((now, SWEEP_BATCH)));
+fn sweep(tx: &Tx<'_>, now: Millis, stats: &CommitFigures) -> bool {
+    let dropped = in_transaction(tx, |tx| super::drop_responses(tx, now, SWEEP_BATCH));
     let more = match dropped {
         Ok(dropped) => {
             stats.dropped.inc_by(dropped as u64);
@@ -362,12 +568,7 @@ fn sweep(conn: &Connection, now: Millis, stats: &CommitFigures) -> bool {
             false
         }
     };
-    let deleted = conn
-        .prepare_cached(
-            "DELETE FROM records WHERE rowid IN \
-             (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)",
-        )
-        .and_then(|mut statement| statement.execute((now, SWEEP_BATCH)));
+    let deleted = in_transaction(tx, |tx| super::delete_expired(tx, now, SWEEP_BATCH));
     match deleted {
         Ok(deleted) => {
             stats.swept.inc_by(deleted as u64);
@@ -378,4 +579,25 @@ fn sweep(conn: &Connection, now: Millis, stats: &CommitFigures) -> bool {
             more
         }
     }
+}
+
+/// Runs `op` in a transaction of its own, the shares it changed written back with it.
+fn in_transaction(tx: &Tx<'_>, op: impl FnOnce(&Tx<'_>) -> Result<usize, StoreError>) -> Result<usize, StoreError> {
+    tx.execute_batch("BEGIN IMMEDIATE")
+        .map_err(|error| disk(&error, false))?;
+    let done = op(tx).and_then(|done| {
+        tx.shares
+            .borrow_mut()
+            .write_back(tx)
+            .map_err(|error| disk(&error, false))?;
+        tx.execute_batch("COMMIT").map_err(|error| disk(&error, true))?;
+        Ok(done)
+    });
+    if done.is_err() {
+        if !tx.is_autocommit() {
+            let _ = tx.execute_batch("ROLLBACK");
+        }
+        tx.shares.borrow_mut().forget();
+    }
+    done
 }
