@@ -154,50 +154,21 @@ CREATE TRIGGER records_spent_removed AFTER DELETE ON records
 END;
 ";
 
-/// Step 5 (issue 54, docs/design.md §27): less work on every write. The records are
-/// kept by their key (`WITHOUT ROWID`: one b-tree where a rowid table and its unique
-/// key index were two); the index of records not completed goes (only a start reads
-/// them, and it reads the table); and the shares are kept by the writer, written back
-/// once a commit, where five triggers ran on every write (shares.rs). The records are
-/// copied over in the same transaction as every step, so a file is migrated whole or
-/// not at all.
+/// Step 5 (issue 54, docs/design.md §27): less work on every write. The shares are
+/// kept by the writer and written back once a commit (shares.rs), where five triggers
+/// ran on every write, each in a statement journal; and the index of records not
+/// completed goes (only a start reads them, and it reads the table). The records stay
+/// in insertion order (a rowid table with its unique key index): a fresh key's row is
+/// appended to the pages the last claims wrote, and its completion rewrites them,
+/// where a table keyed by the key (a hash) put each on a page of its own, and a commit
+/// wrote twice the log (measured: docs/performance.md).
 const LEAN: &str = "
 DROP TRIGGER records_added;
 DROP TRIGGER records_removed;
 DROP TRIGGER records_resized;
 DROP TRIGGER records_spent;
 DROP TRIGGER records_spent_removed;
-CREATE TABLE records_by_key (
-    key TEXT NOT NULL PRIMARY KEY,
-    fingerprint BLOB NOT NULL,
-    expires_at INTEGER NOT NULL,
-    scope INTEGER,
-    client INTEGER,
-    state TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
-    owner BLOB,
-    lease_until INTEGER,
-    status INTEGER,
-    headers BLOB,
-    body BLOB,
-    reason TEXT,
-    probe_due INTEGER,
-    probe_give_up INTEGER,
-    probe_key TEXT,
-    size INTEGER NOT NULL,
-    response_until INTEGER,
-    completed_at INTEGER
-) STRICT, WITHOUT ROWID;
-INSERT INTO records_by_key (key, fingerprint, expires_at, scope, client, state, owner, lease_until, status,
-    headers, body, reason, probe_due, probe_give_up, probe_key, size, response_until, completed_at)
-    SELECT key, fingerprint, expires_at, scope, client, state, owner, lease_until, status, headers, body, reason,
-        probe_due, probe_give_up, probe_key, size, response_until, completed_at FROM records;
-DROP TABLE records;
-ALTER TABLE records_by_key RENAME TO records;
-CREATE INDEX records_expiry ON records (expires_at);
-CREATE INDEX records_scope ON records (scope, expires_at) WHERE scope IS NOT NULL;
-CREATE INDEX records_client ON records (client, expires_at) WHERE client IS NOT NULL;
-CREATE INDEX records_response ON records (response_until)
-    WHERE response_until IS NOT NULL AND body IS NOT NULL;
+DROP INDEX records_unsettled;
 ";
 
 /// The exclusive lock on a store file: held while this value lives. The database's
