@@ -48,11 +48,14 @@ const MAX_BATCH: usize = 1024;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Most expired records one sweep deletes; more left, the next sweep comes at once.
 const SWEEP_BATCH: i64 = 1000;
-/// The log's size past which a checkpoint holds the writer until the log starts over:
-/// far past what a request load writes between two checkpoints that catch up (a
-/// bound of 64 MiB held the writer often enough under fresh keys to raise their p99
-/// from 5 to 60-110 ms), and far short of a full disk.
-const LOG_BOUND: i64 = 1024 * 1024 * 1024;
+/// The log's size past which a checkpoint holds the writer until the log starts over.
+/// Under fresh keys that never pause, a passive checkpoint never catches up, and a
+/// long log slows every read of a page (SQLite looks for it in the log's index, one
+/// table of 4,096 frames after another): with a bound of 1 GiB, commits of a few
+/// writes took 0.4 s once the log passed 800 MB, and the p99 of fresh keys rose from
+/// 30 to 300-470 ms over four 8 s runs; with 16 MiB it stayed within 24-66 ms, at the
+/// same rate (docs/performance.md).
+const LOG_BOUND: i64 = 16 * 1024 * 1024;
 /// How long the checkpointer lets commits gather before it copies them into the file.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 
