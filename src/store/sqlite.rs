@@ -353,19 +353,7 @@ fn record_size(key: &StoreKey, response: Option<&StoredResponse>) -> i64 {
 /// What one share holds: (records, bytes). The `shares` table keeps each under its
 /// kind (0: the store, 1: a scope, 2: a client address) and its id.
 fn share(conn: &Connection, share: Share) -> Result<(i64, i64), StoreError> {
-    let (kind, id) = match share {
-        Share::Store => (0, 0),
-        Share::Scope(ScopeId(scope)) => (1, scope as i64),
-        Share::Client(ClientId(client)) => (2, client as i64),
-    };
-    conn.prepare_cached("SELECT records, bytes FROM shares WHERE kind = ?1 AND id = ?2")
-        .and_then(|mut statement| {
-            statement
-                .query_row((kind, id), |row| Ok((row.get(0)?, row.get(1)?)))
-                .optional()
-        })
-        .map(Option::unwrap_or_default)
-        .map_err(|error| disk(&error, false))
+    shares::read(conn, shares::row(share)).map_err(|error| disk(&error, false))
 }
 
 /// The file's pages in use: its pages less the free ones (each pragma a cached
@@ -674,9 +662,7 @@ impl SqliteStore {
         F: FnOnce(&Connection, Millis) -> Result<R, StoreError> + Send + 'static,
     {
         let store = self.clone();
-        tokio::task::spawn_blocking(move || store.read(read))
-            .await
-            .unwrap_or(Err(StoreError::Unready("a read of the store's file did not finish")))
+        super::blocking(move || store.read(read)).await?
     }
 
     /// Runs a compare-and-set on `key`'s record, and wakes its waiters if it changed it
@@ -964,29 +950,33 @@ fn claim_free(
 /// Makes `key`'s record the completed `response` at `now` (its expiry and the end of
 /// its retention kept: past it, the sweeper drops the response within a second, and
 /// every read reads it as spent meanwhile).
+///
+/// Only a record without a response is completed (one in flight, or unknown:
+/// `lifecycle::resolvable`), so it was the size of its key alone, and the shares grow by
+/// the response's size.
 fn set_completed(tx: &Tx<'_>, key: &StoreKey, response: &StoredResponse, now: Millis) -> Result<(), StoreError> {
-    let (scope, was): (Option<i64>, i64) = tx
-        .prepare_cached("SELECT scope, size FROM records WHERE key = ?1")
-        .and_then(|mut statement| statement.query_row([key.as_str()], |row| Ok((row.get(0)?, row.get(1)?))))
-        .map_err(|error| disk(&error, false))?;
     let size = record_size(key, Some(response));
-    execute(
-        tx,
-        "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
-         probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, size = ?5, \
-         completed_at = ?6 WHERE key = ?1",
-        params![
-            key.as_str(),
-            response.status.as_u16(),
-            response.encode_headers(),
-            &response.body[..],
-            size,
-            now,
-        ],
-    )?;
+    let scope: Option<i64> = tx
+        .prepare_cached(
+            "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
+             probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, \
+             size = ?5, completed_at = ?6 WHERE key = ?1 RETURNING scope",
+        )
+        .and_then(|mut statement| {
+            let values = params![
+                key.as_str(),
+                response.status.as_u16(),
+                response.encode_headers(),
+                &response.body[..],
+                size,
+                now,
+            ];
+            statement.query_row(values, |row| row.get(0))
+        })
+        .map_err(|error| disk(&error, false))?;
     tx.shares
         .borrow_mut()
-        .resized(tx, scope, size - was)
+        .resized(tx, scope, size - record_size(key, None))
         .map_err(|error| disk(&error, false))
 }
 

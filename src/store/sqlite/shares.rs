@@ -18,7 +18,7 @@ use crate::store::{ClientId, ScopeId};
 
 /// A share's row in the table: its kind (0: the store, 1: a scope, 2: a client
 /// address, 3: the records whose response was dropped) and its id.
-type Row = (i64, i64);
+pub(super) type Row = (i64, i64);
 
 const STORE: Row = (0, 0);
 const SPENT: Row = (3, 0);
@@ -46,12 +46,7 @@ pub(super) struct Counted {
 impl Shares {
     /// What `share` holds: (records, bytes).
     pub(super) fn get(&mut self, conn: &Connection, share: Share) -> rusqlite::Result<(i64, i64)> {
-        let row = match share {
-            Share::Store => STORE,
-            Share::Scope(ScopeId(scope)) => (1, scope as i64),
-            Share::Client(ClientId(client)) => (2, client as i64),
-        };
-        self.read(conn, row)
+        self.read(conn, row(share))
     }
 
     /// A record of `size` bytes was written.
@@ -162,15 +157,28 @@ impl Shares {
         if let Some(held) = self.kept.get(&row) {
             return Ok(*held);
         }
-        let held = conn
-            .prepare_cached("SELECT records, bytes FROM shares WHERE kind = ?1 AND id = ?2")
-            .and_then(|mut statement| {
-                statement
-                    .query_row(row, |found| Ok((found.get(0)?, found.get(1)?)))
-                    .optional()
-            })?
-            .unwrap_or_default();
+        let held = read(conn, row)?;
         self.kept.insert(row, held);
         Ok(held)
     }
+}
+
+/// The row in the table that keeps `share`.
+pub(super) fn row(share: Share) -> Row {
+    match share {
+        Share::Store => STORE,
+        Share::Scope(ScopeId(scope)) => (1, scope as i64),
+        Share::Client(ClientId(client)) => (2, client as i64),
+    }
+}
+
+/// What `row` holds in the table, as last committed: (records, bytes).
+pub(super) fn read(conn: &Connection, row: Row) -> rusqlite::Result<(i64, i64)> {
+    conn.prepare_cached("SELECT records, bytes FROM shares WHERE kind = ?1 AND id = ?2")
+        .and_then(|mut statement| {
+            statement
+                .query_row(row, |found| Ok((found.get(0)?, found.get(1)?)))
+                .optional()
+        })
+        .map(Option::unwrap_or_default)
 }

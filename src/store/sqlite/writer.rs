@@ -452,15 +452,7 @@ fn commit(tx: &Tx<'_>, mut batch: Vec<Box<dyn Job>>, now: Millis, writes: &Write
         run_all(&mut batch, true);
     }
     let began = Instant::now();
-    let committed = match tx.shares.borrow_mut().write_back(conn) {
-        Ok(()) => conn.execute_batch("COMMIT").map_err(|error| disk_error(&error, true)),
-        Err(error) => Err(disk_error(&error, false)),
-    };
-    if let Err(failure) = committed {
-        if !conn.is_autocommit() {
-            let _ = conn.execute_batch("ROLLBACK");
-        }
-        tx.shares.borrow_mut().forget();
+    if let Err(failure) = finish(tx) {
         for job in batch {
             job.answer(&Err(failure.clone()));
         }
@@ -544,15 +536,13 @@ impl Syncer {
                             the store takes no write until the proxy is restarted");
             broken()
         };
-        if log.is_none() {
+        let file = match log {
+            Some(file) => file,
             // SQLite made the log when the store opened the file in write-ahead mode,
             // and keeps it while any connection is open (file.rs refuses a link).
-            *log = Some(File::open(&self.log).map_err(failed)?);
-        }
-        match log {
-            Some(file) => file.sync_data().map_err(failed),
-            None => Err(broken()),
-        }
+            None => log.insert(File::open(&self.log).map_err(failed)?),
+        };
+        file.sync_data().map_err(failed)
     }
 }
 
@@ -588,19 +578,28 @@ fn sweep(tx: &Tx<'_>, now: Millis, stats: &CommitFigures) -> bool {
 fn in_transaction(tx: &Tx<'_>, op: impl FnOnce(&Tx<'_>) -> Result<usize, StoreError>) -> Result<usize, StoreError> {
     tx.execute_batch("BEGIN IMMEDIATE")
         .map_err(|error| disk(&error, false))?;
-    let done = op(tx).and_then(|done| {
-        tx.shares
-            .borrow_mut()
-            .write_back(tx)
-            .map_err(|error| disk(&error, false))?;
-        tx.execute_batch("COMMIT").map_err(|error| disk(&error, true))?;
-        Ok(done)
-    });
-    if done.is_err() {
+    match op(tx) {
+        Ok(done) => finish(tx).map(|()| done).map_err(StoreError::Disk),
+        Err(error) => {
+            let _ = tx.execute_batch("ROLLBACK");
+            tx.shares.borrow_mut().forget();
+            Err(error)
+        }
+    }
+}
+
+/// Ends the open transaction: writes the shares it changed back and commits it; or,
+/// should either fail, rolls it back and forgets what the shares kept of it.
+fn finish(tx: &Tx<'_>) -> Result<(), DiskError> {
+    let committed = match tx.shares.borrow_mut().write_back(tx) {
+        Ok(()) => tx.execute_batch("COMMIT").map_err(|error| disk_error(&error, true)),
+        Err(error) => Err(disk_error(&error, false)),
+    };
+    if committed.is_err() {
         if !tx.is_autocommit() {
             let _ = tx.execute_batch("ROLLBACK");
         }
         tx.shares.borrow_mut().forget();
     }
-    done
+    committed
 }
