@@ -8,7 +8,8 @@
 //! records are bounded too, by `max_records_per_client`. Expired records are swept in
 //! the background and on demand.
 
-use std::collections::{BTreeSet, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime};
 
@@ -22,9 +23,16 @@ use super::{
     StoreLimits, StoreUsage, StoredResponse, SummaryState, UnknownReason, Write,
 };
 use crate::error::{Held, StoreError};
+use table::Table;
+
+mod table;
 
 /// How often the background sweeper drops expired records.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The most expired records (or dropped responses) one hold of the lock sweeps: the
+/// background sweeper lets other requests in between such chunks.
+const SWEEP_CHUNK: usize = 4096;
 
 /// The process's memory store, shared by every worker; its sweeper ends with its last
 /// handle. Must be called inside a Tokio runtime.
@@ -63,16 +71,20 @@ struct Shared {
 /// every insert, change and removal), in all and per scope.
 #[derive(Debug, Default)]
 struct Records {
-    map: HashMap<StoreKey, Record>,
+    map: Table<Record>,
     bytes: usize,
     scopes: HashMap<ScopeId, ScopeUsage>,
     /// When each client address's records expire (their bytes are not counted
     /// per client: only their number is bounded).
     clients: HashMap<ClientId, ScopeUsage>,
-    /// No record expires before this (`None`: not known). A claim that finds the store
-    /// full sweeps it only once a record can have expired, not on every refusal: each
-    /// sweep walks every record, under the lock every request takes.
-    next_expiry: Option<Instant>,
+    /// When each record expires, earliest first, so that a sweep touches only what is
+    /// due (a walk over every record held the lock every request takes for tens of
+    /// milliseconds at a million records). An entry whose record has gone or changed
+    /// since is skipped when it comes up.
+    expiries: Due,
+    /// When each record's retention ends, for a record that is remembered past it:
+    /// its response, if it has one by then, is dropped.
+    retentions: Due,
     /// Sweeps so far, for tests.
     sweeps: u64,
     /// Records whose response the sweeper dropped, kept until they expire.
@@ -98,7 +110,10 @@ impl Records {
     }
 
     fn insert(&mut self, key: StoreKey, record: Record) {
-        self.next_expiry = self.next_expiry.map(|next| next.min(record.expires_at));
+        if record.response_until < record.expires_at {
+            self.retentions.push(Reverse((record.response_until, key.clone())));
+        }
+        self.expiries.push(Reverse((record.expires_at, key.clone())));
         count(&mut self.bytes, &mut self.scopes, &mut self.clients, &key, &record);
         if let Some(old) = self.map.insert(key.clone(), record) {
             self.spent -= usize::from(old.spent());
@@ -128,41 +143,54 @@ impl Records {
         }
     }
 
-    fn sweep(&mut self, now: Instant) {
+    /// Drops at most `SWEEP_CHUNK` records expired by `now` and as many responses
+    /// past their retention; whether more are due.
+    fn sweep(&mut self, now: Instant) -> bool {
         self.sweeps += 1;
-        let Records {
-            map,
-            bytes,
-            scopes,
-            clients,
-            spent,
-            ..
-        } = self;
-        let mut next: Option<Instant> = None;
-        map.retain(|key, record| {
-            let live = record.expires_at > now;
-            if live {
-                next = Some(next.map_or(record.expires_at, |next| next.min(record.expires_at)));
-                // Past its retention a completed record's response is dropped, on the
-                // store's own clock, whether or not a retry ever reads it.
-                if record.response_until <= now
-                    && let State::Completed(done) = &mut record.state
-                    && let Some(response) = done.response.take()
-                {
-                    let dropped = response.size();
-                    *bytes -= dropped;
-                    *spent += 1;
-                    if let Some(usage) = record.scope.and_then(|scope| scopes.get_mut(&scope)) {
-                        usage.bytes -= dropped;
-                    }
-                }
-            } else {
-                *spent -= usize::from(record.spent());
-                uncount(bytes, scopes, clients, key, record);
+        for _ in 0..SWEEP_CHUNK {
+            let Some(key) = due(&mut self.expiries, now) else { break };
+            if self.map.get(&key).is_some_and(|record| record.expires_at <= now) {
+                self.remove(&key);
             }
-            live
-        });
-        self.next_expiry = next;
+        }
+        for _ in 0..SWEEP_CHUNK {
+            let Some(key) = due(&mut self.retentions, now) else {
+                break;
+            };
+            self.drop_response(&key, now);
+        }
+        [&self.expiries, &self.retentions]
+            .iter()
+            .any(|queue| queue.peek().is_some_and(|Reverse((at, _))| *at <= now))
+    }
+
+    /// Past its retention a completed record's response is dropped, on the store's own
+    /// clock, whether or not a retry ever reads it.
+    fn drop_response(&mut self, key: &StoreKey, now: Instant) {
+        let Some(record) = self.map.get_mut(key) else { return };
+        if record.response_until <= now
+            && let State::Completed(done) = &mut record.state
+            && let Some(response) = done.response.take()
+        {
+            let dropped = response.size();
+            self.bytes -= dropped;
+            self.spent += 1;
+            if let Some(usage) = record.scope.and_then(|scope| self.scopes.get_mut(&scope)) {
+                usage.bytes -= dropped;
+            }
+        }
+    }
+
+    /// When the first live record expires (`None`: none is held); the entries of
+    /// records gone or changed since are dropped on the way.
+    fn next_expiry(&mut self) -> Option<Instant> {
+        while let Some(Reverse((at, key))) = self.expiries.peek() {
+            if self.map.get(key).is_some_and(|record| record.expires_at == *at) {
+                return Some(*at);
+            }
+            self.expiries.pop();
+        }
+        None
     }
 
     /// The keys of `usage`'s records that expired by `now`.
@@ -178,6 +206,17 @@ impl Records {
             })
             .unwrap_or_default()
     }
+}
+
+/// Records' keys by a time of theirs, earliest first.
+type Due = BinaryHeap<Reverse<(Instant, StoreKey)>>;
+
+/// The key of `queue`'s first entry, taken, if it is due by `now`.
+fn due(queue: &mut Due, now: Instant) -> Option<StoreKey> {
+    if queue.peek()?.0.0 > now {
+        return None;
+    }
+    queue.pop().map(|Reverse((_, key))| key)
 }
 
 /// Adds `record`'s bytes to the store's and its scope's, and its expiry to its scope's
@@ -445,7 +484,14 @@ async fn sweep_forever(shared: Weak<Shared>) {
     loop {
         ticks.tick().await;
         let Some(shared) = shared.upgrade() else { return };
-        shared.lock().sweep(Instant::now());
+        // A chunk at a time, letting requests in between.
+        loop {
+            let more = shared.lock().sweep(Instant::now());
+            if !more {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
     }
 }
 
@@ -492,10 +538,9 @@ impl lifecycle::Ledger for Ledger<'_> {
     fn sweep(&mut self, share: Share) -> Result<(), StoreError> {
         let now = self.now;
         let expired = match share {
-            // A whole sweep walks every record, under the lock every request takes:
-            // only once a record can have expired, not on every refusal.
+            // Only once a record has expired, not on every refusal.
             Share::Store => {
-                if self.records.next_expiry.is_none_or(|next| next <= now) {
+                if self.records.next_expiry().is_some_and(|next| next <= now) {
                     self.records.sweep(now);
                 }
                 return Ok(());
@@ -512,7 +557,7 @@ impl lifecycle::Ledger for Ledger<'_> {
     fn first_expiry(&mut self, share: Share) -> Result<Duration, StoreError> {
         let now = self.now;
         let first = match share {
-            Share::Store => self.records.next_expiry,
+            Share::Store => self.records.next_expiry(),
             Share::Scope(scope) => self.records.scopes.get(&scope).and_then(ScopeUsage::first),
             Share::Client(client) => self.records.clients.get(&client).and_then(ScopeUsage::first),
         };
@@ -737,5 +782,92 @@ impl RecordStore for MemoryStore {
 
     fn usage(&self) -> Option<StoreUsage> {
         Some(MemoryStore::usage(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(expires_at: Instant, response_until: Instant) -> Record {
+        Record {
+            fingerprint: Fingerprint([0; 32]),
+            expires_at,
+            response_until,
+            scope: None,
+            client: None,
+            state: State::InFlight {
+                owner: OwnerToken::generate().expect("a token"),
+                lease_until: expires_at,
+            },
+        }
+    }
+
+    fn key(n: usize) -> StoreKey {
+        StoreKey::from_derived(format!("test:payments:{{{n}}}"))
+    }
+
+    /// A sweep takes only what is due, a chunk at a time, and skips the queue entries of
+    /// records that changed since they were queued.
+    #[test]
+    fn a_sweep_takes_what_is_due_a_chunk_at_a_time() {
+        let now = Instant::now();
+        let soon = now + Duration::from_secs(1);
+        let later = now + Duration::from_secs(60);
+        let mut records = Records::default();
+        for n in 0..SWEEP_CHUNK + 10 {
+            records.insert(key(n), record(soon, soon));
+        }
+        for n in SWEEP_CHUNK + 10..SWEEP_CHUNK + 20 {
+            records.insert(key(n), record(later, later));
+        }
+        // Queued to expire soon, then taken again with a later expiry.
+        records.insert(key(0), record(later, later));
+        assert!(!records.sweep(now), "nothing is due yet");
+        assert_eq!(records.map.len(), SWEEP_CHUNK + 20);
+        assert_eq!(records.next_expiry(), Some(soon));
+
+        assert!(records.sweep(soon), "more than a chunk is due");
+        assert!(!records.sweep(soon), "the rest fits in the next chunk");
+        assert_eq!(records.map.len(), 11, "the 10 kept for later, and the one taken again");
+        assert!(records.map.get(&key(0)).is_some());
+        assert_eq!(records.bytes, records_bytes(&records), "what is left is counted");
+        assert_eq!(records.next_expiry(), Some(later));
+    }
+
+    /// A record remembered past its retention loses its response when the retention
+    /// ends, and is counted as spent; it is dropped when it expires.
+    #[test]
+    fn a_sweep_drops_a_response_at_the_end_of_its_retention() {
+        let now = Instant::now();
+        let retained = now + Duration::from_secs(1);
+        let remembered = now + Duration::from_secs(60);
+        let mut records = Records::default();
+        records.insert(key(1), record(remembered, retained));
+        let response = StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(b"{}"),
+            trace: None,
+            replay_until: None,
+        };
+        records.set_state(&key(1), Done::new(&response, retained, now));
+        let with_response = records.bytes;
+        assert!(!records.sweep(now));
+        assert_eq!((records.spent, records.bytes), (0, with_response));
+
+        assert!(!records.sweep(retained));
+        assert_eq!(records.spent, 1);
+        assert_eq!(records.bytes, with_response - response.size());
+        assert!(records.map.get(&key(1)).is_some_and(Record::spent));
+
+        assert!(!records.sweep(remembered));
+        assert_eq!((records.map.len(), records.spent, records.bytes), (0, 0, 0));
+    }
+
+    fn records_bytes(records: &Records) -> usize {
+        (0..SWEEP_CHUNK + 20)
+            .filter_map(|n| records.map.get(&key(n)).map(|record| record.size(&key(n))))
+            .sum()
     }
 }
