@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::HeaderValue;
 use http::Method;
 use http::header::HeaderName;
 use serde::Deserialize;
@@ -454,6 +455,47 @@ pub struct Route {
     pub docs_url: Option<Arc<str>>,
     /// Shared, so a guarded request holds its policy without borrowing the route.
     pub idempotency: Option<Arc<IdempotencyPolicy>>,
+    /// `[route.cors]`: the origins whose preflights the proxy answers (docs/design.md §29).
+    pub cors: Option<Arc<Cors>>,
+}
+
+/// `[route.cors]`, checked: what the proxy answers a browser's preflight with, and
+/// adds to the answers an allowed origin reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cors {
+    /// Exact origins (`scheme://host[:port]`), or `None` for any origin (`"*"`).
+    pub origins: Option<Vec<String>>,
+    /// `Access-Control-Allow-Methods`.
+    pub methods: HeaderValue,
+    /// `Access-Control-Allow-Headers`: the configured ones, the route's key header and
+    /// its header key sources and scope headers.
+    pub headers: HeaderValue,
+    /// `Access-Control-Max-Age`, in seconds.
+    pub max_age: u64,
+    pub credentials: bool,
+}
+
+/// `route.idempotency.jsonrpc_methods` or `graphql` (docs/design.md §28): which calls
+/// on one endpoint are guarded; the rest pass as unguarded requests do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Calls {
+    /// JSON-RPC 2.0: a call to one of these methods.
+    JsonRpc { methods: Vec<String> },
+    /// GraphQL: a mutation; `unparsable` says what a body the parser cannot read gets.
+    GraphQl { unparsable: Unparsable },
+}
+
+/// `graphql_unparsable`: a GraphQL body whose operation the proxy cannot tell
+/// (not JSON with a `query`, a document that does not parse, no operation by that
+/// name, or several and no `operationName`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Unparsable {
+    /// 400 `call-unreadable`: nothing is forwarded.
+    #[default]
+    Refuse,
+    /// Forwarded unguarded: the upstream answers what it makes of it.
+    Pass,
 }
 
 #[derive(Debug, Clone)]
@@ -508,12 +550,15 @@ pub struct IdempotencyPolicy {
     /// Which responses reach the first client as the upstream sends them, recorded as
     /// they pass, instead of read whole first.
     pub stream: StreamMode,
+    /// On a JSON-RPC or GraphQL route: which calls are guarded.
+    pub calls: Option<Calls>,
 }
 
 impl IdempotencyPolicy {
-    /// Whether the key may be in the body, so that the body is read before the claim.
+    /// Whether the body is read before the claim: the key may be in it, or on a
+    /// JSON-RPC or GraphQL route, whether the call is guarded is.
     pub fn key_needs_body(&self) -> bool {
-        self.key.iter().any(KeySource::needs_body)
+        self.calls.is_some() || self.key.iter().any(KeySource::needs_body)
     }
 
     /// Whether a probe or a refetch puts the key in a path (`{key}`).

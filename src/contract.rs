@@ -7,7 +7,8 @@
 use serde_json::{Value, json};
 
 use crate::config::{
-    FingerprintBody, IdempotencyPolicy, KeySource, Mode, Profile, ReplayKind, Route, StreamMode, UpstreamKey,
+    Calls, FingerprintBody, IdempotencyPolicy, KeySource, Mode, Profile, ReplayKind, Route, StreamMode, Unparsable,
+    UpstreamKey,
 };
 use crate::idempotency::MAX_KEY_LEN;
 use crate::problem::{Listed, ProblemKind, problem_type};
@@ -112,6 +113,42 @@ fn describe(route: &Route, policy: &IdempotencyPolicy) -> Value {
         })),
         "responses": responses,
         "docs_url": route.docs_url.as_deref(),
+        "calls": calls(policy),
+        "cors": cors(route),
+    })
+}
+
+/// Which calls a JSON-RPC or GraphQL route guards (`null` on another route).
+fn calls(policy: &IdempotencyPolicy) -> Value {
+    match &policy.calls {
+        None => Value::Null,
+        Some(Calls::JsonRpc { methods }) => json!({
+            "protocol": "jsonrpc",
+            "guarded_methods": methods,
+            "meaning": "only calls to these methods are guarded, every other call passes unguarded; the fingerprint is the call without its id; a replay is the recorded answer with the retry's id; the proxy's own refusals are JSON-RPC error objects (code -32600 for call-unreadable, -32000 otherwise) with the HTTP status of the problem and its fields, slug included, in error.data; a batch that holds a guarded call is refused (call-unreadable)",
+        }),
+        Some(Calls::GraphQl { unparsable }) => json!({
+            "protocol": "graphql",
+            "guarded_operations": "mutation",
+            "unparsable": match unparsable {
+                Unparsable::Refuse => "refuse",
+                Unparsable::Pass => "pass",
+            },
+            "meaning": "only a mutation (the operation operationName names, or the document's only one) is guarded; queries and subscriptions pass unguarded; a batch that holds a mutation is refused (call-unreadable)",
+        }),
+    }
+}
+
+/// The origins whose preflights the route answers (`null` without `[route.cors]`).
+fn cors(route: &Route) -> Value {
+    let Some(cors) = &route.cors else {
+        return Value::Null;
+    };
+    json!({
+        "allow_origins": cors.origins.clone().unwrap_or_else(|| vec!["*".to_string()]),
+        "allow_credentials": cors.credentials,
+        "allow_headers": cors.headers.to_str().unwrap_or_default(),
+        "expose_headers": ["Idempotent-Replayed", "Idempotency-Expires", "Idempotency-Reconciled", "Retry-After"],
     })
 }
 
@@ -177,6 +214,7 @@ fn answers(policy: &IdempotencyPolicy) -> impl Iterator<Item = (u16, ProblemKind
             Listed::WhenRequired => policy.required,
             Listed::WhenScopeJwt => policy.scope_jwt.is_some(),
             Listed::WhenRefetch => policy.replay == crate::config::ReplayKind::Refetch,
+            Listed::WhenCalls => policy.calls.is_some(),
             Listed::WhenRemembered => {
                 policy.remember > policy.retention && policy.replay != crate::config::ReplayKind::Refetch
             }
@@ -202,13 +240,15 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
             .map(|(name, _)| json!({"$ref": format!("#/components/parameters/{name}")}))
             .collect();
         parameters.extend(inputs.parameters);
+        let jsonrpc = matches!(policy.calls, Some(Calls::JsonRpc { .. }));
         let schema = match policy.profile {
+            _ if jsonrpc => "#/components/schemas/JsonRpcError",
             Profile::Ietf => "#/components/schemas/IdempotencyProblem",
             Profile::Stripe => "#/components/schemas/StripeError",
         };
         let media = match policy.profile {
-            Profile::Ietf => "application/problem+json",
-            Profile::Stripe => "application/json",
+            Profile::Ietf if !jsonrpc => "application/problem+json",
+            _ => "application/json",
         };
         let mut responses = serde_json::Map::new();
         for (status, kind) in answers(policy) {
@@ -267,6 +307,12 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
             if let Some(body) = &inputs.request_body {
                 operation["requestBody"] = body.clone();
             }
+            if policy.calls.is_some() {
+                operation["x-idemproxy-calls"] = calls(policy);
+            }
+            if route.cors.is_some() {
+                operation["x-idemproxy-cors"] = cors(route);
+            }
             operations.insert(method.as_str().to_ascii_lowercase(), operation);
         }
         paths.insert(route.path_prefix.clone(), Value::Object(operations));
@@ -294,6 +340,24 @@ pub fn openapi<'a>(routes: impl IntoIterator<Item = &'a Route>, version: &str) -
                         "operation": {"type": "string", "description": "on outcome-unknown: the operation's id"},
                         "reconciling": {"type": "boolean", "description": "on outcome-unknown: whether the proxy is asking the upstream"},
                         "reason": {"type": "string", "description": "on outcome-unknown: why (upstream-timeout, upstream-failed, response-too-large, over-budget, stream-broken, lease-expired, moved-in-flight: in flight in the store it was copied from, or unreadable: the recorded response cannot be opened)"},
+                    },
+                },
+                "JsonRpcError": {
+                    "type": "object",
+                    "description": "On a JSON-RPC route: a JSON-RPC 2.0 error response in the call's id, the problem's fields (slug included) in error.data",
+                    "required": ["jsonrpc", "id", "error"],
+                    "properties": {
+                        "jsonrpc": {"type": "string", "enum": ["2.0"]},
+                        "id": {"type": ["string", "number", "null"]},
+                        "error": {
+                            "type": "object",
+                            "required": ["code", "message", "data"],
+                            "properties": {
+                                "code": {"type": "integer", "enum": [-32600, -32000]},
+                                "message": {"type": "string"},
+                                "data": {"type": "object", "required": ["slug"], "properties": {"slug": {"type": "string"}}},
+                            },
+                        },
                     },
                 },
                 "StripeError": {
@@ -540,6 +604,27 @@ pub fn markdown<'a>(routes: impl IntoIterator<Item = &'a Route>) -> String {
                 humantime::format_duration(policy.wait_for_in_flight)
             ));
         }
+        match &policy.calls {
+            None => {}
+            Some(Calls::JsonRpc { methods }) => {
+                let methods: Vec<String> = methods.iter().map(|method| format!("`{method}`")).collect();
+                page.push_str(&format!(
+                    "- JSON-RPC 2.0: only calls to {} are guarded; other calls need no key. A retry may carry a new `id`: its replay answers with it. Errors are JSON-RPC error objects, the problem's `slug` in `error.data`; a batch must not hold a guarded call.\n",
+                    methods.join(", ")
+                ));
+            }
+            Some(Calls::GraphQl { .. }) => page.push_str(
+                "- GraphQL: only mutations are guarded (the operation `operationName` names, or the only one); queries and subscriptions need no key.\n",
+            ),
+        }
+        if let Some(cors) = &route.cors {
+            let origins = cors.origins.clone().unwrap_or_else(|| vec!["*".to_string()]);
+            page.push_str(&format!(
+                "- Browsers: preflights from {} are answered, allowing `{}`; `Idempotent-Replayed` and `Idempotency-Expires` are exposed.\n",
+                origins.iter().map(|origin| format!("`{origin}`")).collect::<Vec<_>>().join(", "),
+                header_name(policy)
+            ));
+        }
         if let Some(docs) = &route.docs_url {
             page.push_str(&format!("- Errors are documented at <{docs}>.\n"));
         }
@@ -596,6 +681,67 @@ mod tests {
 
     /// Each route's replay mode is published in the document, the OpenAPI fragment and
     /// the Markdown page; `replay-unavailable` is listed only where a refetch can fail.
+    /// Each route's JSON-RPC methods or GraphQL mode and its CORS origins are in the
+    /// contract, the OpenAPI document and the page; a JSON-RPC route's problems are
+    /// JSON-RPC errors there, and it lists `call-unreadable`.
+    #[test]
+    fn the_contract_names_each_routes_calls_and_origins() {
+        let source = concat!(
+            "[[route]]\nname = \"mcp\"\npath_prefix = \"/mcp\"\nupstream = \"http://127.0.0.1:9\"\n",
+            "[route.idempotency]\njsonrpc_methods = [\"tools/call\"]\n",
+            "[route.cors]\nallow_origins = [\"https://app.example.com\"]\n",
+            "[[route]]\nname = \"gql\"\npath_prefix = \"/graphql\"\nupstream = \"http://127.0.0.1:9\"\n",
+            "[route.idempotency]\ngraphql = \"mutations\"\ngraphql_unparsable = \"pass\"\n",
+            "[[route]]\nname = \"plain\"\npath_prefix = \"/plain\"\nupstream = \"http://127.0.0.1:9\"\n",
+            "[route.idempotency]\n",
+        );
+        let config = crate::Config::parse(source, std::path::Path::new("t.toml")).expect("a valid config");
+        let document = document(&config.routes);
+        let routes = &document["routes"];
+        assert_eq!(routes[0]["calls"]["guarded_methods"], json!(["tools/call"]));
+        assert_eq!(routes[0]["cors"]["allow_origins"], json!(["https://app.example.com"]));
+        assert!(
+            routes[0]["fingerprint"]["ignored_json_pointers"] == json!(["/id"]),
+            "{}",
+            routes[0]["fingerprint"]
+        );
+        let slugs: Vec<&str> = routes[0]["responses"]
+            .as_array()
+            .expect("responses")
+            .iter()
+            .filter_map(|response| response["problem"].as_str())
+            .collect();
+        assert!(slugs.contains(&"call-unreadable"), "{slugs:?}");
+        assert_eq!(routes[1]["calls"]["protocol"], "graphql");
+        assert_eq!(routes[1]["calls"]["unparsable"], "pass");
+        assert_eq!((&routes[2]["calls"], &routes[2]["cors"]), (&Value::Null, &Value::Null));
+        let plain: Vec<&str> = routes[2]["responses"]
+            .as_array()
+            .expect("responses")
+            .iter()
+            .filter_map(|response| response["problem"].as_str())
+            .collect();
+        assert!(!plain.contains(&"call-unreadable"), "{plain:?}");
+
+        let openapi = openapi(&config.routes, "test");
+        let post = &openapi["paths"]["/mcp"]["post"];
+        assert_eq!(post["x-idemproxy-calls"]["guarded_methods"], json!(["tools/call"]));
+        assert_eq!(
+            post["x-idemproxy-cors"]["allow_origins"],
+            json!(["https://app.example.com"])
+        );
+        assert_eq!(
+            post["responses"]["409"]["content"]["application/json"]["schema"]["$ref"],
+            "#/components/schemas/JsonRpcError"
+        );
+        assert!(openapi["paths"]["/plain"]["post"].get("x-idemproxy-calls").is_none());
+
+        let page = markdown(&config.routes);
+        assert!(page.contains("only calls to `tools/call` are guarded"), "{page}");
+        assert!(page.contains("preflights from `https://app.example.com`"), "{page}");
+        assert!(page.contains("GraphQL: only mutations are guarded"), "{page}");
+    }
+
     #[test]
     fn the_contract_names_each_routes_replay_mode() {
         let route = |name: &str, policy: &str| {

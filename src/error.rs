@@ -399,6 +399,24 @@ pub(crate) enum Rejection {
     Upstream(#[from] UpstreamError),
     #[error(transparent)]
     Internal(#[from] ProxyError),
+    #[error(transparent)]
+    Call(#[from] CallError),
+}
+
+/// A body on a JSON-RPC or GraphQL route whose call cannot be told guarded or not.
+/// Its texts are fixed: a method name or a document is the client's, and never logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum CallError {
+    #[error(
+        "the body is not a JSON-RPC 2.0 request (an object with \"jsonrpc\": \"2.0\" and a string method, or a batch of them)"
+    )]
+    NotJsonRpc,
+    #[error("the JSON-RPC batch holds a call to a guarded method: send guarded calls one at a time, each with its key")]
+    GuardedInBatch,
+    #[error("the GraphQL batch holds a mutation: send mutations one at a time, each with its key")]
+    MutationInBatch,
+    #[error("the GraphQL operation cannot be told: {0}")]
+    GraphQl(&'static str),
 }
 
 /// Which bound on guarded requests in flight was reached (503 `overloaded`).
@@ -475,6 +493,7 @@ impl Rejection {
             Rejection::Internal(ProxyError::Rewrite(_) | ProxyError::ExchangeLost | ProxyError::Random) => {
                 ProblemKind::Internal
             }
+            Rejection::Call(_) => ProblemKind::CallUnreadable,
         }
     }
 
@@ -538,6 +557,7 @@ impl Rejection {
             completed,
             docs_url: None,
             profile: Profile::Ietf,
+            jsonrpc: None,
         }
     }
 }

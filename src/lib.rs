@@ -57,11 +57,13 @@ macro_rules! label_values {
 mod admin;
 mod body;
 mod bounds;
+mod calls;
 pub mod canonical_json;
 pub mod config;
 pub mod conformance;
 pub mod contract;
 pub mod copy;
+mod cors;
 pub mod error;
 pub mod horizon;
 pub mod idempotency;

@@ -26,6 +26,7 @@ label_values! {
         BodyTooLarge => "request-body-too-large",
         BodyTimeout => "request-body-timeout",
         BodyIncomplete => "request-body-incomplete",
+        CallUnreadable => "call-unreadable",
         ScopeFull => "scope-full",
         ClientFull => "client-full",
         Overloaded => "overloaded",
@@ -96,6 +97,8 @@ pub(crate) enum Listed {
     WhenScopeJwt,
     /// A route with `replay = "refetch"`.
     WhenRefetch,
+    /// A JSON-RPC or GraphQL route (`jsonrpc_methods`, `graphql`).
+    WhenCalls,
     /// A route whose records outlive their responses (`remember` past `retention`).
     WhenRemembered,
     /// Not a guarded route's own: any request may get it (no route, a bad path).
@@ -300,6 +303,20 @@ impl ProblemKind {
                             "Request body incomplete",
                             "request_body_incomplete",
                             "the body broke off; nothing was forwarded",
+                        )
+                    }
+                }
+            }
+            ProblemKind::CallUnreadable => {
+                const {
+                    &Row {
+                        listed: Listed::WhenCalls,
+                        in_shadow: true,
+                        ..client(
+                            S::BAD_REQUEST,
+                            "Call cannot be read",
+                            "call_unreadable",
+                            "on a JSON-RPC or GraphQL route: the body is not a JSON-RPC 2.0 request, a batch holds a guarded call (send those one at a time), or the GraphQL operation cannot be told on a route that refuses what it cannot parse; nothing was forwarded",
                         )
                     }
                 }
@@ -650,6 +667,20 @@ impl Profile {
     }
 }
 
+/// A JSON-RPC 2.0 error response for call `id` (its raw JSON text): `-32600`
+/// (invalid request) for a call the proxy cannot read, `-32000` (a server error) for
+/// every other refusal, the problem's fields in `data`.
+fn jsonrpc_error(id: &[u8], kind: ProblemKind, detail: &str, data: serde_json::Value) -> String {
+    let code = if kind == ProblemKind::CallUnreadable {
+        -32600
+    } else {
+        -32000
+    };
+    let error = serde_json::json!({ "code": code, "message": detail, "data": data });
+    let id = std::str::from_utf8(id).unwrap_or("null");
+    format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"error\":{error}}}")
+}
+
 pub(crate) const PROBLEM_TYPE_PREFIX: &str = "urn:idemproxy:problem:";
 
 /// A problem's `type`: `docs_url#slug` on a route with a `docs_url`, else the URN.
@@ -692,6 +723,9 @@ pub(crate) struct Problem {
     pub(crate) docs_url: Option<std::sync::Arc<str>>,
     /// The shape the route's clients expect.
     pub(crate) profile: Profile,
+    /// On a JSON-RPC route: the call's id as it was sent (`null` where it is not
+    /// known). The problem is then a JSON-RPC error object, its fields in `data`.
+    pub(crate) jsonrpc: Option<Bytes>,
 }
 
 impl Problem {
@@ -739,11 +773,16 @@ impl Problem {
                 fields["completed_at"] = serde_json::Value::String(humantime::format_rfc3339_seconds(at).to_string());
             }
         }
-        let (content_type, body) = match self.profile {
-            Profile::Ietf => ("application/problem+json", fields),
-            Profile::Stripe => ("application/json", serde_json::json!({ "error": fields })),
+        let body = match (&self.jsonrpc, self.profile) {
+            (Some(id), _) => {
+                fields["slug"] = serde_json::Value::String(self.kind.slug().into());
+                ("application/json", jsonrpc_error(id, self.kind, &self.detail, fields))
+            }
+            (None, Profile::Ietf) => ("application/problem+json", fields.to_string()),
+            (None, Profile::Stripe) => ("application/json", serde_json::json!({ "error": fields }).to_string()),
         };
-        let mut response = Response::new(Bytes::from(body.to_string()));
+        let (content_type, body) = body;
+        let mut response = Response::new(Bytes::from(body));
         *response.status_mut() = status;
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
@@ -790,7 +829,7 @@ mod tests {
             let client_class = (400..500).contains(&row.status.as_u16());
             assert_eq!(client_class, row.fault == Fault::Client, "{kind:?}");
         }
-        assert_eq!(ProblemKind::ALL.len(), 24);
+        assert_eq!(ProblemKind::ALL.len(), 25);
     }
 
     #[test]

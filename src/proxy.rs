@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -25,7 +26,8 @@ use self::send::send;
 use crate::body::BodyLimits;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
 use crate::bounds::{GuardedRequests, HeldBody, Share};
-use crate::config::{Config, IdempotencyPolicy, Mode, OnStoreError, ReplayKind};
+use crate::calls::{self, Call};
+use crate::config::{Calls, Config, IdempotencyPolicy, Mode, OnStoreError, ReplayKind};
 use crate::error::{Bound, DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
 use crate::metrics::Metrics;
@@ -284,15 +286,37 @@ impl Proxy {
         let Admitted { request, route, guard } = match self.admit(request) {
             Ok(Admission::Route(admitted)) => admitted,
             Ok(Admission::Contract { request, host }) => return self.contract(&request, host.as_deref()),
-            Err(refused) => return self.finish(refused.route.as_deref(), None, Err(refused.rejection.into())),
+            Err(refused) => return self.finish(refused.route.as_deref(), None, Err(refused.rejection.into()), None),
         };
+        // On a route with `[route.cors]` the proxy answers preflights and owns the
+        // CORS fields of every answer.
+        let Some(cors) = route.config.cors.clone() else {
+            return self.route(route, guard, request, client).await;
+        };
+        let origin = request.headers().get(http::header::ORIGIN).cloned();
+        if crate::cors::is_preflight(request.method(), request.headers()) {
+            return crate::cors::preflight(&cors, origin.as_ref()).map(full);
+        }
+        let mut response = self.route(route, guard, request, client).await;
+        crate::cors::answer(&cors, origin.as_ref(), response.headers_mut());
+        response
+    }
+
+    /// A request on its route: guarded, or passed.
+    async fn route(
+        &self,
+        route: Arc<RouteState>,
+        guard: Option<Arc<IdempotencyPolicy>>,
+        request: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Response<ProxyBody> {
         match guard {
             // Boxed: the guarded path's state is large, and the pass-through future
             // should not carry (and move) it.
             Some(policy) => Box::pin(self.guarded(route, policy, request, client)).await,
             None => {
                 let ended = self.pass(&route, streamed(request), &client).await;
-                self.finish(Some(&route), None, ended)
+                self.finish(Some(&route), None, ended, None)
             }
         }
     }
@@ -339,8 +363,8 @@ impl Proxy {
         // The request's span (`handle`'s), whose trace and id a record keeps.
         let execution = self.shared.spans.reference(&Span::current());
         async move {
-            let (ended, record) = self.arrive(&route, &policy, request, client, execution).await;
-            self.finish(Some(&route), record, ended)
+            let (ended, record, call) = self.arrive(&route, &policy, request, client, execution).await;
+            self.finish(Some(&route), record, ended, call)
         }
         .instrument(span)
         .await
@@ -349,7 +373,9 @@ impl Proxy {
     /// A guarded request in its span: named from its head, or on a route whose key may
     /// be in the body, from its head and its body read first; then handled in its
     /// route's mode. A request with no key on a route that does not require one is
-    /// forwarded as it was sent. Also returns the record's short hash, for the access log.
+    /// forwarded as it was sent, and so is a call a JSON-RPC or GraphQL route does not
+    /// guard. Also returns the record's short hash, for the access log, and a JSON-RPC
+    /// call's id, for the proxy's own errors.
     async fn arrive(
         &self,
         route: &Arc<RouteState>,
@@ -357,7 +383,8 @@ impl Proxy {
         request: Request<Incoming>,
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
-    ) -> (Handled, Option<String>) {
+    ) -> (Handled, Option<String>, Option<Bytes>) {
+        let mut call = None;
         let (arrival, identified) = if policy.key_needs_body() {
             let read = match policy.mode {
                 Mode::Enforce => self
@@ -366,21 +393,35 @@ impl Proxy {
                     .map_err(|rejection| Err(rejection.into())),
                 Mode::Shadow => self.shadow_read_first(route, request, &client).await,
             };
-            match read {
-                Ok(read) => {
-                    let identified = self.identify(route, policy, &read.parts, Some(&read.body));
-                    (Arrival::Read(read), identified)
+            let read = match read {
+                Ok(read) => read,
+                Err(handled) => return (handled, None, None),
+            };
+            match policy.calls.as_ref().map(|calls| calls::classify(calls, &read.body)) {
+                None | Some(Ok(Call::Guarded { id: None })) => {}
+                Some(Ok(Call::Guarded { id })) => call = id,
+                Some(Ok(Call::Passed)) => {
+                    return (
+                        self.pass(route, Arrival::Read(read).into_request(), &client).await,
+                        None,
+                        None,
+                    );
                 }
-                Err(handled) => return (handled, None),
+                Some(Err(error)) => return (Err(Rejection::from(error).into()), None, None),
             }
+            let identified = self.identify(route, policy, &read.parts, Some(&read.body));
+            (Arrival::Read(read), identified)
         } else {
             let (parts, body) = request.into_parts();
             let identified = self.identify(route, policy, &parts, None);
             (Arrival::Unread(Request::from_parts(parts, body)), identified)
         };
         let named = match identified {
-            Ok(Some(named)) => Ok(named),
-            Ok(None) => return (self.pass(route, arrival.into_request(), &client).await, None),
+            Ok(Some(mut named)) => {
+                named.call = call.clone();
+                Ok(named)
+            }
+            Ok(None) => return (self.pass(route, arrival.into_request(), &client).await, None, call),
             Err(rejection) => Err(rejection),
         };
         let record = named.as_ref().ok().map(|named| named.record.short_hash().to_string());
@@ -391,7 +432,7 @@ impl Proxy {
             Mode::Enforce => self.enforce(route, policy, named, arrival, client, execution).await,
             Mode::Shadow => self.shadow(route, policy, named, arrival, client, execution).await,
         };
-        (ended, record.filter(|_| self.noted()))
+        (ended, record.filter(|_| self.noted()), call)
     }
 
     /// A guarded request in enforce mode: claimed, then forwarded, replayed, refused or
@@ -446,7 +487,13 @@ impl Proxy {
     async fn replay(&self, guarded: Guarded, prepared: &Prepared, stored: StoredResponse) -> Handled {
         match guarded.policy.replay {
             ReplayKind::Refetch => self.refetch(&guarded, prepared, stored).await,
-            ReplayKind::Stored | ReplayKind::Status => Ok(Answer::replayed(stored, guarded.share)?),
+            ReplayKind::Stored | ReplayKind::Status => {
+                let stored = match &guarded.call {
+                    Some(id) => stored.with_call_id(id),
+                    None => stored,
+                };
+                Ok(Answer::replayed(stored, guarded.share)?)
+            }
         }
     }
 
@@ -467,21 +514,27 @@ impl Proxy {
 
     /// How every request ends: counts its outcome on its route, renders a refusal as its
     /// problem (logged at the level its fault deserves), and notes what the access log
-    /// reads. `record` is the record's short hash, for the access log.
-    fn finish(&self, route: Option<&RouteState>, record: Option<String>, ended: Handled) -> Response<ProxyBody> {
+    /// reads. `record` is the record's short hash, for the access log; `call`, a
+    /// JSON-RPC call's id, which the proxy's own error on a JSON-RPC route answers.
+    fn finish(
+        &self,
+        route: Option<&RouteState>,
+        record: Option<String>,
+        ended: Handled,
+        call: Option<Bytes>,
+    ) -> Response<ProxyBody> {
         let (mut response, outcome, upstream, execution) = match ended {
             Ok(answer) => (answer.response, answer.outcome, answer.upstream, answer.execution),
             Err(refusal) => {
                 let mut problem = refusal.rejection.problem();
                 problem.operation = refusal.operation;
                 if let Some(route) = route {
+                    let policy = route.config.idempotency.as_ref();
                     problem.docs_url = route.config.docs_url.clone();
-                    problem.profile = route
-                        .config
-                        .idempotency
-                        .as_ref()
-                        .map(|policy| policy.profile)
-                        .unwrap_or_default();
+                    problem.profile = policy.map(|policy| policy.profile).unwrap_or_default();
+                    if let Some(Calls::JsonRpc { .. }) = policy.and_then(|policy| policy.calls.as_ref()) {
+                        problem.jsonrpc = Some(call.unwrap_or_else(|| Bytes::from_static(b"null")));
+                    }
                 }
                 let name = route.map_or("-", |route| &*route.name);
                 let row = problem.row();

@@ -108,6 +108,16 @@ pub(crate) fn from_epoch_millis(millis: i64) -> Option<SystemTime> {
 }
 
 impl StoredResponse {
+    /// A recorded JSON-RPC answer as the retry whose call's id is `id` (its JSON text)
+    /// reads it: its `id` replaced, every other byte as recorded.
+    pub(crate) fn with_call_id(mut self, id: &[u8]) -> StoredResponse {
+        let event_stream = self.headers.iter().any(|(name, value)| {
+            name == http::header::CONTENT_TYPE && value.as_bytes().starts_with(b"text/event-stream")
+        });
+        self.body = crate::calls::with_id(&self.body, event_stream, id);
+        self
+    }
+
     /// This response as a resolution of an unknown outcome records it (an operator's or
     /// a probe's): marked, so that every replay says so.
     pub fn reconciled(mut self) -> StoredResponse {

@@ -160,6 +160,7 @@ mod tests {
             upstream_tls: None,
             docs_url: None,
             idempotency: None,
+            cors: None,
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, ReplayKind, StreamMode, UpstreamKey};
+use super::{Mode, OnServerError, OnStoreError, OnUnauthorized, ReplayKind, StreamMode, Unparsable, UpstreamKey};
 use crate::problem::Profile;
 use crate::request_target::Spelling;
 
@@ -308,6 +308,37 @@ pub(super) struct RawRoute {
     pub(super) upstream_ca_file: Option<Spanned<String>>,
     pub(super) docs_url: Option<Spanned<String>>,
     pub(super) idempotency: Option<RawIdempotency>,
+    pub(super) cors: Option<Spanned<RawCors>>,
+}
+
+/// `[route.cors]`: the browsers' origins whose preflights the proxy answers itself.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCors {
+    pub(super) allow_origins: Spanned<Vec<String>>,
+    #[serde(default = "default_cors_methods")]
+    pub(super) allow_methods: Spanned<Vec<String>>,
+    #[serde(default = "default_cors_headers")]
+    pub(super) allow_headers: Spanned<Vec<String>>,
+    #[serde(default = "default_cors_max_age")]
+    pub(super) max_age: Spanned<HumanDuration>,
+    #[serde(default)]
+    pub(super) allow_credentials: bool,
+}
+
+fn default_cors_methods() -> Spanned<Vec<String>> {
+    Spanned::new(
+        0..0,
+        ["GET", "POST", "PUT", "PATCH", "DELETE"].map(String::from).to_vec(),
+    )
+}
+
+fn default_cors_headers() -> Spanned<Vec<String>> {
+    Spanned::new(0..0, vec!["Content-Type".into(), "Authorization".into()])
+}
+
+fn default_cors_max_age() -> Spanned<HumanDuration> {
+    Spanned::new(0..0, HumanDuration(Duration::from_secs(600)))
 }
 
 fn default_upstream_timeout() -> Spanned<HumanDuration> {
@@ -344,6 +375,16 @@ pub(super) struct RawIdempotency {
     pub(super) replay_headers: Option<Spanned<Vec<String>>>,
     pub(super) refetch: Option<Spanned<RawRefetch>>,
     pub(super) stream: StreamMode,
+    pub(super) jsonrpc_methods: Option<Spanned<Vec<String>>>,
+    pub(super) graphql: Option<Spanned<RawGraphql>>,
+    pub(super) graphql_unparsable: Option<Spanned<Unparsable>>,
+}
+
+/// `graphql`: which operations of a GraphQL route are guarded.
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum RawGraphql {
+    Mutations,
 }
 
 /// `[route.idempotency.refetch]`: how a `replay = "refetch"` route asks its upstream
@@ -438,6 +479,9 @@ impl Default for RawIdempotency {
             upstream_key: UpstreamKey::Client,
             upstream_key_header: Spanned::new(0..0, "Idempotency-Key".into()),
             reconcile: None,
+            jsonrpc_methods: None,
+            graphql: None,
+            graphql_unparsable: None,
             profile: Profile::Ietf,
             replay: Spanned::new(0..0, ReplayKind::Stored),
             replay_headers: None,

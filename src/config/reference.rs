@@ -74,6 +74,7 @@ pub const TABLES: &[&str] = &[
     "route.idempotency.reconcile",
     "route.idempotency.refetch",
     "route.idempotency.scope_jwt",
+    "route.cors",
 ];
 
 /// Every setting, in the page's order.
@@ -736,6 +737,24 @@ pub const SETTINGS: &[Setting] = &[
         backends: Backends::All,
     },
     Setting {
+        key: "route.idempotency.jsonrpc_methods",
+        default: DefaultValue::Text("none: every request of the route's `methods` is guarded"),
+        meaning: "on a JSON-RPC 2.0 route (MCP, A2A): only calls to these methods are guarded, and every other call passes unguarded (the body is read first to tell). The fingerprint is the call without its `id` (the body as `fingerprint_body = \"json\"` reads it); a replay is the recorded answer with the retry's `id`; the proxy's own refusals are JSON-RPC error objects (the problem in `data`); a batch that holds a guarded call gets 400 `call-unreadable`. See [Agents](agents.md)",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.idempotency.graphql",
+        default: DefaultValue::Text("none"),
+        meaning: "`\"mutations\"`: on a GraphQL route only mutations are guarded; queries and subscriptions pass unguarded. The operation is read with a GraphQL parser, the one `operationName` names or the document's only one. See [Agents](agents.md)",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.idempotency.graphql_unparsable",
+        default: DefaultValue::Toml("\"refuse\""),
+        meaning: "with `graphql`: a body whose operation cannot be told (not JSON with a `query`, a document that does not parse, no operation by `operationName`, several and none named): `\"refuse\"` (400 `call-unreadable`, nothing forwarded) or `\"pass\"` (forwarded unguarded)",
+        backends: Backends::All,
+    },
+    Setting {
         key: "route.idempotency.replay_headers",
         default: DefaultValue::Text("`[\"location\"]` with `replay = \"status\"` or `\"refetch\"`"),
         meaning: "the response fields a `status` or `refetch` record keeps (never one in `replay_exclude_headers`); refused with `replay = \"stored\"`",
@@ -793,6 +812,36 @@ pub const SETTINGS: &[Setting] = &[
         key: "route.idempotency.scope_jwt.audience",
         default: DefaultValue::Text("none"),
         meaning: "when set, `aud` must equal or contain it",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.cors.allow_origins",
+        default: DefaultValue::Required,
+        meaning: "the browser origins (`https://app.example.com`, exact, lower case) whose CORS preflights the proxy answers itself, and whose answers carry `Access-Control-Allow-Origin` and expose `Idempotent-Replayed`, `Idempotency-Expires`, `Idempotency-Reconciled` and `Retry-After`; `[\"*\"]` alone is every origin (never with `allow_credentials`). Another origin gets no CORS field, and the upstream's own CORS fields are dropped from every answer on the route. See [Browsers](browsers.md)",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.cors.allow_methods",
+        default: DefaultValue::Toml("[\"GET\", \"POST\", \"PUT\", \"PATCH\", \"DELETE\"]"),
+        meaning: "`Access-Control-Allow-Methods` of a preflight's answer",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.cors.allow_headers",
+        default: DefaultValue::Toml("[\"Content-Type\", \"Authorization\"]"),
+        meaning: "`Access-Control-Allow-Headers` of a preflight's answer; the route's key `header`, its `header:` key sources and its `scope_headers` are always added",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.cors.max_age",
+        default: DefaultValue::Toml("\"10m\""),
+        meaning: "how long a browser may keep a preflight's answer (`Access-Control-Max-Age`)",
+        backends: Backends::All,
+    },
+    Setting {
+        key: "route.cors.allow_credentials",
+        default: DefaultValue::Toml("false"),
+        meaning: "`Access-Control-Allow-Credentials: true`: a browser sends cookies and reads the answer",
         backends: Backends::All,
     },
     Setting {

@@ -919,6 +919,7 @@ fn accepted(table: &str) -> std::collections::BTreeSet<String> {
         "route.idempotency.refetch" => {
             format!("{ROUTE}[route.idempotency]\nreplay = \"refetch\"\n[{table}]\n{unknown}")
         }
+        "route.cors" => format!("{ROUTE}[route.cors]\nallow_origins = [\"https://a.test\"]\n{unknown}"),
         table => format!("[{table}]\n{unknown}{ROUTE}"),
     };
     let error = parse(&source)
@@ -1052,7 +1053,14 @@ fn the_reference_defaults_are_the_ones_applied() {
         let policy = format!("{route}[route.idempotency]\n");
         match table {
             "route" => vec![(route.to_string(), String::new())],
-            "route.idempotency" => vec![(policy.clone(), String::new())],
+            "route.idempotency" => vec![
+                (policy.clone(), String::new()),
+                (format!("{policy}graphql = \"mutations\"\n"), String::new()),
+            ],
+            "route.cors" => vec![(
+                format!("{policy}[route.cors]\nallow_origins = [\"https://app.example.com\"]\n"),
+                String::new(),
+            )],
             "route.idempotency.reconcile" => vec![(
                 format!("{policy}[route.idempotency.reconcile]\npath = \"/by-key/{{record}}\"\n"),
                 String::new(),

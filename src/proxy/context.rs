@@ -39,6 +39,8 @@ pub(super) struct Guarded {
     pub(super) share: Share,
     /// The trace of this request's span, which the record keeps, with tracing on.
     pub(super) execution: Option<ExecutionTrace>,
+    /// On a JSON-RPC route, the call's id as it was sent: what its replay answers with.
+    pub(super) call: Option<Bytes>,
 }
 
 impl Guarded {
@@ -82,6 +84,8 @@ pub(super) struct Named {
     pub(super) key: IdempotencyKey,
     /// With the `body` source, the request's fingerprint, which is its key.
     pub(super) by_body: Option<Fingerprint>,
+    /// On a JSON-RPC route, the call's id as it was sent.
+    pub(super) call: Option<Bytes>,
 }
 
 /// A guarded request as it arrived: its body unread (a route whose key sources are all
@@ -216,6 +220,7 @@ impl Proxy {
             scope: idempotency::scope_id(&route.name, &scope),
             key,
             by_body,
+            call: None,
         }))
     }
 
@@ -240,6 +245,7 @@ impl Proxy {
             key: named.key,
             by_body: named.by_body,
             execution,
+            call: named.call,
         }
     }
 

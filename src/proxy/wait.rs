@@ -127,7 +127,7 @@ impl Proxy {
                     continue;
                 }
                 Ok(Decision::Reject(Rejection::InProgress { lease_remaining, .. })) if Instant::now() < deadline => {
-                    if let Some(joined) = self.join(&prepared, &mut tally) {
+                    if let Some(joined) = self.join(&guarded, &prepared, &mut tally) {
                         return Ok(joined);
                     }
                     Instant::now() + lease_remaining
@@ -161,8 +161,12 @@ impl Proxy {
 
 impl Proxy {
     /// The answer of a waiter whose key's response is streaming from this process: it
-    /// joins the stream.
-    fn join(&self, prepared: &Prepared, tally: &mut Tally) -> Option<Answer> {
+    /// joins the stream. Not on a JSON-RPC route: the stream has the first call's id, and
+    /// a retry waits for the record, which it gets with its own.
+    fn join(&self, guarded: &Guarded, prepared: &Prepared, tally: &mut Tally) -> Option<Answer> {
+        if matches!(guarded.policy.calls, Some(crate::config::Calls::JsonRpc { .. })) {
+            return None;
+        }
         let (head, reader) = self.shared.waiting.streams.join(&prepared.claim.key)?;
         tally.end(WaitEnd::Joined);
         Some(Answer::joined(head, reader))

@@ -17,6 +17,8 @@
 //! - `x-test-stream-gap-ms: N` send the events N ms apart (pacing, not synchronisation)
 //! - `x-test-effect: never` the request is executed (logged) but never takes effect
 //! - a path ending in `/slow` answers after 1.5 s
+//! - a path ending in `/rpc` answers a JSON-RPC 2.0 call with its own `id` and the
+//!   result `{"execution":ID}` (a batch with an array of them)
 //!
 //! It also answers the lookups a reconciliation probe makes, without logging them as
 //! executions: `GET` or `HEAD /v1/payments/by-key/{key}` is 200 with the execution of
@@ -435,6 +437,7 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
         .unwrap_or(StatusCode::CREATED);
     let body = match header(&parts.headers, "x-test-body-bytes").and_then(|n| n.parse::<usize>().ok()) {
         Some(size) => Bytes::from(vec![b'x'; size]),
+        None if parts.uri.path().ends_with("/rpc") => jsonrpc_answer(id, &body),
         None => Bytes::from(format!(
             "{{\"execution\":{id},\"key\":{key:?},\"method\":\"{}\",\"body_bytes\":{}}}",
             parts.method,
@@ -458,6 +461,20 @@ async fn handle(state: Arc<State>, request: Request<Incoming>) -> Result<Respons
         }
     }
     Ok(response)
+}
+
+/// The answer to a JSON-RPC call (or a batch of them): each call's own `id`, and the
+/// execution as the result.
+fn jsonrpc_answer(execution: u64, body: &[u8]) -> Bytes {
+    let answer = |call: &serde_json::Value| serde_json::json!({"jsonrpc": "2.0", "id": call.get("id").cloned().unwrap_or_default(), "result": {"execution": execution}});
+    let answered = match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Array(calls)) => serde_json::Value::Array(calls.iter().map(answer).collect()),
+        Ok(call) => answer(&call),
+        Err(_) => {
+            serde_json::json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32700, "message": "parse error"}})
+        }
+    };
+    Bytes::from(answered.to_string())
 }
 
 /// A response whose body ends before its `Content-Length`: hyper sends the head and

@@ -10,11 +10,11 @@ use toml::Spanned;
 
 use crate::config::key::{self, KeySource as KeyFrom};
 use crate::config::raw::{
-    HumanDuration, RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt,
+    HumanDuration, RawCors, RawFingerprintBody, RawIdempotency, RawReconcile, RawRefetch, RawRoute, RawScopeJwt,
 };
 use crate::config::{
-    FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile, Refetch,
-    ReplayKind, Route, ServerConfig, Upstream, UpstreamKey,
+    Calls, Cors, FingerprintBody, IdempotencyPolicy, JsonPointer, LEASE_GRACE, ProbePath, ProbePiece, Reconcile,
+    Refetch, ReplayKind, Route, ServerConfig, Upstream, UpstreamKey,
 };
 use crate::error::ConfigError;
 use crate::jwt::{JwtVerifier, KeySource};
@@ -86,7 +86,12 @@ impl Validator<'_> {
             None => None,
             Some(url) => Some(self.docs_url(url, field("docs_url"))?),
         };
+        let cors = match &raw.cors {
+            None => None,
+            Some(cors) => Some(Arc::new(self.cors(cors, idempotency.as_deref(), &field("cors"))?)),
+        };
         Ok(Route {
+            cors,
             docs_url,
             name: raw.name.into_inner(),
             path_prefix: raw.path_prefix.into_inner(),
@@ -130,7 +135,20 @@ impl Validator<'_> {
         }
         let header = self.header_name(&raw.header.span(), raw.header.get_ref(), field("header"))?;
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
-        let fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
+        let calls = self.calls(&raw, &field)?;
+        let mut fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
+        if let Some(Calls::JsonRpc { .. }) = calls {
+            // A retry of a call carries an id of its own: the fingerprint is the call's
+            // without it.
+            let id = JsonPointer::parse("/id").map_err(|reason| self.error(0..0, field("jsonrpc_methods"), reason))?;
+            fingerprint_body = match fingerprint_body {
+                FingerprintBody::Bytes => FingerprintBody::Json { ignore: vec![id] },
+                FingerprintBody::Json { mut ignore } => {
+                    ignore.push(id);
+                    FingerprintBody::Json { ignore }
+                }
+            };
+        }
         let key = self.key_sources(&raw, &header, &fingerprint_body, &field("key"))?;
         let dedup_window = self.dedup_window(&raw, &key, upstream_timeout, &field("dedup_window"))?;
         let header = key
@@ -285,6 +303,113 @@ impl Validator<'_> {
             replay_headers,
             refetch,
             stream: raw.stream,
+            calls,
+        })
+    }
+
+    /// `jsonrpc_methods` or `graphql` (one of them), with `graphql_unparsable`.
+    fn calls(&self, raw: &RawIdempotency, field: &dyn Fn(&str) -> String) -> Result<Option<Calls>, ConfigError> {
+        match (&raw.jsonrpc_methods, &raw.graphql, &raw.graphql_unparsable) {
+            (Some(methods), Some(_), _) => Err(self.error(
+                methods.span(),
+                field("jsonrpc_methods"),
+                "a route is JSON-RPC or GraphQL, not both: give one of jsonrpc_methods and graphql",
+            )),
+            (Some(_), None, Some(unparsable)) | (None, None, Some(unparsable)) => Err(self.error(
+                unparsable.span(),
+                field("graphql_unparsable"),
+                "only a route with graphql = \"mutations\" takes it",
+            )),
+            (Some(methods), None, None) => {
+                let names = methods.get_ref();
+                if names.is_empty() || names.iter().any(String::is_empty) {
+                    return Err(self.error(
+                        methods.span(),
+                        field("jsonrpc_methods"),
+                        "must name at least one method, none of them empty",
+                    ));
+                }
+                Ok(Some(Calls::JsonRpc { methods: names.clone() }))
+            }
+            (None, Some(_), unparsable) => Ok(Some(Calls::GraphQl {
+                unparsable: unparsable.as_ref().map(|u| *u.get_ref()).unwrap_or_default(),
+            })),
+            (None, None, None) => Ok(None),
+        }
+    }
+
+    /// `[route.cors]`: exact origins (or `"*"` alone, without credentials), methods,
+    /// headers (with the route's key and scope headers added), the preflight's age.
+    fn cors(
+        &self,
+        raw: &Spanned<RawCors>,
+        policy: Option<&IdempotencyPolicy>,
+        field: &str,
+    ) -> Result<Cors, ConfigError> {
+        let span = raw.span();
+        let raw = raw.get_ref();
+        let at = |name: &str| format!("{field}.{name}");
+        let listed = raw.allow_origins.get_ref();
+        let origins = if listed.iter().any(|origin| origin == "*") {
+            if listed.len() > 1 || raw.allow_credentials {
+                return Err(self.error(
+                    raw.allow_origins.span(),
+                    at("allow_origins"),
+                    "\"*\" stands alone, and never with allow_credentials (a browser refuses it)",
+                ));
+            }
+            None
+        } else {
+            for origin in listed {
+                crate::cors::check_origin(origin)
+                    .map_err(|reason| self.error(raw.allow_origins.span(), at("allow_origins"), reason))?;
+            }
+            if listed.is_empty() {
+                return Err(self.error(
+                    raw.allow_origins.span(),
+                    at("allow_origins"),
+                    "must name at least one origin",
+                ));
+            }
+            Some(listed.clone())
+        };
+        let mut methods = Vec::new();
+        for method in raw.allow_methods.get_ref() {
+            let parsed = Method::from_bytes(method.as_bytes()).map_err(|_| {
+                self.error(
+                    raw.allow_methods.span(),
+                    at("allow_methods"),
+                    format!("{method:?} is not an HTTP method"),
+                )
+            })?;
+            methods.push(parsed.to_string());
+        }
+        let mut headers = self.header_names(&raw.allow_headers, at("allow_headers"))?;
+        if let Some(policy) = policy {
+            let keyed = policy.key.iter().filter_map(|source| match source {
+                KeyFrom::Header(name) => Some(name.clone()),
+                _ => None,
+            });
+            let extra: Vec<_> = std::iter::once(policy.header.clone())
+                .chain(keyed)
+                .chain(policy.scope_headers.iter().cloned())
+                .collect();
+            for name in extra {
+                if !headers.contains(&name) {
+                    headers.push(name);
+                }
+            }
+        }
+        let joined = |items: Vec<String>| {
+            http::HeaderValue::try_from(items.join(", "))
+                .map_err(|_| self.error(span.clone(), field.to_string(), "not a header value"))
+        };
+        Ok(Cors {
+            origins,
+            methods: joined(methods)?,
+            headers: joined(headers.iter().map(|name| name.as_str().to_string()).collect())?,
+            max_age: raw.max_age.get_ref().0.as_secs(),
+            credentials: raw.allow_credentials,
         })
     }
 

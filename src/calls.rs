@@ -1,0 +1,319 @@
+//! JSON-RPC and GraphQL routes (docs/design.md §28): one endpoint carries reads and
+//! writes, and only some calls are guarded. `classify` reads a body already read
+//! whole and says whether its call is guarded; `with_id` gives a recorded JSON-RPC
+//! answer the id of the retry that reads it, every other byte as recorded. Nothing
+//! here is guessed from text: a body is parsed as JSON, and a GraphQL document by
+//! apollo-parser; what cannot be parsed is refused or passed as the route says.
+
+use std::collections::BTreeMap;
+
+use apollo_parser::cst;
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::config::{Calls, Unparsable};
+use crate::error::CallError;
+
+/// What a call on a JSON-RPC or GraphQL route is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Call {
+    /// Guarded. On JSON-RPC, the call's `id` as it was sent (its JSON text), `None`
+    /// for a notification.
+    Guarded { id: Option<Bytes> },
+    /// Forwarded unguarded, as a request with no key on a route that does not require
+    /// one is.
+    Passed,
+}
+
+/// One JSON-RPC message's members, their values as sent.
+type Members<'a> = BTreeMap<String, &'a RawValue>;
+
+/// Whether the call in `body` is guarded on a route with `calls`.
+pub(crate) fn classify(calls: &Calls, body: &[u8]) -> Result<Call, CallError> {
+    let batch = body.iter().find(|byte| !byte.is_ascii_whitespace()) == Some(&b'[');
+    match calls {
+        Calls::JsonRpc { methods } if batch => {
+            let calls: Vec<Members> = serde_json::from_slice(body).map_err(|_| CallError::NotJsonRpc)?;
+            for call in &calls {
+                if methods.contains(&method(call)?) {
+                    return Err(CallError::GuardedInBatch);
+                }
+            }
+            Ok(Call::Passed)
+        }
+        Calls::JsonRpc { methods } => {
+            let call: Members = serde_json::from_slice(body).map_err(|_| CallError::NotJsonRpc)?;
+            if !methods.contains(&method(&call)?) {
+                return Ok(Call::Passed);
+            }
+            let id = call.get("id").map(|id| Bytes::copy_from_slice(id.get().as_bytes()));
+            Ok(Call::Guarded { id })
+        }
+        Calls::GraphQl { unparsable } if batch => {
+            let operations: Vec<GraphQlRequest> =
+                serde_json::from_slice(body).map_err(|_| CallError::GraphQl("the body is not JSON"))?;
+            for operation in &operations {
+                if graphql(operation, *unparsable)? == Call::Passed {
+                    continue;
+                }
+                return Err(CallError::MutationInBatch);
+            }
+            Ok(Call::Passed)
+        }
+        Calls::GraphQl { unparsable } => match serde_json::from_slice::<GraphQlRequest>(body) {
+            Ok(operation) => graphql(&operation, *unparsable),
+            Err(_) => unreadable(*unparsable, "the body is not JSON with a \"query\" string"),
+        },
+    }
+}
+
+/// A JSON-RPC 2.0 call's method, checked to be one.
+fn method(call: &Members) -> Result<String, CallError> {
+    let string = |name| {
+        call.get(name)
+            .and_then(|value| serde_json::from_str::<String>(value.get()).ok())
+    };
+    match (string("jsonrpc").as_deref(), string("method")) {
+        (Some("2.0"), Some(method)) => Ok(method),
+        _ => Err(CallError::NotJsonRpc),
+    }
+}
+
+/// A GraphQL request over HTTP, as its JSON body says it.
+#[derive(Deserialize)]
+struct GraphQlRequest {
+    query: String,
+    #[serde(rename = "operationName", default)]
+    operation_name: Option<String>,
+}
+
+/// What an operation that cannot be told gets on a route that says `unparsable`.
+fn unreadable(unparsable: Unparsable, why: &'static str) -> Result<Call, CallError> {
+    match unparsable {
+        Unparsable::Refuse => Err(CallError::GraphQl(why)),
+        Unparsable::Pass => Ok(Call::Passed),
+    }
+}
+
+/// A mutation is guarded; a query or a subscription passes. The operation is the one
+/// `operationName` names, or the document's only one.
+fn graphql(request: &GraphQlRequest, unparsable: Unparsable) -> Result<Call, CallError> {
+    let tree = apollo_parser::Parser::new(&request.query).parse();
+    if tree.errors().next().is_some() {
+        return unreadable(unparsable, "the document does not parse");
+    }
+    let operations: Vec<cst::OperationDefinition> = tree
+        .document()
+        .definitions()
+        .filter_map(|definition| match definition {
+            cst::Definition::OperationDefinition(operation) => Some(operation),
+            _ => None,
+        })
+        .collect();
+    let chosen = match &request.operation_name {
+        Some(name) => operations
+            .iter()
+            .find(|operation| operation.name().is_some_and(|named| named.text() == name.as_str())),
+        None if operations.len() == 1 => operations.first(),
+        None => None,
+    };
+    let Some(operation) = chosen else {
+        return unreadable(
+            unparsable,
+            "no operation has the operationName, or the document has several and no operationName",
+        );
+    };
+    let mutation = operation
+        .operation_type()
+        .is_some_and(|kind| kind.mutation_token().is_some());
+    Ok(if mutation {
+        Call::Guarded { id: None }
+    } else {
+        Call::Passed
+    })
+}
+
+/// A recorded JSON-RPC answer as the retry whose call's id is `id` gets it: the
+/// answer's `id` member replaced by `id`, every other byte as recorded. In a
+/// `text/event-stream` answer, each event's `data` that is a JSON-RPC answer is; the
+/// server's own requests and notifications in it (they have a `method`) keep theirs.
+/// A body that is no JSON-RPC answer (an HTML error page) is returned as it is.
+pub(crate) fn with_id(body: &Bytes, event_stream: bool, id: &[u8]) -> Bytes {
+    if !event_stream {
+        return splice(body, id).map_or_else(|| body.clone(), Bytes::from);
+    }
+    let mut out = Vec::with_capacity(body.len() + 16);
+    let mut changed = false;
+    for line in body.split_inclusive(|byte| *byte == b'\n') {
+        let data = line
+            .strip_prefix(b"data:")
+            .map(|rest| rest.strip_prefix(b" ").unwrap_or(rest));
+        let spliced = data.and_then(|data| {
+            let end = data.len()
+                - data
+                    .iter()
+                    .rev()
+                    .take_while(|byte| **byte == b'\n' || **byte == b'\r')
+                    .count();
+            splice(&data[..end], id).map(|json| (line.len() - data.len(), json, &data[end..]))
+        });
+        match spliced {
+            Some((prefix, json, ending)) => {
+                out.extend_from_slice(&line[..prefix]);
+                out.extend_from_slice(&json);
+                out.extend_from_slice(ending);
+                changed = true;
+            }
+            None => out.extend_from_slice(line),
+        }
+    }
+    if changed { Bytes::from(out) } else { body.clone() }
+}
+
+/// `text` with its top-level `id` replaced by `id`, if it is a JSON-RPC answer: an
+/// object with `jsonrpc`, an `id`, a `result` or an `error`, and no `method`.
+fn splice(text: &[u8], id: &[u8]) -> Option<Vec<u8>> {
+    let members: Members = serde_json::from_slice(text).ok()?;
+    let answer = members.contains_key("jsonrpc")
+        && !members.contains_key("method")
+        && (members.contains_key("result") || members.contains_key("error"));
+    if !answer {
+        return None;
+    }
+    let old = members.get("id")?.get().as_bytes();
+    // A borrowed raw value is a slice of `text`: where it starts there.
+    let start = (old.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    let end = start + old.len();
+    if text.get(start..end)? != old {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() - old.len() + id.len());
+    out.extend_from_slice(&text[..start]);
+    out.extend_from_slice(id);
+    out.extend_from_slice(&text[end..]);
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rpc() -> Calls {
+        Calls::JsonRpc {
+            methods: vec!["tools/call".into()],
+        }
+    }
+
+    fn gql(unparsable: Unparsable) -> Calls {
+        Calls::GraphQl { unparsable }
+    }
+
+    #[test]
+    fn only_the_listed_methods_are_guarded() {
+        let call = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{}}"#;
+        assert_eq!(
+            classify(&rpc(), call),
+            Ok(Call::Guarded {
+                id: Some(Bytes::from_static(b"7"))
+            })
+        );
+        let list = br#"{"jsonrpc":"2.0","id":"a","method":"tools/list"}"#;
+        assert_eq!(classify(&rpc(), list), Ok(Call::Passed));
+        let notification = br#"{"jsonrpc":"2.0","method":"tools/call"}"#;
+        assert_eq!(classify(&rpc(), notification), Ok(Call::Guarded { id: None }));
+        let escaped = br#"{"jsonrpc":"2.0","id":null,"method":"tools\/call"}"#;
+        assert_eq!(
+            classify(&rpc(), escaped),
+            Ok(Call::Guarded {
+                id: Some(Bytes::from_static(b"null"))
+            })
+        );
+        for bad in [
+            &b"{}"[..],
+            b"[1]",
+            b"not json",
+            br#"{"jsonrpc":"1.0","method":"tools/call"}"#,
+        ] {
+            assert_eq!(classify(&rpc(), bad), Err(CallError::NotJsonRpc), "{bad:?}");
+        }
+        let mixed =
+            br#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"},{"jsonrpc":"2.0","id":2,"method":"tools/call"}]"#;
+        assert_eq!(classify(&rpc(), mixed), Err(CallError::GuardedInBatch));
+        let reads = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/list"},{"jsonrpc":"2.0","method":"ping"}]"#;
+        assert_eq!(classify(&rpc(), reads), Ok(Call::Passed));
+    }
+
+    #[test]
+    fn only_mutations_are_guarded_and_the_operation_name_chooses() {
+        let body =
+            |query: &str, name: Option<&str>| serde_json::json!({"query": query, "operationName": name}).to_string();
+        let refuse = gql(Unparsable::Refuse);
+        let guarded = Call::Guarded { id: None };
+        assert_eq!(
+            classify(&refuse, body("{ me { id } }", None).as_bytes()),
+            Ok(Call::Passed)
+        );
+        assert_eq!(
+            classify(&refuse, body("query Q { me { id } }", None).as_bytes()),
+            Ok(Call::Passed)
+        );
+        assert_eq!(
+            classify(&refuse, body("subscription S { ticks }", None).as_bytes()),
+            Ok(Call::Passed)
+        );
+        assert_eq!(
+            classify(&refuse, body("mutation M { pay(amount: 5) { id } }", None).as_bytes()),
+            Ok(guarded.clone())
+        );
+        // A mutation named in a comment or a string is still a query.
+        let sly = r#"query Q { search(text: "mutation { pay }") { id } } # mutation"#;
+        assert_eq!(classify(&refuse, body(sly, None).as_bytes()), Ok(Call::Passed));
+        let two = "query Read { me { id } } mutation Pay { pay(amount: 5) { id } }";
+        assert_eq!(
+            classify(&refuse, body(two, Some("Pay")).as_bytes()),
+            Ok(guarded.clone())
+        );
+        assert_eq!(classify(&refuse, body(two, Some("Read")).as_bytes()), Ok(Call::Passed));
+        assert!(
+            classify(&refuse, body(two, None).as_bytes()).is_err(),
+            "two operations, no name"
+        );
+        assert!(classify(&refuse, body(two, Some("Other")).as_bytes()).is_err());
+        assert!(classify(&refuse, body("mutation { pay(", None).as_bytes()).is_err());
+        assert_eq!(
+            classify(&gql(Unparsable::Pass), body("mutation { pay(", None).as_bytes()),
+            Ok(Call::Passed)
+        );
+        let batch = format!(
+            "[{},{}]",
+            body("{ me { id } }", None),
+            body("mutation { pay { id } }", None)
+        );
+        assert_eq!(classify(&refuse, batch.as_bytes()), Err(CallError::MutationInBatch));
+    }
+
+    #[test]
+    fn a_replay_gets_the_retrys_id_and_every_other_byte_as_recorded() {
+        let recorded = Bytes::from_static(b"{\"jsonrpc\":\"2.0\",  \"result\":{\"id\":1,\"n\":2.50},\"id\":1}");
+        assert_eq!(
+            with_id(&recorded, false, b"\"retry-2\""),
+            Bytes::from_static(b"{\"jsonrpc\":\"2.0\",  \"result\":{\"id\":1,\"n\":2.50},\"id\":\"retry-2\"}")
+        );
+        let not_rpc = Bytes::from_static(b"{\"id\":\"pay_1\",\"status\":\"ok\"}");
+        assert_eq!(
+            with_id(&not_rpc, false, b"9"),
+            not_rpc,
+            "a resource's id is not a call's"
+        );
+        let stream = Bytes::from_static(
+            b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"id\":40}\n\ndata: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\r\n\r\n",
+        );
+        assert_eq!(
+            with_id(&stream, true, b"2"),
+            Bytes::from_static(
+                b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\",\"id\":40}\n\ndata: {\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{}}\r\n\r\n"
+            )
+        );
+    }
+}
