@@ -38,7 +38,10 @@ vs w, x) and Postgres (rpf, rpr vs pf, pr), starting those stores as --stores an
 drops responses all through the run, with what it dropped a second and the proxy's CPU
 per request, beside (rw)), --durable (also run (af) and (ae): fresh keys and replays on
 Redis with `appendonly yes` and `appendfsync always`, its log on this disk, beside the
---stores cases, with the SQLite writer thread's CPU per write),
+--stores cases, with the SQLite writer thread's CPU per write), --calls (also run (jq) and
+(jr): replays of the same JSON-RPC answer on the Redis idemproxy, a plain route replaying
+its record as it is beside a `jsonrpc_methods` route replaying it with a new `id` on every
+request, issue 55's held to 0.9x),
 --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
 """
@@ -176,6 +179,29 @@ KEY_CASES = [
 ]
 IN_HEADER = {"kj": "kh"}
 
+# With --calls (issue 55): a JSON-RPC tools/call replayed with a new id on every request
+# (the "rpc" route, jsonrpc_methods = ["tools/call"]: the call parsed, its fingerprint
+# without its id, the recorded answer's id replaced), beside the same bytes replayed on
+# a plain route ("rpcplain"), from the same run; both upstreams answer the same body.
+CALL_CASES = [
+    ("jq", "idemproxy POST, replay of a JSON-RPC answer, plain route", "idemproxy", "rpcplain.lua", "/v1/rpcplain"),
+    ("jr", "idemproxy POST, JSON-RPC tools/call replay, a new id each", "idemproxy", "rpcreplay.lua", "/v1/rpc"),
+]
+ON_PLAIN = {"jr": "jq"}
+RPC_ANSWER = '{"jsonrpc":"2.0","id":1,"result":{"content":[{"type":"text","text":"paid 1000 eur"}],"isError":false}}'
+RPC_CALL = '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1000}}}'
+RPC_SCRIPT = textwrap.dedent(f"""
+    local counter = 0
+    local call = '{RPC_CALL}'
+    wrk.method = "POST"
+    wrk.headers["Content-Type"] = "application/json"
+    wrk.headers["Idempotency-Key"] = "bench-rpc"
+    request = function()
+      counter = counter + 1
+      return wrk.format(nil, nil, nil, (call:gsub('"id":1,', '"id":' .. NEXT_ID .. ',', 1)))
+    end
+""")
+
 # A 1 KiB request body with the key in its client_reference field: the same bytes in
 # both key cases, so that only where the proxy finds the key differs.
 FRESH_1K = textwrap.dedent("""
@@ -244,6 +270,10 @@ SCRIPTS = {
     """),
     "freshheader1k.lua": FRESH_1K.replace("HEADER", 'wrk.headers["Idempotency-Key"] = key'),
     "freshjson1k.lua": FRESH_1K.replace("HEADER", "-- the key is in the body only"),
+    # Both JSON-RPC scripts make each request in Lua the same way (wrk's own cost per
+    # request is then the same); only the id differs: always 1 here, a new one in (jr).
+    "rpcplain.lua": RPC_SCRIPT.replace("NEXT_ID", "1"),
+    "rpcreplay.lua": RPC_SCRIPT.replace("NEXT_ID", "counter"),
     "nokey.lua": textwrap.dedent("""
         wrk.method = "POST"
         wrk.body = '{"amount":1000}'
@@ -472,6 +502,7 @@ def main():
     parser.add_argument("--keys", action="store_true")
     parser.add_argument("--remember", action="store_true")
     parser.add_argument("--durable", action="store_true")
+    parser.add_argument("--calls", action="store_true")
     parser.add_argument("--pg-connections", type=int, default=4)
     parser.add_argument("--cases", default="")
     args = parser.parse_args()
@@ -488,6 +519,8 @@ def main():
         args.stores = True
         known = {case[0] for case in cases}
         cases += [case for case in STORE_CASES + DURABLE_CASES if case[0] not in known]
+    if args.calls:
+        cases += CALL_CASES
     if args.sealed:
         # (k) and (p) are already among CASES: each case runs once.
         known = {case[0] for case in cases}
@@ -501,6 +534,7 @@ def main():
         wanted |= {UNSEALED[c] for c in wanted if c in UNSEALED}
         wanted |= {ON_POSTGRES[c] for c in wanted if c in ON_POSTGRES}
         wanted |= {IN_HEADER[c] for c in wanted if c in IN_HEADER}
+        wanted |= {ON_PLAIN[c] for c in wanted if c in ON_PLAIN}
         # Twice: (rs) is held to (rw), which is held to (w).
         wanted |= {REMEMBERED[c] for c in wanted if c in REMEMBERED}
         wanted |= {REMEMBERED[c] for c in wanted if c in REMEMBERED}
@@ -544,6 +578,11 @@ def main():
               location / {{
                 default_type application/json;
                 return 201 '{BODY}';
+              }}
+              # The JSON-RPC cases: one answer for both routes.
+              location /v1/rpc {{
+                default_type application/json;
+                return 200 '{RPC_ANSWER}';
               }}
               # The body cases: a file, for POST too (error_page turns the static
               # module's 405 into a GET of the same file, answered 201).
@@ -609,6 +648,17 @@ def main():
                 [route.idempotency]
                 key = ["json:/client_reference"]
                 [[route]]
+                name = "rpc"
+                path_prefix = "/v1/rpc"
+                upstream = "http://127.0.0.1:{ports["upstream"]}"
+                [route.idempotency]
+                jsonrpc_methods = ["tools/call"]
+                [[route]]
+                name = "rpcplain"
+                path_prefix = "/v1/rpcplain"
+                upstream = "http://127.0.0.1:{ports["upstream"]}"
+                [route.idempotency]
+                [[route]]
                 name = "orders"
                 path_prefix = "/v1/orders"
                 upstream = "http://127.0.0.1:{ports["upstream"]}"
@@ -626,6 +676,11 @@ def main():
                 request = urllib.request.Request(
                     f"http://127.0.0.1:{listen}{path}", data=b'{"amount":1000}',
                     headers={"Idempotency-Key": key, "Content-Type": "application/json"})
+                urllib.request.urlopen(request).read()
+            for path in ("/v1/rpc", "/v1/rpcplain"):
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{listen}{path}", data=RPC_CALL.encode(),
+                    headers={"Idempotency-Key": "bench-rpc", "Content-Type": "application/json"})
                 urllib.request.urlopen(request).read()
             return proxy
 
@@ -963,6 +1018,7 @@ def print_table(results, connection_counts, args, cases):
     ratio_table(results, connection_counts, cases, UNTRACED, "traced", "untraced")
     ratio_table(results, connection_counts, cases, UNSEALED, "sealed", "in clear")
     ratio_table(results, connection_counts, cases, IN_HEADER, "key in the body", "key in the header")
+    ratio_table(results, connection_counts, cases, ON_PLAIN, "JSON-RPC", "plain")
     ratio_table(results, connection_counts, cases, REMEMBERED, "remember 30d", "without")
     if any(case[0] == "rs" for case in cases):
         print()

@@ -5,11 +5,12 @@
 //! here is guessed from text: a body is parsed as JSON, and a GraphQL document by
 //! apollo-parser; what cannot be parsed is refused or passed as the route says.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
 
 use apollo_parser::cst;
 use bytes::Bytes;
 use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::value::RawValue;
 
 use crate::config::{Calls, Unparsable};
@@ -26,28 +27,42 @@ pub(crate) enum Call {
     Passed,
 }
 
-/// One JSON-RPC message's members, their values as sent.
-type Members<'a> = BTreeMap<String, &'a RawValue>;
+/// What the guard reads of a JSON-RPC request: the rest (its params) is skipped, not
+/// copied. `id` is `None` when absent (a notification), `Some("null")` when null.
+#[derive(Deserialize)]
+struct Envelope<'a> {
+    #[serde(borrow, default)]
+    jsonrpc: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    method: Option<Cow<'a, str>>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    id: Option<&'a RawValue>,
+}
+
+/// A member that is there, `null` included.
+fn present<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(deserializer).map(Some)
+}
 
 /// Whether the call in `body` is guarded on a route with `calls`.
 pub(crate) fn classify(calls: &Calls, body: &[u8]) -> Result<Call, CallError> {
     let batch = body.iter().find(|byte| !byte.is_ascii_whitespace()) == Some(&b'[');
     match calls {
         Calls::JsonRpc { methods } if batch => {
-            let calls: Vec<Members> = serde_json::from_slice(body).map_err(|_| CallError::NotJsonRpc)?;
+            let calls: Vec<Envelope> = serde_json::from_slice(body).map_err(|_| CallError::NotJsonRpc)?;
             for call in &calls {
-                if methods.contains(&method(call)?) {
+                if guarded(methods, call)? {
                     return Err(CallError::GuardedInBatch);
                 }
             }
             Ok(Call::Passed)
         }
         Calls::JsonRpc { methods } => {
-            let call: Members = serde_json::from_slice(body).map_err(|_| CallError::NotJsonRpc)?;
-            if !methods.contains(&method(&call)?) {
+            let call: Envelope = serde_json::from_slice(body).map_err(|_| CallError::NotJsonRpc)?;
+            if !guarded(methods, &call)? {
                 return Ok(Call::Passed);
             }
-            let id = call.get("id").map(|id| Bytes::copy_from_slice(id.get().as_bytes()));
+            let id = call.id.map(|id| Bytes::copy_from_slice(id.get().as_bytes()));
             Ok(Call::Guarded { id })
         }
         Calls::GraphQl { unparsable } if batch => {
@@ -68,14 +83,26 @@ pub(crate) fn classify(calls: &Calls, body: &[u8]) -> Result<Call, CallError> {
     }
 }
 
-/// A JSON-RPC 2.0 call's method, checked to be one.
-fn method(call: &Members) -> Result<String, CallError> {
-    let string = |name| {
-        call.get(name)
-            .and_then(|value| serde_json::from_str::<String>(value.get()).ok())
-    };
-    match (string("jsonrpc").as_deref(), string("method")) {
-        (Some("2.0"), Some(method)) => Ok(method),
+/// A JSON-RPC call's bytes without its `id` member's value (the member's name and
+/// colon stay), what a call's fingerprint covers on a route that fingerprints bytes;
+/// `None` for a call without an id.
+pub(crate) fn without_id(body: &[u8]) -> Option<Vec<u8>> {
+    let call: Envelope = serde_json::from_slice(body).ok()?;
+    let (start, end) = within(body, call.id?.get().as_bytes())?;
+    Some([&body[..start], &body[end..]].concat())
+}
+
+/// Where `part`, a slice of `text` (a borrowed raw value of it), starts and ends in it.
+fn within(text: &[u8], part: &[u8]) -> Option<(usize, usize)> {
+    let start = (part.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    let end = start.checked_add(part.len())?;
+    (text.get(start..end)? == part).then_some((start, end))
+}
+
+/// Whether a JSON-RPC 2.0 call is to one of `methods`, once checked to be one.
+fn guarded(methods: &[String], call: &Envelope) -> Result<bool, CallError> {
+    match (call.jsonrpc.as_deref(), call.method.as_deref()) {
+        (Some("2.0"), Some(method)) => Ok(methods.iter().any(|listed| listed == method)),
         _ => Err(CallError::NotJsonRpc),
     }
 }
@@ -171,23 +198,37 @@ pub(crate) fn with_id(body: &Bytes, event_stream: bool, id: &[u8]) -> Bytes {
     if changed { Bytes::from(out) } else { body.clone() }
 }
 
+/// What `splice` reads of a recorded message: which members it has (their values
+/// skipped, not copied), and its `id` as recorded.
+#[derive(Deserialize)]
+struct Answer<'a> {
+    #[serde(default, deserialize_with = "seen")]
+    jsonrpc: bool,
+    #[serde(default, deserialize_with = "seen")]
+    method: bool,
+    #[serde(default, deserialize_with = "seen")]
+    result: bool,
+    #[serde(default, deserialize_with = "seen")]
+    error: bool,
+    #[serde(borrow, default, deserialize_with = "present")]
+    id: Option<&'a RawValue>,
+}
+
+/// Whether a member is there (`null` included), its value skipped.
+fn seen<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<bool, D::Error> {
+    IgnoredAny::deserialize(deserializer).map(|_| true)
+}
+
 /// `text` with its top-level `id` replaced by `id`, if it is a JSON-RPC answer: an
 /// object with `jsonrpc`, an `id`, a `result` or an `error`, and no `method`.
 fn splice(text: &[u8], id: &[u8]) -> Option<Vec<u8>> {
-    let members: Members = serde_json::from_slice(text).ok()?;
-    let answer = members.contains_key("jsonrpc")
-        && !members.contains_key("method")
-        && (members.contains_key("result") || members.contains_key("error"));
+    let message: Answer = serde_json::from_slice(text).ok()?;
+    let answer = message.jsonrpc && !message.method && (message.result || message.error);
     if !answer {
         return None;
     }
-    let old = members.get("id")?.get().as_bytes();
-    // A borrowed raw value is a slice of `text`: where it starts there.
-    let start = (old.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
-    let end = start + old.len();
-    if text.get(start..end)? != old {
-        return None;
-    }
+    let old = message.id?.get().as_bytes();
+    let (start, end) = within(text, old)?;
     let mut out = Vec::with_capacity(text.len() - old.len() + id.len());
     out.extend_from_slice(&text[..start]);
     out.extend_from_slice(id);
@@ -294,7 +335,26 @@ mod tests {
     }
 
     #[test]
+    fn a_calls_fingerprinted_bytes_leave_out_its_id_only() {
+        let first = without_id(br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"id":1}}"#);
+        let retry = without_id(br#"{"jsonrpc":"2.0","id":"retry-8","method":"tools/call","params":{"id":1}}"#);
+        assert_eq!(first, retry);
+        assert_eq!(
+            first.as_deref(),
+            Some(&br#"{"jsonrpc":"2.0","id":,"method":"tools/call","params":{"id":1}}"#[..])
+        );
+        let other = without_id(br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"id":2}}"#);
+        assert_ne!(first, other, "the params count");
+        assert_eq!(without_id(br#"{"jsonrpc":"2.0","method":"tools/call"}"#), None);
+    }
+
+    #[test]
     fn a_replay_gets_the_retrys_id_and_every_other_byte_as_recorded() {
+        let null = Bytes::from_static(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":null}");
+        assert_eq!(
+            with_id(&null, false, b"3"),
+            Bytes::from_static(b"{\"jsonrpc\":\"2.0\",\"id\":3,\"result\":null}")
+        );
         let recorded = Bytes::from_static(b"{\"jsonrpc\":\"2.0\",  \"result\":{\"id\":1,\"n\":2.50},\"id\":1}");
         assert_eq!(
             with_id(&recorded, false, b"\"retry-2\""),

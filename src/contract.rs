@@ -171,7 +171,9 @@ fn replay_meaning(policy: &IdempotencyPolicy) -> &'static str {
 fn covers(policy: &IdempotencyPolicy) -> Vec<String> {
     let mut covers = vec!["method".to_string(), "path".into(), "query".into()];
     covers.extend(policy.fingerprint_headers.iter().map(|name| format!("header {name}")));
+    let jsonrpc = matches!(policy.calls, Some(Calls::JsonRpc { .. }));
     covers.push(match policy.fingerprint_body {
+        FingerprintBody::Bytes if jsonrpc => "body bytes, without the call's id".into(),
         FingerprintBody::Bytes => "body bytes".into(),
         FingerprintBody::Json { .. } => "body, as canonical JSON (bytes when it is not JSON)".into(),
     });
@@ -701,9 +703,11 @@ mod tests {
         assert_eq!(routes[0]["calls"]["guarded_methods"], json!(["tools/call"]));
         assert_eq!(routes[0]["cors"]["allow_origins"], json!(["https://app.example.com"]));
         assert!(
-            routes[0]["fingerprint"]["ignored_json_pointers"] == json!(["/id"]),
+            routes[0]["fingerprint"]["covers"]
+                .to_string()
+                .contains("without the call's id"),
             "{}",
-            routes[0]["fingerprint"]
+            routes[0]
         );
         let slugs: Vec<&str> = routes[0]["responses"]
             .as_array()

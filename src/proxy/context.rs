@@ -13,7 +13,8 @@ use hyper::body::Incoming;
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::bounds::Share;
-use crate::config::{IdempotencyPolicy, ReplayKind, UpstreamKey};
+use crate::calls;
+use crate::config::{FingerprintBody, IdempotencyPolicy, ReplayKind, UpstreamKey};
 use crate::error::{KeyError, ProxyError, Rejection};
 use crate::idempotency::source::{self, KeyInput, Keyed};
 use crate::idempotency::{self, IdempotencyKey};
@@ -125,6 +126,11 @@ impl Prepared {
     /// Fingerprints the request read into `parts` and `body`, and names its claim.
     pub(super) fn new(guarded: &Guarded, parts: request::Parts, body: Bytes) -> Result<Prepared, Rejection> {
         let policy = &guarded.policy;
+        // A JSON-RPC call is fingerprinted without its id: a retry carries its own.
+        let without_id = match (&guarded.call, &policy.fingerprint_body) {
+            (Some(_), FingerprintBody::Bytes) => calls::without_id(&body),
+            _ => None,
+        };
         // A key made from the request itself was its fingerprint already.
         let fingerprint = guarded.by_body.unwrap_or_else(|| {
             idempotency::fingerprint(
@@ -133,7 +139,7 @@ impl Prepared {
                 &parts.headers,
                 &policy.fingerprint_headers,
                 &policy.fingerprint_body,
-                &body,
+                without_id.as_deref().unwrap_or(&body),
             )
         });
         let claim = ClaimRequest {

@@ -137,17 +137,11 @@ impl Validator<'_> {
         let fingerprint_headers = self.header_names(&raw.fingerprint_headers, field("fingerprint_headers"))?;
         let calls = self.calls(&raw, &field)?;
         let mut fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
-        if let Some(Calls::JsonRpc { .. }) = calls {
-            // A retry of a call carries an id of its own: the fingerprint is the call's
-            // without it.
+        // A retry of a JSON-RPC call carries an id of its own: the fingerprint is the
+        // call's without it (with bytes, `calls::without_id` leaves its value out).
+        if let (Some(Calls::JsonRpc { .. }), FingerprintBody::Json { ignore }) = (&calls, &mut fingerprint_body) {
             let id = JsonPointer::parse("/id").map_err(|reason| self.error(0..0, field("jsonrpc_methods"), reason))?;
-            fingerprint_body = match fingerprint_body {
-                FingerprintBody::Bytes => FingerprintBody::Json { ignore: vec![id] },
-                FingerprintBody::Json { mut ignore } => {
-                    ignore.push(id);
-                    FingerprintBody::Json { ignore }
-                }
-            };
+            ignore.push(id);
         }
         let key = self.key_sources(&raw, &header, &fingerprint_body, &field("key"))?;
         let dedup_window = self.dedup_window(&raw, &key, upstream_timeout, &field("dedup_window"))?;
