@@ -739,7 +739,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "route.idempotency.jsonrpc_methods",
         default: DefaultValue::Text("none: every request of the route's `methods` is guarded"),
-        meaning: "on a JSON-RPC 2.0 route (MCP, A2A): only calls to these methods are guarded, and every other call passes unguarded (the body is read first to tell). The fingerprint is the call without its `id` (the body as `fingerprint_body = \"json\"` reads it); a replay is the recorded answer with the retry's `id`; the proxy's own refusals are JSON-RPC error objects (the problem in `data`); a batch that holds a guarded call gets 400 `call-unreadable`. See [Agents](agents.md)",
+        meaning: "on a JSON-RPC 2.0 route (MCP, A2A): only calls to these methods are guarded, and every other call passes unguarded (the body is read first to tell). The fingerprint is the call without its `id` (its bytes without the id's value; with `fingerprint_body = \"json\"`, its canonical JSON without `/id`); a replay is the recorded answer with the retry's `id`; the proxy's own refusals are JSON-RPC error objects (the problem in `data`); a batch that holds a guarded call gets 400 `call-unreadable`. See [Agents](agents.md)",
         backends: Backends::All,
     },
     Setting {
