@@ -430,7 +430,9 @@ impl Proxy {
         }
         let ended = match policy.mode {
             Mode::Enforce => self.enforce(route, policy, named, arrival, client, execution).await,
-            Mode::Shadow => self.shadow(route, policy, named, arrival, client, execution).await,
+            // Boxed, as the rarer paths below are: a future carries the state of its
+            // largest path, and is moved whole as it is built and boxed.
+            Mode::Shadow => Box::pin(self.shadow(route, policy, named, arrival, client, execution)).await,
         };
         (ended, record.filter(|_| self.noted()), call)
     }
@@ -475,7 +477,7 @@ impl Proxy {
             Decision::Replay(stored) => self.replay(guarded, &prepared, stored).await,
             Decision::Reject(first @ Rejection::InProgress { .. }) if !policy.wait_for_in_flight.is_zero() => {
                 let span = self.shared.spans.wait();
-                self.wait(guarded, prepared, first).instrument(span).await
+                Box::pin(self.wait(guarded, prepared, first)).instrument(span).await
             }
             Decision::Reject(rejection) => Err(Refusal::about(rejection, &guarded.record)),
             Decision::Unknown(probe, reason) => Err(self.unknown(&guarded, probe, reason)),

@@ -116,7 +116,11 @@ impl Ledger {
         span: &Span,
     ) -> Result<ClaimOutcome<OwnedClaim>, StoreError> {
         match self.claim_here(request, span).await? {
-            ClaimOutcome::Acquired(claim) => self.before_previous(request, claim).await,
+            // Boxed: read only during a switch of stores, its state (two stores'
+            // lookups) would otherwise be carried, and moved, by every claim's future.
+            ClaimOutcome::Acquired(claim) if self.previous.load().is_some() => {
+                Box::pin(self.before_previous(request, claim)).await
+            }
             existing => Ok(existing),
         }
     }
@@ -176,7 +180,9 @@ impl Ledger {
             span: span.clone(),
             stage: Stage::Claimed,
         };
-        match self.timed(StoreOp::Claim, self.store.claim(request)).await {
+        // Boxed: the stores' claims are kilobytes of state (the largest backend's),
+        // which every guarded request's future would otherwise carry and move.
+        match self.timed(StoreOp::Claim, Box::pin(self.store.claim(request))).await {
             Ok(ClaimOutcome::Acquired(())) => Ok(ClaimOutcome::Acquired(claim)),
             Ok(ClaimOutcome::Existing(existing)) => {
                 claim.disown();
@@ -315,7 +321,8 @@ impl OwnedClaim {
     /// in the background until the lease ends (after which complete is refused).
     pub(super) async fn complete(mut self, response: StoredResponse) {
         self.stage = Stage::Resolved;
-        let write = self.ledger.store.complete(&self.record, self.owner, &response);
+        // Boxed, as a claim is: the stores' completions are kilobytes of state.
+        let write = Box::pin(self.ledger.store.complete(&self.record, self.owner, &response));
         match self.ledger.write(StoreOp::Complete, write).await {
             Ok(Write::Applied) => {}
             Ok(Write::Fenced) => tracing::warn!(
