@@ -19,12 +19,31 @@ use crate::error::CallError;
 /// What a call on a JSON-RPC or GraphQL route is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Call {
-    /// Guarded. On JSON-RPC, the call's `id` as it was sent (its JSON text), `None`
-    /// for a notification.
-    Guarded { id: Option<Bytes> },
+    /// Guarded. On JSON-RPC, the call's `id`, `None` for a notification.
+    Guarded { id: Option<CallId> },
     /// Forwarded unguarded, as a request with no key on a route that does not require
     /// one is.
     Passed,
+}
+
+/// A JSON-RPC call's `id`: its JSON text as sent, and where it stands in the body,
+/// found once, when the call is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CallId {
+    pub(crate) text: Bytes,
+    at: (usize, usize),
+}
+
+impl CallId {
+    /// The call's bytes without the id's value (the member's name and colon stay):
+    /// what its fingerprint covers on a route that fingerprints bytes.
+    pub(crate) fn without(&self, body: &[u8]) -> Vec<u8> {
+        let (start, end) = self.at;
+        match (body.get(..start), body.get(end..)) {
+            (Some(before), Some(after)) => [before, after].concat(),
+            _ => body.to_vec(),
+        }
+    }
 }
 
 /// What the guard reads of a JSON-RPC request: the rest (its params) is skipped, not
@@ -62,17 +81,22 @@ pub(crate) fn classify(calls: &Calls, body: &[u8]) -> Result<Call, CallError> {
             if !guarded(methods, &call)? {
                 return Ok(Call::Passed);
             }
-            let id = call.id.map(|id| Bytes::copy_from_slice(id.get().as_bytes()));
+            let id = call.id.map(|id| id.get().as_bytes()).and_then(|text| {
+                let at = within(body, text)?;
+                Some(CallId {
+                    text: Bytes::copy_from_slice(text),
+                    at,
+                })
+            });
             Ok(Call::Guarded { id })
         }
         Calls::GraphQl { unparsable } if batch => {
             let operations: Vec<GraphQlRequest> =
                 serde_json::from_slice(body).map_err(|_| CallError::GraphQl("the body is not JSON"))?;
             for operation in &operations {
-                if graphql(operation, *unparsable)? == Call::Passed {
-                    continue;
+                if graphql(operation, *unparsable)? != Call::Passed {
+                    return Err(CallError::MutationInBatch);
                 }
-                return Err(CallError::MutationInBatch);
             }
             Ok(Call::Passed)
         }
@@ -81,15 +105,6 @@ pub(crate) fn classify(calls: &Calls, body: &[u8]) -> Result<Call, CallError> {
             Err(_) => unreadable(*unparsable, "the body is not JSON with a \"query\" string"),
         },
     }
-}
-
-/// A JSON-RPC call's bytes without its `id` member's value (the member's name and
-/// colon stay), what a call's fingerprint covers on a route that fingerprints bytes;
-/// `None` for a call without an id.
-pub(crate) fn without_id(body: &[u8]) -> Option<Vec<u8>> {
-    let call: Envelope = serde_json::from_slice(body).ok()?;
-    let (start, end) = within(body, call.id?.get().as_bytes())?;
-    Some([&body[..start], &body[end..]].concat())
 }
 
 /// Where `part`, a slice of `text` (a borrowed raw value of it), starts and ends in it.
@@ -250,26 +265,32 @@ mod tests {
         Calls::GraphQl { unparsable }
     }
 
+    /// The id `classify` read of a guarded call, as sent.
+    fn id(result: Result<Call, CallError>) -> Option<Bytes> {
+        match result {
+            Ok(Call::Guarded { id }) => id.map(|id| id.text),
+            other => panic!("not guarded: {other:?}"),
+        }
+    }
+
+    /// A guarded call's bytes as its fingerprint reads them.
+    fn without_id(body: &[u8]) -> Option<Vec<u8>> {
+        match classify(&rpc(), body) {
+            Ok(Call::Guarded { id }) => id.map(|id| id.without(body)),
+            other => panic!("not guarded: {other:?}"),
+        }
+    }
+
     #[test]
     fn only_the_listed_methods_are_guarded() {
         let call = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{}}"#;
-        assert_eq!(
-            classify(&rpc(), call),
-            Ok(Call::Guarded {
-                id: Some(Bytes::from_static(b"7"))
-            })
-        );
+        assert_eq!(id(classify(&rpc(), call)), Some(Bytes::from_static(b"7")));
         let list = br#"{"jsonrpc":"2.0","id":"a","method":"tools/list"}"#;
         assert_eq!(classify(&rpc(), list), Ok(Call::Passed));
         let notification = br#"{"jsonrpc":"2.0","method":"tools/call"}"#;
         assert_eq!(classify(&rpc(), notification), Ok(Call::Guarded { id: None }));
         let escaped = br#"{"jsonrpc":"2.0","id":null,"method":"tools\/call"}"#;
-        assert_eq!(
-            classify(&rpc(), escaped),
-            Ok(Call::Guarded {
-                id: Some(Bytes::from_static(b"null"))
-            })
-        );
+        assert_eq!(id(classify(&rpc(), escaped)), Some(Bytes::from_static(b"null")));
         for bad in [
             &b"{}"[..],
             b"[1]",

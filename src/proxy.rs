@@ -26,7 +26,7 @@ use self::send::send;
 use crate::body::BodyLimits;
 use crate::body::{self, ClientInfo, ProxyBody, StreamedBody, full, streamed};
 use crate::bounds::{GuardedRequests, HeldBody, Share};
-use crate::calls::{self, Call};
+use crate::calls::{self, Call, CallId};
 use crate::config::{Calls, Config, IdempotencyPolicy, Mode, OnStoreError, ReplayKind};
 use crate::error::{Bound, DisplayChain, Outcome, ProxyError, Rejection, StoreError};
 use crate::idempotency::{self, Decision};
@@ -364,7 +364,7 @@ impl Proxy {
         let execution = self.shared.spans.reference(&Span::current());
         async move {
             let (ended, record, call) = self.arrive(&route, &policy, request, client, execution).await;
-            self.finish(Some(&route), record, ended, call)
+            self.finish(Some(&route), record, ended, call.map(|id| id.text))
         }
         .instrument(span)
         .await
@@ -383,7 +383,7 @@ impl Proxy {
         request: Request<Incoming>,
         client: ClientInfo,
         execution: Option<ExecutionTrace>,
-    ) -> (Handled, Option<String>, Option<Bytes>) {
+    ) -> (Handled, Option<String>, Option<CallId>) {
         let mut call = None;
         let (arrival, identified) = if policy.key_needs_body() {
             let read = match policy.mode {
@@ -398,7 +398,7 @@ impl Proxy {
                 Err(handled) => return (handled, None, None),
             };
             match policy.calls.as_ref().map(|calls| calls::classify(calls, &read.body)) {
-                None | Some(Ok(Call::Guarded { id: None })) => {}
+                None => {}
                 Some(Ok(Call::Guarded { id })) => call = id,
                 Some(Ok(Call::Passed)) => {
                     return (
@@ -418,7 +418,7 @@ impl Proxy {
         };
         let named = match identified {
             Ok(Some(mut named)) => {
-                named.call = call.clone();
+                named.call.clone_from(&call);
                 Ok(named)
             }
             Ok(None) => return (self.pass(route, arrival.into_request(), &client).await, None, call),
@@ -491,7 +491,7 @@ impl Proxy {
             ReplayKind::Refetch => self.refetch(&guarded, prepared, stored).await,
             ReplayKind::Stored | ReplayKind::Status => {
                 let stored = match &guarded.call {
-                    Some(id) => stored.with_call_id(id),
+                    Some(id) => stored.with_call_id(&id.text),
                     None => stored,
                 };
                 Ok(Answer::replayed(stored, guarded.share)?)

@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use super::Proxy;
 use crate::body::{self, ClientInfo, ProxyBody, full};
 use crate::bounds::Share;
-use crate::calls;
+use crate::calls::CallId;
 use crate::config::{FingerprintBody, IdempotencyPolicy, ReplayKind, UpstreamKey};
 use crate::error::{KeyError, ProxyError, Rejection};
 use crate::idempotency::source::{self, KeyInput, Keyed};
@@ -41,7 +41,7 @@ pub(super) struct Guarded {
     /// The trace of this request's span, which the record keeps, with tracing on.
     pub(super) execution: Option<ExecutionTrace>,
     /// On a JSON-RPC route, the call's id as it was sent: what its replay answers with.
-    pub(super) call: Option<Bytes>,
+    pub(super) call: Option<CallId>,
 }
 
 impl Guarded {
@@ -86,7 +86,7 @@ pub(super) struct Named {
     /// With the `body` source, the request's fingerprint, which is its key.
     pub(super) by_body: Option<Fingerprint>,
     /// On a JSON-RPC route, the call's id as it was sent.
-    pub(super) call: Option<Bytes>,
+    pub(super) call: Option<CallId>,
 }
 
 /// A guarded request as it arrived: its body unread (a route whose key sources are all
@@ -128,7 +128,7 @@ impl Prepared {
         let policy = &guarded.policy;
         // A JSON-RPC call is fingerprinted without its id: a retry carries its own.
         let without_id = match (&guarded.call, &policy.fingerprint_body) {
-            (Some(_), FingerprintBody::Bytes) => calls::without_id(&body),
+            (Some(id), FingerprintBody::Bytes) => Some(id.without(&body)),
             _ => None,
         };
         // A key made from the request itself was its fingerprint already.

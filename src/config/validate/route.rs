@@ -138,7 +138,7 @@ impl Validator<'_> {
         let calls = self.calls(&raw, &field)?;
         let mut fingerprint_body = self.fingerprint_body(&raw, &field("fingerprint_ignore"))?;
         // A retry of a JSON-RPC call carries an id of its own: the fingerprint is the
-        // call's without it (with bytes, `calls::without_id` leaves its value out).
+        // call's without it (with bytes, `calls::CallId::without` leaves its value out).
         if let (Some(Calls::JsonRpc { .. }), FingerprintBody::Json { ignore }) = (&calls, &mut fingerprint_body) {
             let id = JsonPointer::parse("/id").map_err(|reason| self.error(0..0, field("jsonrpc_methods"), reason))?;
             ignore.push(id);
