@@ -147,8 +147,17 @@ BASELINE.update({"y1": "i", "z1": "i", "zk": "i", "y64": "l", "z64": "l", "zp": 
 POSTGRES_CASES = [
     ("pf", "idemproxy POST, fresh key, Postgres store", "postgres", "fresh.lua", "/v1/payments"),
     ("pr", "idemproxy POST, replay, Postgres store", "postgres", "replay.lua", "/v1/payments"),
+    # pgbench -M prepared on the same server, as many clients as wrk has connections (at
+    # most 200): (gf) a fresh request's two statements as the proxy sends them
+    # (bench/pgbench/fresh.sql), (gb) a bare INSERT and UPDATE of the same row, (gs) one
+    # SELECT of the response the replay cases replay.
+    ("gf", "pgbench: the store's claim and complete, fresh key", "pgbench", "fresh.sql", None),
+    ("gb", "pgbench: bare INSERT + UPDATE, fresh key", "pgbench", "bare.sql", None),
+    ("gs", "pgbench: SELECT of a recorded response", "pgbench", "select.sql", None),
 ]
 ON_POSTGRES = {"pf": "d", "pr": "e"}
+# What each Postgres case is held to: its pgbench ceiling.
+PGBENCH_CEILING = {"pf": ["gf", "gb"], "pr": ["gs"]}
 
 # With --remember: the fresh-key and replay cases again on an idemproxy per store whose
 # routes remember their keys 30 days past a 24 h retention, each beside the same case
@@ -489,6 +498,32 @@ def run_wrk(port, script, path, connections, duration):
     sys.exit(f"bench: wrk printed no result:\n{out.stdout}\n{out.stderr}")
 
 
+def run_pgbench(postgres, script, clients, duration, variables):
+    """pgbench -M prepared on `postgres` with bench/pgbench/`script` for `duration` s:
+    its transactions a second, and their mean latency as p50 and p99 both (pgbench's
+    per-transaction log reads a lazily kept clock here, most fast transactions as 0 µs,
+    so no percentile is taken from it)."""
+    defines = [arg for name, value in variables.items() for arg in ("-D", f"{name}={value}")]
+    out = subprocess.run(
+        [f"{postgres.bin}/pgbench", "-n", "-M", "prepared", "-h", "127.0.0.1", "-p", str(postgres.port),
+         "-U", "postgres", "-c", str(min(clients, 200)), "-j", "2", "-T", str(duration), *defines,
+         "-f", os.path.join(os.path.dirname(os.path.abspath(__file__)), "pgbench", script), "postgres"],
+        capture_output=True, text=True)
+    found = dict(line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)
+    if out.returncode != 0 or "tps" not in found or "latency average" not in found:
+        sys.exit(f"bench: pgbench failed:\n{out.stdout}\n{out.stderr}")
+    tps, mean = float(found["tps"].split()[0]), float(found["latency average"].split()[0])
+    return {
+        "requests": round(tps * duration),
+        "seconds": duration,
+        "rps": tps,
+        "p50_ms": mean,
+        "p99_ms": mean,
+        "non2xx": 0,
+        "socket_errors": 0,
+    }
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=int, default=5)
@@ -776,12 +811,15 @@ def main():
                     reads_before = redis_reads(*counted)
                     commits_before = commits(ports, target)
                     fsyncs = FsyncCounter(proxies["sqlite"].pid) if target == "sqlite" and args.stores else None
-                    pg_before = postgres.counters() if target == "postgres" else None
+                    pg_before = postgres.counters() if target in ("postgres", "pgbench") else None
                     proxy_cpu_before = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid)
                     writer_before = thread_cpu_seconds(proxies[target].pid, WRITER) if target == "sqlite" else 0
                     syncer_before = thread_cpu_seconds(proxies[target].pid, SYNCER) if target == "sqlite" else 0
                     dropped_before = dropped(ports, target)
-                    if script == "h2":
+                    if target == "pgbench":
+                        run = run_pgbench(postgres, script, connections, args.duration,
+                                          postgres.bench_variables())
+                    elif script == "h2":
                         run = run_h2load(ports[target], path, connections, args.duration)
                     else:
                         run = run_wrk(ports[target], os.path.join(workdir, script), path, connections,
@@ -850,7 +888,7 @@ class Postgres:
                                    "-E", "UTF8", "--locale=C"], check=True, stdout=subprocess.DEVNULL)
         self.process = subprocess.Popen(
             as_owner + [f"{self.bin}/postgres", "-D", data, "-p", str(port), "-c", "listen_addresses=127.0.0.1",
-                        "-c", f"unix_socket_directories={self.dir}", "-c", "max_connections=200",
+                        "-c", f"unix_socket_directories={self.dir}", "-c", "max_connections=300",
                         "-c", "shared_buffers=256MB", "-c", "shared_preload_libraries=pg_stat_statements"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         children.append(self.process)
@@ -866,6 +904,19 @@ class Postgres:
                                "-U", "postgres", "-d", "postgres", "-c", sql],
                               check=True, capture_output=True, text=True).stdout.strip()
 
+    def bench_variables(self):
+        """pgbench's values for bench/pgbench/*.sql: the headers and body of the
+        response the replay cases replay (the first the bench recorded), its key, and
+        an owner and fingerprint of the proxy's sizes."""
+        if not hasattr(self, "variables"):
+            key, headers, body = self.psql(
+                "SELECT key, encode(headers, 'hex'), encode(body, 'hex') FROM idemproxy.records "
+                "WHERE state = 'completed' ORDER BY completed_at LIMIT 1").split("|")
+            self.variables = {"owner": "\\x" + os.urandom(16).hex(), "fingerprint": "\\x" + os.urandom(32).hex(),
+                              "retention": 86_400_000, "remember": 86_400_000, "lease": 30_000, "status": 201,
+                              "headers": "\\x" + headers, "body": "\\x" + body, "replayed": key}
+        return self.variables
+
     def counters(self):
         """The store's statements so far (claims, completes and every other function
         call, from pg_stat_statements), and the CPU seconds of every Postgres process."""
@@ -878,6 +929,9 @@ class Postgres:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 cpu += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                if pid == self.process.pid:
+                    # Backends that have exited (pgbench's, once it disconnects).
+                    cpu += (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
             except OSError:
                 pass
         return int(calls), cpu
@@ -1061,21 +1115,27 @@ def print_table(results, connection_counts, args, cases):
                       f"{median(runs, 'p99_ms') - median(base, 'p99_ms'):.2f} | "
                       f"{commit_count / seconds:,.0f} | {writes / max(commit_count, 1):.1f} | "
                       f"{fsync_count / seconds:,.0f} | {writer} | {syncer} |")
-    on_postgres = [case for case in cases if case[0] in ON_POSTGRES]
+    on_postgres = [case for case in cases if case[0] in ON_POSTGRES or case[2] == "pgbench"]
     if on_postgres:
         print()
-        print("| Postgres case | conns | req/s | p50 ms | p99 ms | req/s vs Redis | statements/req | "
-              "Postgres CPU µs/req |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| Postgres case | conns | req/s (tx/s) | p50 ms | p99 ms | req/s vs Redis | req/s vs its pgbench "
+              "ceilings | statements/req | Postgres CPU µs/req |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for connections in connection_counts:
             for case, label, _, _, _ in on_postgres:
-                runs, redis = results[(case, connections)], results[(ON_POSTGRES[case], connections)]
+                runs = results[(case, connections)]
+                redis = results.get((ON_POSTGRES.get(case), connections))
+                versus_redis = f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x" if redis else "-"
+                ceilings = ", ".join(
+                    f"{median(runs, 'rps') / median(results[(other, connections)], 'rps'):.2f}x "
+                    f"({other})"
+                    for other in PGBENCH_CEILING.get(case, []) if (other, connections) in results) or "-"
                 requests = sum(run["requests"] for run in runs)
                 statements = sum(run["pg_statements"] for run in runs) / requests
                 cpu = sum(run["pg_cpu"] for run in runs) / requests * 1e6
                 print(f"| ({case}) {label} | {connections} | {median(runs, 'rps'):,.0f} | "
-                      f"{median(runs, 'p50_ms'):.2f} | {median(runs, 'p99_ms'):.2f} | "
-                      f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x | {statements:.2f} | {cpu:.1f} |")
+                      f"{median(runs, 'p50_ms'):.2f} | {median(runs, 'p99_ms'):.2f} | {versus_redis} | {ceilings} | "
+                      f"{statements:.2f} | {cpu:.1f} |")
     idemproxy_cases = [case for case, _, target, _, _ in cases if target == "idemproxy"]
     print()
     for connections in connection_counts:

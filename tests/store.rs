@@ -1702,6 +1702,63 @@ async fn a_begin_probe_that_leases_from_the_old_due_time_is_caught() {
     assert!(an_overdue_probe_lease_starts_now(&store).await);
 }
 
+/// A claim whose key another transaction inserts while the claim's statement runs. The
+/// claim waits on that insert; when it commits, the claim finds the row live, leaves it,
+/// and reads it as the record found (the plain claim statement runs again for that,
+/// `codes::claim::RACED`): the other claim's record, never taken over, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_claim_racing_another_claim_of_its_key_finds_that_record() {
+    use std::io::{BufRead, Write};
+    let server = PostgresServer::start();
+    let store = postgres_store(&server).await;
+    let raced = key("raced");
+    let mut other = server.hold(&format!(
+        "BEGIN;\nINSERT INTO idemproxy.records (key, fingerprint, state, owner, expires_at, lease_until) \
+         VALUES ('{}', '\\x{}', 'in_flight', '\\x{}', now() + interval '1 minute', now() + interval '1 minute');\n\
+         SELECT 'inserted';\n",
+        raced.as_str(),
+        "02".repeat(32),
+        "07".repeat(16),
+    ));
+    let mut said = std::io::BufReader::new(other.stdout.take().expect("psql's stdout"));
+    let mut line = String::new();
+    said.read_line(&mut line).expect("psql says it inserted");
+    assert_eq!(line.trim(), "inserted");
+    let claiming = {
+        let (store, raced) = (store.clone(), raced.clone());
+        tokio::spawn(async move { store.claim(&claim(&raced, new_owner(), Duration::from_secs(30))).await })
+    };
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%taken AS%'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while server.psql(waiting) != "1" {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the claim never waited on the other insert"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stdin = other.stdin.as_mut().expect("psql's stdin");
+    stdin.write_all(b"COMMIT;\nSELECT 'committed';\n").expect("commit");
+    stdin.flush().expect("commit");
+    line.clear();
+    said.read_line(&mut line).expect("psql says it committed");
+    assert_eq!(line.trim(), "committed");
+    let outcome = claiming.await.expect("the claim's task").expect("the claim");
+    match outcome {
+        ClaimOutcome::Existing(existing) => {
+            assert_eq!(existing.fingerprint, Fingerprint([2; 32]), "the other claim's record");
+            assert!(
+                matches!(existing.state, RecordState::InFlight { .. }),
+                "{:?}",
+                existing.state
+            );
+        }
+        other => panic!("the claim took the key another claim holds: {other:?}"),
+    }
+    let _ = other.kill();
+    let _ = other.wait();
+}
+
 /// The same two planted bugs in the Postgres store's `begin_probe` function, applied to
 /// the test's server over the right one: each is caught, and the right one passes.
 #[tokio::test]

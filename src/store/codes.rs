@@ -25,6 +25,9 @@ pub(crate) mod claim {
     pub(crate) const SCOPE_FULL: i64 = -4;
     /// Fewer synchronous standbys stream than `min_replica_acks` asks: nothing written.
     pub(crate) const NOT_REPLICATED: i64 = -5;
+    /// The plain claim statement only (`postgres::claim_plain`): another claim of the
+    /// key committed between its snapshot and its insert; it runs again.
+    pub(crate) const RACED: i64 = 2;
 }
 
 /// `resolve`.

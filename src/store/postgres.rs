@@ -62,10 +62,17 @@ impl std::fmt::Debug for PostgresStore {
     }
 }
 
-/// The statements that call the schema's functions, in its schema.
+/// The statements of each lifecycle step, in the store's schema: the schema's functions,
+/// and for the two steps of every fresh request (a claim without a scope or standbys to
+/// wait for, and the completion) plain SQL that does what those functions do in one
+/// statement, without PL/pgSQL (docs/performance.md, "The Postgres store").
 struct Calls {
     claim: String,
+    /// `claim` for a claim with no scope, where no standby is waited for.
+    claim_plain: String,
     complete: String,
+    /// The notification `complete` sends when a waiter marked the claim.
+    notify: String,
     mark_unknown: String,
     release: String,
     resolve: String,
@@ -80,7 +87,9 @@ impl Calls {
     fn new(schema: &str) -> Calls {
         Calls {
             claim: format!("SELECT * FROM {schema}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)"),
-            complete: format!("SELECT {schema}.complete($1, $2, $3, $4, $5)"),
+            claim_plain: claim_plain(schema),
+            complete: complete_plain(schema),
+            notify: format!("SELECT pg_notify('{}', $1::text)", schema::channel(schema)),
             mark_unknown: format!("SELECT {schema}.mark_unknown($1, $2, $3, $4, $5)"),
             release: format!("SELECT {schema}.release($1, $2)"),
             resolve: format!("SELECT {schema}.resolve($1, $2, $3, $4, $5)"),
@@ -99,6 +108,75 @@ impl Calls {
         }
     }
 }
+
+/// The schema's `claim` for an unscoped claim with no standby to wait for, as one
+/// statement: the live record (`found`) is read, and only where there is none is the
+/// claimant's inserted (`taken`), over an expired one. Times are the statement's
+/// start on the server's clock, as the function's `now_` is. The same columns as
+/// `claim` returns, its codes and one more: `RACED`, when another claim of the key
+/// committed between this statement's snapshot and its insert (the insert finds the
+/// row and leaves it): the statement is run again, and its new snapshot reads that
+/// record, as the function's second `SELECT` does.
+fn claim_plain(schema: &str) -> String {
+    format!(
+        "WITH found AS (\
+             SELECT * FROM {schema}.records WHERE key = $1::text AND expires_at > statement_timestamp()), \
+         taken AS (\
+             INSERT INTO {schema}.records AS x (key, fingerprint, state, owner, expires_at, lease_until, \
+                                                response_until) \
+             SELECT $1::text, $3::bytea, 'in_flight', $2::bytea, \
+                    statement_timestamp() + greatest($5::bigint, $4::bigint) * interval '1 ms', \
+                    statement_timestamp() + $6::bigint * interval '1 ms', \
+                    CASE WHEN $5::bigint > $4::bigint THEN statement_timestamp() + $4::bigint * interval '1 ms' END \
+             WHERE NOT EXISTS (SELECT FROM found) \
+             ON CONFLICT (key) DO UPDATE SET \
+                 fingerprint = excluded.fingerprint, state = 'in_flight', owner = excluded.owner, \
+                 expires_at = excluded.expires_at, lease_until = excluded.lease_until, status = NULL, \
+                 headers = NULL, body = NULL, reason = NULL, probe_due = NULL, probe_give_up = NULL, \
+                 scope = NULL, waited = false, response_until = excluded.response_until, completed_at = NULL \
+             WHERE x.expires_at <= statement_timestamp() \
+             RETURNING 1) \
+         SELECT CASE WHEN EXISTS (SELECT FROM taken) THEN {acquired} \
+                     WHEN r.key IS NULL THEN {raced} \
+                     WHEN r.state = 'in_flight' AND r.owner = $2::bytea AND r.lease_until > statement_timestamp() \
+                         THEN {acquired} \
+                     ELSE {existing} END AS code, \
+                r.fingerprint, r.state, r.owner, {schema}.ms(r.lease_until, statement_timestamp()) AS lease_ms, \
+                r.status, r.reason, \
+                r.state = 'completed' AND r.response_until <= statement_timestamp() AS spent, \
+                CASE WHEN r.response_until IS NULL OR r.response_until > statement_timestamp() \
+                     THEN r.headers END AS headers, \
+                CASE WHEN r.response_until IS NULL OR r.response_until > statement_timestamp() \
+                     THEN r.body END AS body, \
+                floor(extract(epoch FROM r.completed_at) * 1000)::bigint AS completed_ms, \
+                {schema}.ms(r.probe_due, statement_timestamp()) AS due_ms, \
+                {schema}.ms(r.probe_give_up, statement_timestamp()) AS give_up_ms \
+         FROM (SELECT) AS one LEFT JOIN found AS r ON true",
+        acquired = codes::claim::ACQUIRED,
+        raced = codes::claim::RACED,
+        existing = codes::claim::EXISTING,
+    )
+}
+
+/// The schema's `complete` as one plain `UPDATE`: the same compare-and-set. It returns
+/// whether a waiter marked the claim, and only then does the store send the function's
+/// notification, as a second statement (`notify`) once the completion has committed:
+/// a notification lost between the two costs the waiter time, never a wrong answer
+/// (`store::notify`). Wrapping the notification into the same statement (a CTE around
+/// the `UPDATE`) cost every completion 7-17 % of pgbench's pairs a second.
+fn complete_plain(schema: &str) -> String {
+    format!(
+        "UPDATE {schema}.records SET state = 'completed', owner = NULL, lease_until = NULL, \
+             status = $3::smallint, headers = $4::bytea, body = $5::bytea, completed_at = statement_timestamp() \
+         WHERE key = $1::text AND state = 'in_flight' AND owner = $2::bytea \
+             AND lease_until > statement_timestamp() AND expires_at > statement_timestamp() \
+         RETURNING waited"
+    )
+}
+
+/// How many times a plain claim runs again when it raced another claim of its key
+/// (each time, that claim's record had gone again before the statement read it).
+const CLAIM_RACES: usize = 3;
 
 /// Opens the store `config` names (`PostgresStore::open`), and starts the process's
 /// listener (it ends when the last watcher is dropped) and its sweeper (a background
@@ -284,6 +362,32 @@ impl PostgresStore {
             .map_err(|_| protocol("a store function in Postgres answered with another type"))
     }
 
+    /// An unscoped claim by the plain statement, run again while it races another
+    /// claim of its key (`codes::claim::RACED`), at most `CLAIM_RACES` times.
+    async fn claim_plain(&self, claim: &ClaimRequest) -> Result<Row, StoreError> {
+        for _ in 0..CLAIM_RACES {
+            let row = self
+                .one(
+                    &self.calls.claim_plain,
+                    &[
+                        &claim.key.as_str(),
+                        &&claim.owner.as_bytes()[..],
+                        &&claim.fingerprint.0[..],
+                        &millis(claim.retention),
+                        &millis(claim.remember),
+                        &millis(claim.lease),
+                    ],
+                )
+                .await?;
+            if i64::from(get::<i32>(&row, "code")?) != codes::claim::RACED {
+                return Ok(row);
+            }
+        }
+        Err(protocol(
+            "a claim in Postgres kept racing other claims of its key, whose records vanished each time",
+        ))
+    }
+
     /// What a claim found in a live record that is not the claimant's.
     fn existing(row: &Row) -> Result<ClaimOutcome, StoreError> {
         let fingerprint = Fingerprint::from_bytes(&get::<Vec<u8>>(row, "fingerprint")?)
@@ -315,9 +419,11 @@ impl PostgresStore {
 
 impl RecordStore for PostgresStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
-        let scope = claim.scope.map(|scope| i64::from_ne_bytes(scope.0.to_ne_bytes()));
-        let row = self
-            .one(
+        let row = if claim.scope.is_none() && self.min_acks == 0 {
+            self.claim_plain(claim).await?
+        } else {
+            let scope = claim.scope.map(|scope| i64::from_ne_bytes(scope.0.to_ne_bytes()));
+            self.one(
                 &self.calls.claim,
                 &[
                     &claim.key.as_str(),
@@ -331,7 +437,8 @@ impl RecordStore for PostgresStore {
                     &self.min_acks,
                 ],
             )
-            .await?;
+            .await?
+        };
         match i64::from(get::<i32>(&row, "code")?) {
             codes::claim::ACQUIRED => Ok(ClaimOutcome::Acquired(())),
             codes::claim::EXISTING => PostgresStore::existing(&row),
@@ -354,8 +461,8 @@ impl RecordStore for PostgresStore {
         response: &StoredResponse,
     ) -> Result<Write, StoreError> {
         let headers = response.encode_headers();
-        let code = self
-            .code(
+        let rows = self
+            .query(
                 &self.calls.complete,
                 &[
                     &key.as_str(),
@@ -366,7 +473,16 @@ impl RecordStore for PostgresStore {
                 ],
             )
             .await?;
-        codes::write(code)
+        let Some(row) = rows.first() else {
+            return Ok(Write::Fenced);
+        };
+        if get::<bool>(row, "waited")? {
+            // Committed already: a notification that fails to go is a waiter's time.
+            if let Err(error) = self.query(&self.calls.notify, &[&key.as_str()]).await {
+                tracing::debug!(%error, "the completion's notification to waiters on Postgres failed");
+            }
+        }
+        Ok(Write::Applied)
     }
 
     async fn mark_unknown(
@@ -580,5 +696,48 @@ impl RecordStore for PostgresStore {
 
     fn shared_by_instances(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The pgbench script of a fresh request's two statements, as the store sends them,
+    /// with pgbench's variables for their parameters (`bench/pgbench/fresh.sql`).
+    fn pgbench_fresh() -> String {
+        let calls = super::Calls::new("idemproxy");
+        let with = |statement: &str, names: &[&str]| {
+            let mut statement = statement.to_string();
+            for (at, name) in names.iter().enumerate().rev() {
+                statement = statement.replace(&format!("${}", at + 1), &format!(":{name}"));
+            }
+            statement
+        };
+        format!(
+            "-- A fresh request's two statements on the Postgres store, as idemproxy sends them\n\
+             -- (src/store/postgres.rs; a unit test there keeps this file the same), for\n\
+             -- bench/bench.py's pgbench cases: a fresh key per transaction, the rest given\n\
+             -- with -D.\n\
+             \\set key random(1, 9000000000000000000)\n{};\n{};\n",
+            with(
+                &calls.claim_plain,
+                &["key", "owner", "fingerprint", "retention", "remember", "lease"]
+            ),
+            with(&calls.complete, &["key", "owner", "status", "headers", "body"]),
+        )
+    }
+
+    #[test]
+    fn the_benchs_pgbench_script_is_what_a_fresh_request_sends() {
+        let expected = pgbench_fresh();
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/bench/pgbench/fresh.sql");
+        if std::env::var_os("IDEMPROXY_WRITE_PGBENCH").is_some() {
+            std::fs::write(path, &expected).expect("write bench/pgbench/fresh.sql");
+        }
+        let found = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            found == expected,
+            "bench/pgbench/fresh.sql is not what a fresh request sends: run this test with \
+             IDEMPROXY_WRITE_PGBENCH=1 to write it again"
+        );
     }
 }
