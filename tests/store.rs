@@ -1702,6 +1702,46 @@ async fn a_begin_probe_that_leases_from_the_old_due_time_is_caught() {
     assert!(an_overdue_probe_lease_starts_now(&store).await);
 }
 
+/// Every completion on Postgres is a heap-only (HOT) update: no index of the records
+/// table names a column a completion writes (schema version 3), and each page keeps
+/// room for a row's second version. Counted by the server's own table statistics.
+#[tokio::test]
+async fn postgres_completions_update_no_index() {
+    let server = PostgresServer::start();
+    let store = postgres_store(&server).await;
+    let completions = 50;
+    for n in 0..completions {
+        let (record, owner) = (key(&format!("hot-{n}")), new_owner());
+        let outcome = store
+            .claim(&claim(&record, owner, Duration::from_secs(30)))
+            .await
+            .expect("claim");
+        assert!(matches!(outcome, ClaimOutcome::Acquired(())), "{outcome:?}");
+        let written = store.complete(&record, owner, &response("{}")).await.expect("complete");
+        assert_eq!(written, Write::Applied);
+    }
+    // A backend sends its table counts to the statistics when it exits (or after ten
+    // idle seconds): the store's connections are closed.
+    drop(store);
+    let counts = "SELECT n_tup_upd || ' ' || n_tup_hot_upd FROM pg_stat_user_tables \
+                  WHERE schemaname = 'idemproxy' AND relname = 'records'";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let (updates, heap_only) = loop {
+        let read = server.psql(counts);
+        let (updates, heap_only) = read.split_once(' ').expect("two counts");
+        let (updates, heap_only): (u64, u64) = (updates.parse().expect("n"), heap_only.parse().expect("n"));
+        if updates >= completions || tokio::time::Instant::now() >= deadline {
+            break (updates, heap_only);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (updates, heap_only),
+        (completions, completions),
+        "every completion heap-only"
+    );
+}
+
 /// A claim whose key another transaction inserts while the claim's statement runs. The
 /// claim waits on that insert; when it commits, the claim finds the row live, leaves it,
 /// and reads it as the record found (the plain claim statement runs again for that,
