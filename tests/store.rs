@@ -2936,6 +2936,76 @@ async fn a_sqlite_store_admits_no_claim_whose_response_could_not_be_recorded() {
     drop(store);
 }
 
+/// Issue 54 (docs/design.md §27, docs/stores.md "What is on disk when"): a release and
+/// an unknown mark wait for their commit, not for an fsync. With the syncer held, both
+/// are answered and every read sees them at once (the released key is free, the marked
+/// one unknown). A copy of the files taken after both claims were on disk and before
+/// the release and the mark (the worst a power cut may leave of them, whose fsync had
+/// not come) reads both records as in flight, as their claims wrote them: a retry is
+/// refused (409, then `outcome-unknown` once the lease is over), never given the key to
+/// run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_release_and_unknown_mark_lost_with_the_unsynced_log_leave_their_claims() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    let (released, marked) = (key("lost-release"), key("lost-mark"));
+    let (releaser, marker) = (new_owner(), new_owner());
+    for (record, owner) in [(&released, releaser), (&marked, marker)] {
+        assert_eq!(
+            store.claim(&claim(record, owner, LONG)).await.expect("claim"),
+            ClaimOutcome::Acquired(())
+        );
+    }
+    let snapshot = dir.path().join("snapshot");
+    std::fs::create_dir(&snapshot).expect("snapshot directory");
+    let held = store.hold_fsyncs().await;
+    for suffix in ["", "-wal"] {
+        let name = format!("records.db{suffix}");
+        std::fs::copy(dir.path().join(&name), snapshot.join(&name)).expect("copy");
+    }
+    let release = tokio::time::timeout(LONG, store.release(&released, releaser))
+        .await
+        .expect("a release waited for an fsync")
+        .expect("release");
+    let mark = tokio::time::timeout(
+        LONG,
+        store.mark_unknown(&marked, marker, UnknownReason::UpstreamTimeout, None),
+    )
+    .await
+    .expect("an unknown mark waited for an fsync")
+    .expect("mark");
+    assert_eq!((release, mark), (Write::Applied, Write::Applied));
+    assert_eq!(
+        store.inspect(&released).await.expect("inspect"),
+        None,
+        "released at its commit"
+    );
+    match store
+        .inspect(&marked)
+        .await
+        .expect("inspect")
+        .map(|summary| summary.state)
+    {
+        Some(SummaryState::Unknown {
+            reason: UnknownReason::UpstreamTimeout,
+            ..
+        }) => {}
+        other => panic!("the mark is not read at its commit: {other:?}"),
+    }
+    drop(held);
+    drop(store);
+
+    let lost = sqlite_store(&snapshot.join("records.db"), StoreLimits::unbounded(100));
+    for record in [&released, &marked] {
+        match state_of(&lost, record).await {
+            RecordState::InFlight { .. } => {}
+            other => panic!("a release or mark lost with the log's unsynced tail left {other:?}"),
+        }
+    }
+    drop(lost);
+}
+
 /// Issue 54 (docs/design.md §27): only what a forward depends on waits for the fsync.
 /// With the syncer held, a claim of a free key is committed but not answered, while a
 /// completion committed after it is answered, and read by every claim, at once; the
