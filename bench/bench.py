@@ -27,7 +27,9 @@ replays on the memory store and on the SQLite store, beside (d) and (e) on Redis
 the SQLite store's commits and fsyncs per second), --sealed (also run fresh keys and
 replays with 1 KiB and 64 KiB bodies on an idemproxy with [store.encryption], beside
 the same cases in clear), --postgres (also run fresh keys and replays on the Postgres
-store, beside (d) and (e) on Redis, with statements and Postgres CPU per request;
+store, beside (d) and (e) on Redis, with statements and Postgres CPU per request, and
+pgbench on the same server in the same rounds: (gf) the proxy's own two statements,
+(gb) a bare INSERT and UPDATE, (gs) one SELECT, bench/pgbench/*.sql;
 --pg-connections N sets its store.connections, default 4), --keys (also run cases (kh)
 and (kj): fresh keys with a 1 KiB request body, the key in the header beside the key in
 a JSON field of the body),
