@@ -878,6 +878,7 @@ class Postgres:
         bins = sorted(os.listdir("/usr/lib/postgresql"), key=int)
         self.bin = f"/usr/lib/postgresql/{bins[-1]}/bin"
         self.port = port
+        self.variables = None  # bench_variables, read once
         self.dir = tempfile.mkdtemp(prefix="pg-", dir=parent)
         as_owner = ["setpriv", "--reuid", "postgres", "--regid", "postgres", "--init-groups", "--"] \
             if os.getuid() == 0 else []
@@ -910,7 +911,7 @@ class Postgres:
         """pgbench's values for bench/pgbench/*.sql: the headers and body of the
         response the replay cases replay (the first the bench recorded), its key, and
         an owner and fingerprint of the proxy's sizes."""
-        if not hasattr(self, "variables"):
+        if self.variables is None:
             key, headers, body = self.psql(
                 "SELECT key, encode(headers, 'hex'), encode(body, 'hex') FROM idemproxy.records "
                 "WHERE state = 'completed' ORDER BY completed_at LIMIT 1").split("|")

@@ -2936,6 +2936,18 @@ async fn a_sqlite_store_admits_no_claim_whose_response_could_not_be_recorded() {
     drop(store);
 }
 
+/// A copy of the SQLite store's files in `dir` (`records.db` and its log), in `dir`'s
+/// `snapshot`: what a power cut would leave if no fsync came after it.
+fn snapshot_of(dir: &std::path::Path) -> std::path::PathBuf {
+    let snapshot = dir.join("snapshot");
+    std::fs::create_dir(&snapshot).expect("snapshot directory");
+    for suffix in ["", "-wal"] {
+        let name = format!("records.db{suffix}");
+        std::fs::copy(dir.join(&name), snapshot.join(&name)).expect("copy");
+    }
+    snapshot
+}
+
 /// Issue 54 (docs/design.md §27, docs/stores.md "What is on disk when"): a release and
 /// an unknown mark wait for their commit, not for an fsync. With the syncer held, both
 /// are answered and every read sees them at once (the released key is free, the marked
@@ -2957,13 +2969,8 @@ async fn a_sqlite_release_and_unknown_mark_lost_with_the_unsynced_log_leave_thei
             ClaimOutcome::Acquired(())
         );
     }
-    let snapshot = dir.path().join("snapshot");
-    std::fs::create_dir(&snapshot).expect("snapshot directory");
     let held = store.hold_fsyncs().await;
-    for suffix in ["", "-wal"] {
-        let name = format!("records.db{suffix}");
-        std::fs::copy(dir.path().join(&name), snapshot.join(&name)).expect("copy");
-    }
+    let snapshot = snapshot_of(dir.path());
     let release = tokio::time::timeout(LONG, store.release(&released, releaser))
         .await
         .expect("a release waited for an fsync")
@@ -3025,13 +3032,8 @@ async fn a_sqlite_claim_waits_for_its_fsync_and_a_completion_only_for_its_commit
         ClaimOutcome::Acquired(())
     );
     // What is on disk now: the claim, fsync'd before it was answered.
-    let snapshot = dir.path().join("snapshot");
-    std::fs::create_dir(&snapshot).expect("snapshot directory");
     let held = store.hold_fsyncs().await;
-    for suffix in ["", "-wal"] {
-        let name = format!("records.db{suffix}");
-        std::fs::copy(dir.path().join(&name), snapshot.join(&name)).expect("copy");
-    }
+    let snapshot = snapshot_of(dir.path());
     let claiming = {
         let (store, waiting) = (store.clone(), waiting.clone());
         tokio::spawn(async move { store.claim(&claim(&waiting, new_owner(), LONG)).await })

@@ -174,6 +174,31 @@ fn complete_plain(schema: &str) -> String {
     )
 }
 
+/// The parameters both claim statements begin with ($1 to $6): the key, the owner, the
+/// fingerprint, and the retention, `remember` and lease in milliseconds.
+struct ClaimArgs<'a> {
+    key: &'a str,
+    owner: &'a [u8],
+    fingerprint: &'a [u8],
+    times: [i64; 3],
+}
+
+impl<'a> ClaimArgs<'a> {
+    fn of(claim: &'a ClaimRequest) -> ClaimArgs<'a> {
+        ClaimArgs {
+            key: claim.key.as_str(),
+            owner: &claim.owner.as_bytes()[..],
+            fingerprint: &claim.fingerprint.0[..],
+            times: [millis(claim.retention), millis(claim.remember), millis(claim.lease)],
+        }
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 6] {
+        let [retention, remember, lease] = &self.times;
+        [&self.key, &self.owner, &self.fingerprint, retention, remember, lease]
+    }
+}
+
 /// How many times a plain claim runs again when it raced another claim of its key
 /// (each time, that claim's record had gone again before the statement read it).
 const CLAIM_RACES: usize = 3;
@@ -365,20 +390,9 @@ impl PostgresStore {
     /// An unscoped claim by the plain statement, run again while it races another
     /// claim of its key (`codes::claim::RACED`), at most `CLAIM_RACES` times.
     async fn claim_plain(&self, claim: &ClaimRequest) -> Result<Row, StoreError> {
+        let args = ClaimArgs::of(claim);
         for _ in 0..CLAIM_RACES {
-            let row = self
-                .one(
-                    &self.calls.claim_plain,
-                    &[
-                        &claim.key.as_str(),
-                        &&claim.owner.as_bytes()[..],
-                        &&claim.fingerprint.0[..],
-                        &millis(claim.retention),
-                        &millis(claim.remember),
-                        &millis(claim.lease),
-                    ],
-                )
-                .await?;
+            let row = self.one(&self.calls.claim_plain, &args.params()).await?;
             if i64::from(get::<i32>(&row, "code")?) != codes::claim::RACED {
                 return Ok(row);
             }
@@ -422,16 +436,20 @@ impl RecordStore for PostgresStore {
         let row = if claim.scope.is_none() && self.min_acks == 0 {
             self.claim_plain(claim).await?
         } else {
-            let scope = claim.scope.map(|scope| i64::from_ne_bytes(scope.0.to_ne_bytes()));
+            let (args, scope) = (
+                ClaimArgs::of(claim),
+                claim.scope.map(|scope| i64::from_ne_bytes(scope.0.to_ne_bytes())),
+            );
+            let [key, owner, fingerprint, retention, remember, lease] = args.params();
             self.one(
                 &self.calls.claim,
                 &[
-                    &claim.key.as_str(),
-                    &&claim.owner.as_bytes()[..],
-                    &&claim.fingerprint.0[..],
-                    &millis(claim.retention),
-                    &millis(claim.remember),
-                    &millis(claim.lease),
+                    key,
+                    owner,
+                    fingerprint,
+                    retention,
+                    remember,
+                    lease,
                     &scope,
                     &self.scope_max,
                     &self.min_acks,
