@@ -593,6 +593,7 @@ def main():
     disk_dir = tempfile.mkdtemp(prefix="idemproxy-bench-sqlite-",
                                 dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target"))
     children = []
+    writers_to_disk = {}
     try:
         for name, text in SCRIPTS.items():
             with open(os.path.join(workdir, name), "w") as f:
@@ -761,11 +762,13 @@ def main():
 
         if args.durable:
             aof_dir = tempfile.mkdtemp(prefix="aof-", dir=disk_dir)
-            children.append(subprocess.Popen(
+            aof_server = subprocess.Popen(
                 ["redis-server", "--port", str(ports["redis-aof-server"]), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction",
                  "--dir", aof_dir],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            children.append(aof_server)
+            writers_to_disk["redis-aof"] = aof_server.pid
             wait_port(ports["redis-aof-server"], what="redis (appendfsync always)")
             proxies["redis-aof"] = idemproxy_config(
                 "redis-aof", ports["redis-aof"], ports["redis-aof-admin"],
@@ -773,6 +776,9 @@ def main():
             redis_ports["redis-aof"] = [ports["redis-aof-server"]]
 
         postgres = None
+        # The process that writes each durable store's disk: SQLite's is the proxy.
+        if "sqlite" in proxies:
+            writers_to_disk["sqlite"] = proxies["sqlite"].pid
         if args.postgres:
             postgres = Postgres(disk_dir, ports["pg"], children)
             proxies["postgres"] = idemproxy_config(
@@ -818,6 +824,7 @@ def main():
                     writer_before = thread_cpu_seconds(proxies[target].pid, WRITER) if target == "sqlite" else 0
                     syncer_before = thread_cpu_seconds(proxies[target].pid, SYNCER) if target == "sqlite" else 0
                     dropped_before = dropped(ports, target)
+                    disk_before = written_bytes(writers_to_disk.get(target))
                     if target == "pgbench":
                         run = run_pgbench(postgres, script, connections, args.duration,
                                           postgres.bench_variables())
@@ -835,6 +842,7 @@ def main():
                     run["fsyncs"] = fsyncs.stop() if fsyncs else 0
                     run["proxy_cpu"] = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid) - proxy_cpu_before
                     run["dropped"] = dropped(ports, target) - dropped_before
+                    run["disk_bytes"] = written_bytes(writers_to_disk.get(target)) - disk_before
                     run["writer_cpu"] = (thread_cpu_seconds(proxies[target].pid, WRITER) - writer_before
                                          if target == "sqlite" else 0)
                     run["syncer_cpu"] = (thread_cpu_seconds(proxies[target].pid, SYNCER) - syncer_before
@@ -938,6 +946,24 @@ class Postgres:
             except OSError:
                 pass
         return int(calls), cpu
+
+
+def written_bytes(pid):
+    """The bytes process `pid` has had written to disk (`/proc/<pid>/io`), 0 for none."""
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def disk_per_request(runs):
+    """The disk writes of these runs, in KB a request."""
+    requests = sum(run["requests"] for run in runs)
+    return f"{sum(run['disk_bytes'] for run in runs) / max(requests, 1) / 1000:.2f}"
 
 
 def commits(ports, target):
@@ -1095,8 +1121,8 @@ def print_table(results, connection_counts, args, cases):
         print()
         print("| SQLite case | conns | req/s vs memory | req/s vs Redis | req/s vs Redis AOF always | "
               "p99 vs Redis AOF always | p50 / p99 ms added to nginx's | commits/s | writes per commit | "
-              "fsyncs/s | writer CPU µs/write | fsync thread CPU µs/write |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "fsyncs/s | writer CPU µs/write | fsync thread CPU µs/write | disk KB/req (Redis AOF always's) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for connections in connection_counts:
             base = results[("b", connections)]
             for case, label, _, _, _ in on_sqlite:
@@ -1111,13 +1137,14 @@ def print_table(results, connection_counts, args, cases):
                 aof = results.get((ON_AOF[case], connections))
                 versus_aof = (f"{median(runs, 'rps') / median(aof, 'rps'):.2f}x | "
                               f"{median(runs, 'p99_ms') / median(aof, 'p99_ms'):.2f}x" if aof else "- | -")
+                disk = disk_per_request(runs) + (f" ({disk_per_request(aof)})" if aof else "")
                 print(f"| ({case}) {label} | {connections} | "
                       f"{median(runs, 'rps') / median(memory, 'rps'):.2f}x | "
                       f"{median(runs, 'rps') / median(redis, 'rps'):.2f}x | {versus_aof} | "
                       f"{median(runs, 'p50_ms') - median(base, 'p50_ms'):.2f} / "
                       f"{median(runs, 'p99_ms') - median(base, 'p99_ms'):.2f} | "
                       f"{commit_count / seconds:,.0f} | {writes / max(commit_count, 1):.1f} | "
-                      f"{fsync_count / seconds:,.0f} | {writer} | {syncer} |")
+                      f"{fsync_count / seconds:,.0f} | {writer} | {syncer} | {disk} |")
     on_postgres = [case for case in cases if case[0] in ON_POSTGRES or case[2] == "pgbench"]
     if on_postgres:
         print()

@@ -3070,3 +3070,120 @@ async fn a_sqlite_claim_waits_for_its_fsync_and_a_completion_only_for_its_commit
     }
     drop(lost);
 }
+
+/// Issue 54 (schema step 6): the SQLite table has no index of its keys; the store
+/// keeps where each key's row is in memory. Every path that inserts or deletes a row
+/// keeps that index whole (checked against a scan of the file after each), a key
+/// claimed twice in one commit is taken once, and a reopened store reads the index
+/// again from the file: what was recorded replays, what was freed is free.
+#[tokio::test]
+async fn the_sqlite_stores_index_of_keys_follows_every_insert_and_delete() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    let checked = |store: &SqliteStore, after: &str| {
+        if let Err(difference) = store.check_keys() {
+            panic!("after {after}: {difference}");
+        }
+    };
+    let (completed, released, resolved, purged) = (key("completed"), key("released"), key("resolved"), key("purged"));
+    for record in [&completed, &released, &resolved, &purged] {
+        let owner = new_owner();
+        assert_eq!(
+            store.claim(&claim(record, owner, LONG)).await.expect("claim"),
+            ClaimOutcome::Acquired(())
+        );
+        match record {
+            r if r == &completed => {
+                let written = store.complete(record, owner, &response("kept")).await;
+                assert_eq!(written.expect("complete"), Write::Applied);
+            }
+            r if r == &released => assert_eq!(store.release(record, owner).await.expect("release"), Write::Applied),
+            r if r == &resolved => {
+                let marked = store
+                    .mark_unknown(record, owner, UnknownReason::UpstreamTimeout, None)
+                    .await;
+                assert_eq!(marked.expect("mark"), Write::Applied);
+                let resolution = store.resolve(record, None, &Resolution::NotApplied).await;
+                assert_eq!(resolution.expect("resolve"), Resolved::Resolved);
+            }
+            _ => assert!(store.purge(record).await.expect("purge")),
+        }
+        checked(&store, "a claim and its end");
+    }
+    // An expired record is replaced by the next claim of its key.
+    let expiring = ClaimRequest {
+        retention: Duration::from_secs(1),
+        remember: Duration::from_secs(1),
+        ..claim(&key("expiring"), new_owner(), Duration::from_millis(500))
+    };
+    store.claim(&expiring).await.expect("claim");
+    store.advance_clock(Duration::from_secs(2));
+    let again = claim(&key("expiring"), new_owner(), LONG);
+    assert_eq!(store.claim(&again).await.expect("claim"), ClaimOutcome::Acquired(()));
+    checked(&store, "an expired record replaced");
+    // One the sweeper deletes leaves the index with it.
+    let swept = ClaimRequest {
+        retention: Duration::from_secs(1),
+        remember: Duration::from_secs(1),
+        ..claim(&key("swept"), new_owner(), Duration::from_millis(500))
+    };
+    store.claim(&swept).await.expect("claim");
+    store.advance_clock(Duration::from_secs(2));
+    let started = tokio::time::Instant::now();
+    while store.commit_figures().swept.get() < 1 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the sweeper never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    checked(&store, "a sweep");
+    // A key claimed twice in one commit: the second claim reads the first's row.
+    let twice = key("twice");
+    let hold = store.hold_writer().await;
+    let asked = Arc::new(AtomicUsize::new(0));
+    let claims: Vec<_> = (0..2)
+        .map(|_| {
+            let (store, asked, request) = (store.clone(), asked.clone(), claim(&twice, new_owner(), LONG));
+            tokio::spawn(async move {
+                asked.fetch_add(1, Ordering::SeqCst);
+                store.claim(&request).await
+            })
+        })
+        .collect();
+    while asked.load(Ordering::SeqCst) < 2 {
+        tokio::task::yield_now().await;
+    }
+    drop(hold);
+    let mut acquired = 0;
+    for claim in claims {
+        match claim.await.expect("task").expect("claim") {
+            ClaimOutcome::Acquired(()) => acquired += 1,
+            ClaimOutcome::Existing(existing) => assert!(matches!(existing.state, RecordState::InFlight { .. })),
+        }
+    }
+    assert_eq!(acquired, 1, "a key claimed twice in one commit is taken once");
+    checked(&store, "two claims of a key in one commit");
+    assert_eq!(store.len(), 3, "completed, expiring and twice");
+    drop(store);
+
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    checked(&store, "the store reopened");
+    assert_eq!(
+        state_of(&store, &completed).await,
+        RecordState::Completed(response("kept"))
+    );
+    for free in [&released, &resolved, &purged] {
+        let outcome = store.claim(&claim(free, new_owner(), LONG)).await.expect("claim");
+        assert_eq!(
+            outcome,
+            ClaimOutcome::Acquired(()),
+            "a freed key is free after a restart"
+        );
+    }
+    assert!(matches!(
+        store.claim(&claim(&twice, new_owner(), LONG)).await.expect("claim"),
+        ClaimOutcome::Existing(_)
+    ));
+    checked(&store, "claims after the restart");
+}

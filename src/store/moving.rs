@@ -132,6 +132,8 @@ pub enum Cursor {
     After(String),
     /// Redis `SCAN`'s cursor (never zero: zero is the start and the end).
     Scan(u64),
+    /// After this row (SQLite: read in the file's order).
+    Row(i64),
     /// Every record has been read.
     End,
 }

@@ -24,6 +24,7 @@ use bytes::Bytes;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 
 use self::file::FileLock;
+use self::keys::Keys;
 use self::shares::Counted;
 use self::writer::{Clock, Millis, Tx, Wait, Writer, disk};
 use super::lifecycle::{self, Change, Schedule, Share};
@@ -37,6 +38,7 @@ use crate::config::{SqliteConfig, StoreLimits};
 use crate::error::{Held, StoreError};
 
 mod file;
+mod keys;
 mod moving;
 mod replays;
 mod shares;
@@ -83,6 +85,8 @@ struct Shared {
     // one has let go of it.
     writer: Writer,
     readers: Mutex<Vec<Connection>>,
+    /// Where each key's row is (keys.rs): changed by the writer, read by every read.
+    keys: Arc<Keys>,
     /// Recorded responses read lately, for their next replays.
     replays: replays::Replays,
     path: PathBuf,
@@ -102,6 +106,7 @@ struct Shared {
 
 /// A record as its row holds it.
 struct Row {
+    rowid: i64,
     fingerprint: Fingerprint,
     expires_at: Millis,
     /// When a completed record's response is dropped (`None`: with the record).
@@ -121,7 +126,8 @@ macro_rules! deleting {
     ($sql:literal) => {
         concat!(
             $sql,
-            " RETURNING scope, client, size, state = 'completed' AND body IS NULL AND response_until IS NOT NULL"
+            " RETURNING scope, client, size, state = 'completed' AND body IS NULL AND response_until IS NOT NULL, \
+             rowid, key"
         )
     };
 }
@@ -131,21 +137,28 @@ use deleting;
 /// and body go, and their size is the record's without them: `record_size`), for the
 /// sweeper: how many it dropped.
 fn drop_responses(tx: &Tx<'_>, now: Millis, limit: i64) -> Result<usize, StoreError> {
-    let found: Vec<(String, Option<i64>, i64)> = tx
-        .prepare_cached("SELECT key, scope, size FROM records WHERE response_until <= ?1 AND body IS NOT NULL LIMIT ?2")
+    let found: Vec<(i64, i64, Option<i64>, i64)> = tx
+        .prepare_cached(
+            "SELECT rowid, length(key), scope, size FROM records \
+             WHERE response_until <= ?1 AND body IS NOT NULL LIMIT ?2",
+        )
         .and_then(|mut statement| {
             statement
-                .query_map((now, limit), |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+                .query_map((now, limit), |row| {
+                    Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+                })?
                 .collect()
         })
         .map_err(|error| disk(&error, false))?;
     let mut shares = tx.shares.borrow_mut();
-    for (key, scope, size) in &found {
-        let without = i64::try_from(RECORD_OVERHEAD + key.len()).unwrap_or(i64::MAX);
+    for (rowid, key_length, scope, size) in &found {
+        let without = i64::try_from(RECORD_OVERHEAD)
+            .unwrap_or(i64::MAX)
+            .saturating_add(*key_length);
         execute(
             tx,
-            "UPDATE records SET headers = NULL, body = NULL, size = ?2 WHERE key = ?1",
-            params![key, without],
+            "UPDATE records SET headers = NULL, body = NULL, size = ?2 WHERE rowid = ?1",
+            params![rowid, without],
         )?;
         let counted = shares
             .resized(tx, *scope, without - size)
@@ -160,8 +173,8 @@ fn delete_expired(tx: &Tx<'_>, now: Millis, limit: i64) -> Result<usize, StoreEr
     delete(
         tx,
         deleting!(
-            "DELETE FROM records WHERE key IN \
-             (SELECT key FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)"
+            "DELETE FROM records WHERE rowid IN \
+             (SELECT rowid FROM records WHERE expires_at <= ?1 ORDER BY expires_at LIMIT ?2)"
         ),
         (now, limit),
     )
@@ -174,7 +187,7 @@ fn delete(tx: &Tx<'_>, sql: &str, params: impl rusqlite::Params) -> Result<usize
     let mut shares = tx.shares.borrow_mut();
     let mut deleted = 0;
     while let Some(row) = rows.next().map_err(|error| disk(&error, false))? {
-        let read = |row: &rusqlite::Row<'_>| -> rusqlite::Result<(Counted, i64, bool)> {
+        let read = |row: &rusqlite::Row<'_>| -> rusqlite::Result<(Counted, i64, bool, i64, String)> {
             Ok((
                 Counted {
                     scope: row.get(0)?,
@@ -182,9 +195,12 @@ fn delete(tx: &Tx<'_>, sql: &str, params: impl rusqlite::Params) -> Result<usize
                 },
                 row.get(2)?,
                 row.get(3)?,
+                row.get(4)?,
+                row.get(5)?,
             ))
         };
-        let (counted, size, spent) = read(row).map_err(|error| disk(&error, false))?;
+        let (counted, size, spent, rowid, key) = read(row).map_err(|error| disk(&error, false))?;
+        tx.deleted(&key, rowid);
         shares
             .removed(tx, counted, size, spent)
             .map_err(|error| disk(&error, false))?;
@@ -195,7 +211,15 @@ fn delete(tx: &Tx<'_>, sql: &str, params: impl rusqlite::Params) -> Result<usize
 
 /// Deletes `key`'s record, if any: whether there was one.
 fn delete_key(tx: &Tx<'_>, key: &StoreKey) -> Result<bool, StoreError> {
-    Ok(delete(tx, deleting!("DELETE FROM records WHERE key = ?1"), [key.as_str()])? > 0)
+    let mut deleted = 0;
+    for rowid in tx.rows(key.as_str()) {
+        deleted += delete(
+            tx,
+            deleting!("DELETE FROM records WHERE rowid = ?1 AND key = ?2"),
+            params![rowid, key.as_str()],
+        )?;
+    }
+    Ok(deleted > 0)
 }
 
 /// Where a row's record stands: what it completed with is kept in its columns.
@@ -267,17 +291,52 @@ fn until(now: Millis, then: Millis) -> Duration {
 }
 
 const ROW: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
-                   probe_due, probe_give_up, response_until, completed_at FROM records WHERE key = ?1";
+                   probe_due, probe_give_up, response_until, completed_at FROM records \
+                   WHERE rowid = ?1 AND key = ?2";
 const ROW_HEAD: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, length(body), \
-                        reason, probe_due, probe_give_up, response_until, completed_at FROM records WHERE key = ?1";
+                        reason, probe_due, probe_give_up, response_until, completed_at FROM records \
+                        WHERE rowid = ?1 AND key = ?2";
 
-/// The record under `key`, expired or not; `body`: with its body, else its length.
-fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
+/// The record under `key`, expired or not, in the writer's transaction; `body`: with
+/// its body, else its length.
+fn load(tx: &Tx<'_>, key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
+    load_from(tx, &tx.rows(key.as_str()), key, body)
+}
+
+/// The record under `key`, expired or not, on a read connection. The index is read
+/// before the file: should the key's row have been deleted and written again between
+/// the two (a release and a new claim), the rowid read is gone and the index is read
+/// again, so that a read never finds a key absent that was never so.
+fn load_read(conn: &Connection, keys: &Keys, key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
+    let hash = keys.hash(key.as_str());
+    let mut rows = keys.rows(hash);
+    for _ in 0..3 {
+        let found = load_from(conn, &rows, key, body)?;
+        let now = keys.rows(hash);
+        if found.is_some() || now == rows {
+            return Ok(found);
+        }
+        rows = now;
+    }
+    load_from(conn, &rows, key, body)
+}
+
+/// The record under `key` among the rows `rows` (those under its hash).
+fn load_from(conn: &Connection, rows: &[i64], key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
+    for rowid in rows {
+        if let Some(row) = load_row(conn, *rowid, key, body)? {
+            return Ok(Some(row));
+        }
+    }
+    Ok(None)
+}
+
+fn load_row(conn: &Connection, rowid: i64, key: &StoreKey, body: bool) -> Result<Option<Row>, StoreError> {
     let mut statement = conn
         .prepare_cached(if body { ROW } else { ROW_HEAD })
         .map_err(|error| disk(&error, false))?;
     let row = statement
-        .query_row([key.as_str()], |row| {
+        .query_row(params![rowid, key.as_str()], |row| {
             let blob = |index: usize| row.get::<_, Option<Vec<u8>>>(index);
             let state: String = row.get(2)?;
             let owner = blob(3)?.and_then(|owner| OwnerToken::from_bytes(&owner));
@@ -314,6 +373,7 @@ fn load(conn: &Connection, key: &StoreKey, body: bool) -> Result<Option<Row>, St
             let expires_at: i64 = row.get(1)?;
             let response_until: Option<i64> = row.get(11)?;
             Ok(decoded.zip(fingerprint).map(|(state, fingerprint)| Row {
+                rowid,
                 fingerprint,
                 expires_at,
                 response_until,
@@ -452,7 +512,10 @@ impl SqliteStore {
         let clock = Clock::default();
         let stats = CommitFigures::default();
         let log = file::suffixed(&config.path, "-wal");
-        let writer = Writer::start(conn, checkpoints, log, clock.clone(), stats.clone()).map_err(|source| {
+        // Every row's key, read once: the table has no index of them (keys.rs).
+        let keys = Arc::new(Keys::read(&conn).map_err(|error| disk(&error, false))?);
+        let writer = Writer::start(conn, checkpoints, log, keys.clone(), clock.clone(), stats.clone());
+        let writer = writer.map_err(|source| {
             StoreError::File(crate::error::StoreFileError::Io {
                 path: config.path.clone(),
                 what: "start its writer thread",
@@ -465,6 +528,7 @@ impl SqliteStore {
             shared: Arc::new(Shared {
                 writer,
                 readers: Mutex::new(Vec::new()),
+                keys,
                 replays: replays::Replays::new(config.cache_bytes / 4),
                 path: config.path.clone(),
                 limits: config.limits,
@@ -615,6 +679,37 @@ impl SqliteStore {
     #[cfg(feature = "test-util")]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Whether the index of keys in memory holds every row of the file, and nothing
+    /// else, and no key has two rows: `Err` names the first difference (the tests of every path that inserts or
+    /// deletes a row).
+    #[cfg(feature = "test-util")]
+    pub fn check_keys(&self) -> Result<(), String> {
+        let keys = self.shared.keys.clone();
+        let rows: Vec<(i64, String)> = self
+            .read(|conn, _| {
+                let mut statement = conn
+                    .prepare("SELECT rowid, key FROM records")
+                    .map_err(|e| disk(&e, false))?;
+                let rows = statement.query_map([], |row| Ok((row.get(0)?, row.get(1)?)));
+                rows.and_then(|rows| rows.collect())
+                    .map_err(|error| disk(&error, false))
+            })
+            .map_err(|error| error.to_string())?;
+        let mut seen = std::collections::HashSet::new();
+        for (rowid, key) in &rows {
+            if !seen.insert(key) {
+                return Err(format!("two rows hold one key (row {rowid})"));
+            }
+            if !keys.rows(keys.hash(key)).contains(rowid) {
+                return Err(format!("row {rowid} is not in the index"));
+            }
+        }
+        match keys.len() == rows.len() {
+            true => Ok(()),
+            false => Err(format!("the index holds {} rows, the file {}", keys.len(), rows.len())),
+        }
     }
 
     /// Runs `read` on a read connection: it sees the last commit, and never waits for
@@ -792,17 +887,18 @@ fn identity_key(conn: &Connection) -> Result<[u8; 16], StoreError> {
     Ok(key)
 }
 
-/// The owner's live in-flight record's lease deadline, if it still is one.
-fn owned(conn: &Connection, key: &StoreKey, owner: OwnerToken, now: Millis) -> Result<Option<Millis>, StoreError> {
-    Ok(match load(conn, key, false)? {
+/// The owner's live in-flight record's row and lease deadline, if it still is one.
+fn owned(tx: &Tx<'_>, key: &StoreKey, owner: OwnerToken, now: Millis) -> Result<Option<(i64, Millis)>, StoreError> {
+    Ok(match load(tx, key, false)? {
         Some(Row {
+            rowid,
             expires_at,
             state: RowState::InFlight {
                 owner: holder,
                 lease_until,
             },
             ..
-        }) if expires_at > now && holder == owner => Some(lease_until),
+        }) if expires_at > now && holder == owner => Some((rowid, lease_until)),
         _ => None,
     })
 }
@@ -936,6 +1032,7 @@ fn claim_free(
             (claim.remember > claim.retention).then(|| now + millis(claim.retention)),
         ],
     )?;
+    tx.inserted(claim.key.as_str(), tx.last_insert_rowid());
     tx.shares
         .borrow_mut()
         .added(tx, counted, size)
@@ -954,17 +1051,22 @@ fn claim_free(
 /// Only a record without a response is completed (one in flight, or unknown:
 /// `lifecycle::resolvable`), so it was the size of its key alone, and the shares grow by
 /// the response's size.
-fn set_completed(tx: &Tx<'_>, key: &StoreKey, response: &StoredResponse, now: Millis) -> Result<(), StoreError> {
+fn set_completed(
+    tx: &Tx<'_>,
+    (key, rowid): (&StoreKey, i64),
+    response: &StoredResponse,
+    now: Millis,
+) -> Result<(), StoreError> {
     let size = record_size(key, Some(response));
     let scope: Option<i64> = tx
         .prepare_cached(
             "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
              probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, \
-             size = ?5, completed_at = ?6 WHERE key = ?1 RETURNING scope",
+             size = ?5, completed_at = ?6 WHERE rowid = ?1 RETURNING scope",
         )
         .and_then(|mut statement| {
             let values = params![
-                key.as_str(),
+                rowid,
                 response.status.as_u16(),
                 response.encode_headers(),
                 &response.body[..],
@@ -980,16 +1082,17 @@ fn set_completed(tx: &Tx<'_>, key: &StoreKey, response: &StoredResponse, now: Mi
         .map_err(|error| disk(&error, false))
 }
 
-/// Writes a change the lifecycle decided on `key`'s record, with one statement.
-fn write_change(conn: &Connection, key: &StoreKey, change: Option<Change<Millis>>) -> Result<(), StoreError> {
+/// Writes a change the lifecycle decided on the record in row `rowid`, with one
+/// statement.
+fn write_change(conn: &Connection, rowid: i64, change: Option<Change<Millis>>) -> Result<(), StoreError> {
     match change {
         None => Ok(()),
         Some(Change::LeaseExpired(leased)) => execute(
             conn,
             "UPDATE records SET state = 'unknown', lease_until = NULL, reason = ?2, probe_due = ?3, \
-             probe_give_up = ?4 WHERE key = ?1",
+             probe_give_up = ?4 WHERE rowid = ?1",
             params![
-                key.as_str(),
+                rowid,
                 UnknownReason::LeaseExpired.as_str(),
                 leased.due,
                 leased.give_up_at
@@ -998,8 +1101,8 @@ fn write_change(conn: &Connection, key: &StoreKey, change: Option<Change<Millis>
         .map(drop),
         Some(Change::Reschedule(schedule)) => execute(
             conn,
-            "UPDATE records SET probe_due = ?2, probe_give_up = ?3 WHERE key = ?1",
-            params![key.as_str(), schedule.due, schedule.give_up_at],
+            "UPDATE records SET probe_due = ?2, probe_give_up = ?3 WHERE rowid = ?1",
+            params![rowid, schedule.due, schedule.give_up_at],
         )
         .map(drop),
     }
@@ -1063,8 +1166,8 @@ impl RecordStore for SqliteStore {
             |write| *write == Write::Applied,
             move |conn, now| {
                 Ok(match owned(conn, &record, owner, now)? {
-                    Some(lease_until) if lease_until > now => {
-                        set_completed(conn, &record, &response, now)?;
+                    Some((rowid, lease_until)) if lease_until > now => {
+                        set_completed(conn, (&record, rowid), &response, now)?;
                         Write::Applied
                     }
                     _ => Write::Fenced,
@@ -1087,16 +1190,16 @@ impl RecordStore for SqliteStore {
             Wait::Committed,
             |write| *write == Write::Applied,
             move |conn, now| {
-                if owned(conn, &record, owner, now)?.is_none() {
+                let Some((rowid, _)) = owned(conn, &record, owner, now)? else {
                     return Ok(Write::Fenced);
-                }
+                };
                 let schedule = schedule.map(|schedule| Schedule::new(now, schedule.first_after, schedule));
                 execute(
                     conn,
                     "UPDATE records SET state = 'unknown', lease_until = NULL, reason = ?2, probe_due = ?3, \
-                 probe_give_up = ?4 WHERE key = ?1",
+                 probe_give_up = ?4 WHERE rowid = ?1",
                     params![
-                        record.as_str(),
+                        rowid,
                         reason.as_str(),
                         schedule.and_then(|schedule| schedule.due),
                         schedule.map(|schedule| schedule.give_up_at),
@@ -1137,9 +1240,9 @@ impl RecordStore for SqliteStore {
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
-        let key = key.clone();
+        let (key, keys) = (key.clone(), self.shared.keys.clone());
         self.read_off(
-            move |conn, now| match load(conn, &key, true)?.filter(|row| row.expires_at > now) {
+            move |conn, now| match load_read(conn, &keys, &key, true)?.filter(|row| row.expires_at > now) {
                 Some(row) if !row.spent(now) => match row.state {
                     RowState::Completed(completed) => Ok(Some(completed.response()?)),
                     _ => Ok(None),
@@ -1151,9 +1254,9 @@ impl RecordStore for SqliteStore {
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        let key = key.clone();
+        let (key, keys) = (key.clone(), self.shared.keys.clone());
         self.read_off(move |conn, now| {
-            let Some(row) = load(conn, &key, false)?.filter(|row| row.expires_at > now) else {
+            let Some(row) = load_read(conn, &keys, &key, false)?.filter(|row| row.expires_at > now) else {
                 return Ok(None);
             };
             let spent = row.spent(now);
@@ -1187,7 +1290,7 @@ impl RecordStore for SqliteStore {
                     return Ok(answer);
                 }
                 match &resolution {
-                    Resolution::Applied(response) => set_completed(conn, &record, response, now)?,
+                    Resolution::Applied(response) => set_completed(conn, (&record, row.rowid), response, now)?,
                     Resolution::NotApplied => {
                         delete_key(conn, &record)?;
                     }
@@ -1210,7 +1313,7 @@ impl RecordStore for SqliteStore {
                 return Ok(ProbeStart::Settled);
             };
             let (start, change) = lifecycle::begin_probe(&row.state, schedule, lease, now);
-            write_change(conn, &record, change)?;
+            write_change(conn, row.rowid, change)?;
             Ok(start)
         })
         .await
@@ -1223,7 +1326,7 @@ impl RecordStore for SqliteStore {
                 return Ok(Deferred::Settled);
             };
             let (deferred, change) = lifecycle::defer_probe(&row.state, named, every, now);
-            write_change(conn, &record, change)?;
+            write_change(conn, row.rowid, change)?;
             Ok(deferred)
         })
         .await

@@ -77,7 +77,7 @@ impl PostgresStore {
         let after = match cursor {
             Cursor::Start => String::new(),
             Cursor::After(key) => key.clone(),
-            Cursor::Scan(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
+            Cursor::Scan(_) | Cursor::Row(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
         };
         let rows = self
             .query(&self.moving.page, &[&after, &i64::try_from(limit).unwrap_or(i64::MAX)])

@@ -36,7 +36,7 @@ impl RedisStore {
         let from = match cursor {
             Cursor::Start => 0,
             Cursor::Scan(at) => *at,
-            Cursor::After(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
+            Cursor::After(_) | Cursor::Row(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
         };
         let pattern = format!("{}:*", glob_escaped(prefix));
         let (next, keys): (u64, Vec<String>) = self

@@ -33,7 +33,7 @@ use crate::error::StoreFileError;
 pub const APPLICATION_ID: i32 = 0x6964_6d70;
 
 /// The schema's steps: `user_version` is the number of them a file has run.
-const STEPS: [&str; 5] = [RECORDS, SHARES, CLIENTS, REMEMBER, LEAN];
+const STEPS: [&str; 6] = [RECORDS, SHARES, CLIENTS, REMEMBER, LEAN, KEYS];
 
 /// The schema version this build writes.
 pub const VERSION: i32 = STEPS.len() as i32;
@@ -169,6 +169,48 @@ DROP TRIGGER records_resized;
 DROP TRIGGER records_spent;
 DROP TRIGGER records_spent_removed;
 DROP INDEX records_unsettled;
+";
+
+/// Step 6 (issue 54, docs/design.md §27): no index of the keys. The keys are hashes,
+/// so their index put each fresh key's entry on a page of its own, which its claim's
+/// commit wrote to the log and the checkpoint into the file: most of the 10 KB the
+/// disk took for each fresh request. The store keeps where each key's row is in
+/// memory instead (keys.rs), read from the table when it opens. The table is built
+/// again without `UNIQUE` on `key` (SQLite drops no column constraint in place), each
+/// row under its rowid.
+const KEYS: &str = "
+CREATE TABLE records_without_key_index (
+    key TEXT NOT NULL,
+    fingerprint BLOB NOT NULL,
+    expires_at INTEGER NOT NULL,
+    scope INTEGER,
+    client INTEGER,
+    state TEXT NOT NULL CHECK (state IN ('in_flight', 'completed', 'unknown')),
+    owner BLOB,
+    lease_until INTEGER,
+    status INTEGER,
+    headers BLOB,
+    body BLOB,
+    reason TEXT,
+    probe_due INTEGER,
+    probe_give_up INTEGER,
+    probe_key TEXT,
+    size INTEGER NOT NULL,
+    response_until INTEGER,
+    completed_at INTEGER
+) STRICT;
+INSERT INTO records_without_key_index (rowid, key, fingerprint, expires_at, scope, client, state, owner,
+    lease_until, status, headers, body, reason, probe_due, probe_give_up, probe_key, size, response_until,
+    completed_at)
+    SELECT rowid, key, fingerprint, expires_at, scope, client, state, owner, lease_until, status, headers, body,
+        reason, probe_due, probe_give_up, probe_key, size, response_until, completed_at FROM records;
+DROP TABLE records;
+ALTER TABLE records_without_key_index RENAME TO records;
+CREATE INDEX records_expiry ON records (expires_at);
+CREATE INDEX records_scope ON records (scope, expires_at) WHERE scope IS NOT NULL;
+CREATE INDEX records_client ON records (client, expires_at) WHERE client IS NOT NULL;
+CREATE INDEX records_response ON records (response_until)
+    WHERE response_until IS NOT NULL AND body IS NOT NULL;
 ";
 
 /// The exclusive lock on a store file: held while this value lives. The database's

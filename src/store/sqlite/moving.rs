@@ -1,6 +1,7 @@
 //! Moving records into and out of the SQLite file (`store::moving`): a page of live
-//! records in key order, read on a read connection; and a batch written in one of the
-//! writer's commits, each row only where the key holds no live record.
+//! records in the file's order (by rowid: the table has no index of its keys), read
+//! on a read connection; and a batch written in one of the writer's commits, each row
+//! only where the key holds no live record.
 
 use std::time::Duration;
 
@@ -15,20 +16,20 @@ use crate::store::moving::{self, Carried, CarriedSchedule, CarriedState, Cursor,
 use crate::store::{Fingerprint, OwnerToken, StoreKey, UnknownReason};
 
 const PAGE: &str = "SELECT key, fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
-                    probe_due, probe_give_up, response_until, completed_at FROM records \
-                    WHERE key > ?1 AND expires_at > ?2 ORDER BY key LIMIT ?3";
+                    probe_due, probe_give_up, response_until, completed_at, rowid FROM records \
+                    WHERE rowid > ?1 AND expires_at > ?2 ORDER BY rowid LIMIT ?3";
 
 impl SqliteStore {
-    /// Up to `limit` live records after `cursor`, in key order.
+    /// Up to `limit` live records after `cursor`, in the file's order.
     pub(crate) fn export(&self, cursor: &Cursor, limit: usize) -> Result<(Vec<Carried>, Cursor), StoreError> {
         let after = match cursor {
-            Cursor::Start => String::new(),
-            Cursor::After(key) => key.clone(),
-            Cursor::Scan(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
+            Cursor::Start => 0,
+            Cursor::Row(rowid) => *rowid,
+            Cursor::After(_) | Cursor::Scan(_) | Cursor::End => return Ok((Vec::new(), Cursor::End)),
         };
-        let records = self.read(|conn, now| page(conn, &after, now, limit))?;
-        let next = match records.last() {
-            Some(last) if records.len() == limit => Cursor::After(last.key.as_str().to_owned()),
+        let (records, last) = self.read(|conn, now| page(conn, after, now, limit))?;
+        let next = match last {
+            Some(last) if records.len() == limit => Cursor::Row(last),
             _ => Cursor::End,
         };
         Ok((records, next))
@@ -51,7 +52,8 @@ impl SqliteStore {
     }
 }
 
-fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec<Carried>, StoreError> {
+/// The page's records, and the last one's rowid.
+fn page(conn: &Connection, after: i64, now: Millis, limit: usize) -> Result<(Vec<Carried>, Option<i64>), StoreError> {
     let mut statement = conn.prepare_cached(PAGE).map_err(|error| disk(&error, false))?;
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let rows = statement
@@ -103,21 +105,23 @@ fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec
                 }
                 _ => None,
             };
-            Ok(state.zip(fingerprint).map(|(state, fingerprint)| Carried {
+            let carried = Ok::<_, rusqlite::Error>(state.zip(fingerprint).map(|(state, fingerprint)| Carried {
                 key,
                 fingerprint,
                 ttl,
                 response_ttl,
                 state,
-            }))
+            }));
+            Ok((carried?, row.get::<_, i64>(14)?))
         })
         .map_err(|error| disk(&error, false))?;
-    let mut records = Vec::new();
+    let (mut records, mut last) = (Vec::new(), None);
     for row in rows {
-        let record = row.map_err(|error| disk(&error, false))?;
+        let (record, rowid) = row.map_err(|error| disk(&error, false))?;
         records.push(record.ok_or(StoreError::Protocol("a record in the store's file does not decode"))?);
+        last = Some(rowid);
     }
-    Ok(records)
+    Ok((records, last))
 }
 
 /// Writes `record` unless its key holds a live record (an expired one is replaced);
@@ -125,11 +129,16 @@ fn page(conn: &Connection, after: &str, now: Millis, limit: usize) -> Result<Vec
 fn insert(tx: &Tx<'_>, record: &Carried, now: Millis) -> Result<bool, StoreError> {
     let at = |left: Duration| now + millis(left);
     let key = record.key.as_str();
-    super::delete(
-        tx,
-        super::deleting!("DELETE FROM records WHERE key = ?1 AND expires_at <= ?2"),
-        params![key, now],
-    )?;
+    if let Some(row) = super::load(tx, &record.key, false)? {
+        if row.expires_at > now {
+            return Ok(false);
+        }
+        super::delete(
+            tx,
+            super::deleting!("DELETE FROM records WHERE rowid = ?1"),
+            [row.rowid],
+        )?;
+    }
     let response_until = (!record.response_with_record()).then(|| at(record.response_left()));
     let (state, owner, status, completed_at, response, reason, due, give_up) = match &record.state {
         CarriedState::Completed {
@@ -168,7 +177,7 @@ fn insert(tx: &Tx<'_>, record: &Carried, now: Millis) -> Result<bool, StoreError
         tx,
         "INSERT INTO records (key, fingerprint, expires_at, state, owner, status, headers, body, reason, probe_due, \
          probe_give_up, size, response_until, completed_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14) ON CONFLICT (key) DO NOTHING",
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
         params![
             key,
             &record.fingerprint.0[..],
@@ -187,6 +196,7 @@ fn insert(tx: &Tx<'_>, record: &Carried, now: Millis) -> Result<bool, StoreError
         ],
     )?;
     if written == 1 {
+        tx.inserted(key, tx.last_insert_rowid());
         // A moved record counts against no scope or address (it keeps neither).
         let mut shares = tx.shares.borrow_mut();
         let uncounted = Counted {

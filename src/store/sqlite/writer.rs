@@ -15,7 +15,9 @@
 //! its record) is answered at its commit. A failed fsync leaves what is on disk
 //! unknown (the kernel may have dropped the pages it could not write): every caller
 //! it covers hears that its write may have landed, and the store takes no write
-//! again until it is restarted and SQLite recovers the log. The log is copied into
+//! again until it is restarted and SQLite recovers the log; so does a commit that
+//! failed where it may have landed (the index of keys in memory would not know its
+//! rows: keys.rs). The log is copied into
 //! the database file (checkpointed) by a third thread with a connection of its own,
 //! so that no commit waits for it.
 
@@ -30,6 +32,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::cell::RefCell;
 use std::ops::Deref;
 
+use super::keys::{Keys, Staged};
 use super::shares::Shares;
 use crate::store::CommitFigures;
 use rusqlite::Connection;
@@ -92,10 +95,39 @@ pub(super) enum Wait {
 }
 
 /// The writer's connection inside a commit, with the shares it keeps between
-/// commits (shares.rs). A write reads and writes through it as through the connection.
+/// commits (shares.rs) and the index of the file's keys with what the commit changed
+/// in it (keys.rs). A write reads and writes through it as through the connection.
 pub(super) struct Tx<'a> {
     conn: &'a Connection,
     pub(super) shares: &'a RefCell<Shares>,
+    keys: &'a Keys,
+    staged: &'a RefCell<Staged>,
+    /// Set once a commit failed where it may have landed (or an fsync failed): no
+    /// write is taken again until a restart.
+    broken: &'a AtomicBool,
+}
+
+impl Tx<'_> {
+    /// The transaction was rolled back: the shares and the index as last committed hold.
+    fn forget(&self) {
+        self.shares.borrow_mut().forget();
+        self.staged.borrow_mut().forget();
+    }
+
+    /// The rows that may be `key`'s, as this transaction sees them.
+    pub(super) fn rows(&self, key: &str) -> Vec<i64> {
+        self.staged.borrow().rows(self.keys, self.keys.hash(key))
+    }
+
+    /// `key`'s row `rowid` was inserted.
+    pub(super) fn inserted(&self, key: &str, rowid: i64) {
+        self.staged.borrow_mut().added(self.keys, self.keys.hash(key), rowid);
+    }
+
+    /// `key`'s row `rowid` was deleted.
+    pub(super) fn deleted(&self, key: &str, rowid: i64) {
+        self.staged.borrow_mut().removed(self.keys, self.keys.hash(key), rowid);
+    }
 }
 
 impl Deref for Tx<'_> {
@@ -172,16 +204,17 @@ where
 }
 
 /// Runs `op` in a savepoint: undone alone if it fails, with what it changed in the
-/// shares.
+/// shares and the index.
 fn in_savepoint<R>(tx: &Tx<'_>, op: impl FnOnce(&Tx<'_>) -> Result<R, StoreError>) -> Result<R, StoreError> {
     tx.execute_batch("SAVEPOINT write")
         .map_err(|error| disk(&error, false))?;
-    let mark = tx.shares.borrow().mark();
+    let mark = (tx.shares.borrow().mark(), tx.staged.borrow().mark());
     let result = op(tx);
     let ended = match result {
         Ok(_) => tx.execute_batch("RELEASE write"),
         Err(_) => {
-            tx.shares.borrow_mut().undo_to(mark);
+            tx.shares.borrow_mut().undo_to(mark.0);
+            tx.staged.borrow_mut().undo_to(mark.1);
             tx.execute_batch("ROLLBACK TO write; RELEASE write")
         }
     };
@@ -235,6 +268,7 @@ impl Writer {
         conn: Connection,
         checkpoints: Connection,
         log: PathBuf,
+        keys: Arc<Keys>,
         clock: Clock,
         stats: CommitFigures,
     ) -> std::io::Result<Writer> {
@@ -261,7 +295,7 @@ impl Writer {
             .name("idemproxy-sqlite-writer".into())
             .spawn(move || {
                 let writes = Writes { pokes, synced, broken };
-                let conn = run(conn, &queue, &writes, &clock, &stats);
+                let conn = run(conn, &keys, &queue, &writes, &clock, &stats);
                 // The syncer answers what is left once the writer is gone, and the
                 // checkpointer stops once the pokes are gone; the writer's connection,
                 // closed last, then checkpoints what is left and removes the log.
@@ -334,15 +368,20 @@ struct Written {
 
 fn run(
     conn: Connection,
+    keys: &Keys,
     queue: &mpsc::Receiver<Box<dyn Job>>,
     writes: &Writes,
     clock: &Clock,
     stats: &CommitFigures,
 ) -> Connection {
     let shares = RefCell::new(Shares::default());
+    let staged = RefCell::new(Staged::default());
     let tx = Tx {
         conn: &conn,
         shares: &shares,
+        keys,
+        staged: &staged,
+        broken: &writes.broken,
     };
     let mut next_sweep = Instant::now() + SWEEP_EVERY;
     loop {
@@ -444,7 +483,7 @@ fn commit(tx: &Tx<'_>, mut batch: Vec<Box<dyn Job>>, now: Millis, writes: &Write
     };
     if !run_all(&mut batch, false) {
         let _ = conn.execute_batch("ROLLBACK");
-        tx.shares.borrow_mut().forget();
+        tx.forget();
         let Some(again) = begin(batch) else {
             return;
         };
@@ -485,10 +524,13 @@ fn refuse_all(batch: Vec<Box<dyn Job>>, failure: &DiskError) {
     }
 }
 
-/// What a write hears once an fsync of the log failed.
+/// What a write hears once a commit (where it may have landed) or an fsync of the log
+/// failed.
 fn broken() -> DiskError {
     DiskError {
-        message: "an fsync of the store's log failed: what is on disk is unknown until the proxy is restarted".into(),
+        message: "a commit or an fsync of the store's log failed: what is on disk is unknown until the proxy is \
+                  restarted"
+            .into(),
         may_have_written: true,
     }
 }
@@ -582,24 +624,36 @@ fn in_transaction(tx: &Tx<'_>, op: impl FnOnce(&Tx<'_>) -> Result<usize, StoreEr
         Ok(done) => finish(tx).map(|()| done).map_err(StoreError::Disk),
         Err(error) => {
             let _ = tx.execute_batch("ROLLBACK");
-            tx.shares.borrow_mut().forget();
+            tx.forget();
             Err(error)
         }
     }
 }
 
-/// Ends the open transaction: writes the shares it changed back and commits it; or,
-/// should either fail, rolls it back and forgets what the shares kept of it.
+/// Ends the open transaction: writes the shares it changed back and commits it, and
+/// publishes what it changed in the index of keys; or, should either fail, rolls it
+/// back and forgets what the shares and the index kept of it. A commit that failed
+/// where it may have landed (an I/O error, not a full disk) leaves the rows it wrote
+/// unknown, and the index of keys with them: the store takes no write again until a
+/// restart reads both from the file, as after a failed fsync.
 fn finish(tx: &Tx<'_>) -> Result<(), DiskError> {
     let committed = match tx.shares.borrow_mut().write_back(tx) {
         Ok(()) => tx.execute_batch("COMMIT").map_err(|error| disk_error(&error, true)),
         Err(error) => Err(disk_error(&error, false)),
     };
-    if committed.is_err() {
-        if !tx.is_autocommit() {
-            let _ = tx.execute_batch("ROLLBACK");
+    match &committed {
+        Ok(()) => tx.staged.borrow_mut().publish(tx.keys),
+        Err(failure) => {
+            if !tx.is_autocommit() {
+                let _ = tx.execute_batch("ROLLBACK");
+            }
+            tx.forget();
+            if failure.may_have_written {
+                tracing::error!(%failure, "a commit of the store failed where it may have landed: \
+                                the store takes no write until the proxy is restarted");
+                tx.broken.store(true, Ordering::Release);
+            }
         }
-        tx.shares.borrow_mut().forget();
     }
     committed
 }
