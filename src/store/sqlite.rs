@@ -107,6 +107,8 @@ struct Shared {
 /// A record as its row holds it.
 struct Row {
     rowid: i64,
+    /// The scope its shares count it under, as the row keeps it.
+    scope: Option<i64>,
     fingerprint: Fingerprint,
     expires_at: Millis,
     /// When a completed record's response is dropped (`None`: with the record).
@@ -291,10 +293,10 @@ fn until(now: Millis, then: Millis) -> Duration {
 }
 
 const ROW: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, body, reason, \
-                   probe_due, probe_give_up, response_until, completed_at FROM records \
+                   probe_due, probe_give_up, response_until, completed_at, scope FROM records \
                    WHERE rowid = ?1 AND key = ?2";
 const ROW_HEAD: &str = "SELECT fingerprint, expires_at, state, owner, lease_until, status, headers, length(body), \
-                        reason, probe_due, probe_give_up, response_until, completed_at FROM records \
+                        reason, probe_due, probe_give_up, response_until, completed_at, scope FROM records \
                         WHERE rowid = ?1 AND key = ?2";
 
 /// The record under `key`, expired or not, in the writer's transaction; `body`: with
@@ -372,8 +374,10 @@ fn load_row(conn: &Connection, rowid: i64, key: &StoreKey, body: bool) -> Result
             let fingerprint = Fingerprint::from_bytes(&row.get::<_, Vec<u8>>(0)?);
             let expires_at: i64 = row.get(1)?;
             let response_until: Option<i64> = row.get(11)?;
+            let scope: Option<i64> = row.get(13)?;
             Ok(decoded.zip(fingerprint).map(|(state, fingerprint)| Row {
                 rowid,
+                scope,
                 fingerprint,
                 expires_at,
                 response_until,
@@ -888,19 +892,28 @@ fn identity_key(conn: &Connection) -> Result<[u8; 16], StoreError> {
 }
 
 /// The owner's live in-flight record's row and lease deadline, if it still is one.
-fn owned(tx: &Tx<'_>, key: &StoreKey, owner: OwnerToken, now: Millis) -> Result<Option<(i64, Millis)>, StoreError> {
+fn owned(tx: &Tx<'_>, key: &StoreKey, owner: OwnerToken, now: Millis) -> Result<Option<(At, Millis)>, StoreError> {
     Ok(match load(tx, key, false)? {
         Some(Row {
             rowid,
+            scope,
             expires_at,
             state: RowState::InFlight {
                 owner: holder,
                 lease_until,
             },
             ..
-        }) if expires_at > now && holder == owner => Some((rowid, lease_until)),
+        }) if expires_at > now && holder == owner => Some((At { rowid, scope }, lease_until)),
         _ => None,
     })
+}
+
+/// Where a record read in the writer's transaction is: its row, and the scope its
+/// shares count it under.
+#[derive(Clone, Copy)]
+struct At {
+    rowid: i64,
+    scope: Option<i64>,
 }
 
 /// What a claim is admitted against besides the bounds: the pages in use (claims stop
@@ -1051,34 +1064,34 @@ fn claim_free(
 /// Only a record without a response is completed (one in flight, or unknown:
 /// `lifecycle::resolvable`), so it was the size of its key alone, and the shares grow by
 /// the response's size.
+///
+/// A plain `UPDATE` (the scope comes from the read before it): with `RETURNING`,
+/// SQLite buffered the returned row in a temporary table and kept a statement journal,
+/// which cost a fifth of the writer's time under fresh keys (perf, docs/performance.md).
 fn set_completed(
     tx: &Tx<'_>,
-    (key, rowid): (&StoreKey, i64),
+    (key, at): (&StoreKey, At),
     response: &StoredResponse,
     now: Millis,
 ) -> Result<(), StoreError> {
     let size = record_size(key, Some(response));
-    let scope: Option<i64> = tx
-        .prepare_cached(
-            "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
-             probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, \
-             size = ?5, completed_at = ?6 WHERE rowid = ?1 RETURNING scope",
-        )
-        .and_then(|mut statement| {
-            let values = params![
-                rowid,
-                response.status.as_u16(),
-                response.encode_headers(),
-                &response.body[..],
-                size,
-                now,
-            ];
-            statement.query_row(values, |row| row.get(0))
-        })
-        .map_err(|error| disk(&error, false))?;
+    execute(
+        tx,
+        "UPDATE records SET state = 'completed', owner = NULL, lease_until = NULL, reason = NULL, \
+         probe_due = NULL, probe_give_up = NULL, probe_key = NULL, status = ?2, headers = ?3, body = ?4, \
+         size = ?5, completed_at = ?6 WHERE rowid = ?1",
+        params![
+            at.rowid,
+            response.status.as_u16(),
+            response.encode_headers(),
+            &response.body[..],
+            size,
+            now,
+        ],
+    )?;
     tx.shares
         .borrow_mut()
-        .resized(tx, scope, size - record_size(key, None))
+        .resized(tx, at.scope, size - record_size(key, None))
         .map_err(|error| disk(&error, false))
 }
 
@@ -1166,8 +1179,8 @@ impl RecordStore for SqliteStore {
             |write| *write == Write::Applied,
             move |conn, now| {
                 Ok(match owned(conn, &record, owner, now)? {
-                    Some((rowid, lease_until)) if lease_until > now => {
-                        set_completed(conn, (&record, rowid), &response, now)?;
+                    Some((at, lease_until)) if lease_until > now => {
+                        set_completed(conn, (&record, at), &response, now)?;
                         Write::Applied
                     }
                     _ => Write::Fenced,
@@ -1190,7 +1203,7 @@ impl RecordStore for SqliteStore {
             Wait::Committed,
             |write| *write == Write::Applied,
             move |conn, now| {
-                let Some((rowid, _)) = owned(conn, &record, owner, now)? else {
+                let Some((At { rowid, .. }, _)) = owned(conn, &record, owner, now)? else {
                     return Ok(Write::Fenced);
                 };
                 let schedule = schedule.map(|schedule| Schedule::new(now, schedule.first_after, schedule));
@@ -1290,7 +1303,13 @@ impl RecordStore for SqliteStore {
                     return Ok(answer);
                 }
                 match &resolution {
-                    Resolution::Applied(response) => set_completed(conn, (&record, row.rowid), response, now)?,
+                    Resolution::Applied(response) => {
+                        let at = At {
+                            rowid: row.rowid,
+                            scope: row.scope,
+                        };
+                        set_completed(conn, (&record, at), response, now)?;
+                    }
                     Resolution::NotApplied => {
                         delete_key(conn, &record)?;
                     }
