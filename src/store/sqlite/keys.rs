@@ -110,6 +110,7 @@ impl Keys {
     }
 
     /// How many rows the index holds (for the tests that check it against the file).
+    #[cfg(feature = "test-util")]
     pub(super) fn len(&self) -> usize {
         self.shards
             .iter()
