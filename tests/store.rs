@@ -3187,3 +3187,38 @@ async fn the_sqlite_stores_index_of_keys_follows_every_insert_and_delete() {
     ));
     checked(&store, "claims after the restart");
 }
+
+/// Issue 54: a commit that failed where it may have landed (an I/O error, not a full
+/// disk) stops the SQLite store's writes until a restart. The index of keys in memory
+/// does not know the rows such a commit may have written, so a second claim of its key
+/// would write a second row and be forwarded again; after a restart the index is read
+/// from the file, and the claim that landed is found.
+#[tokio::test]
+async fn a_sqlite_commit_that_may_have_landed_stops_writes_until_a_restart() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let path = dir.path().join("records.db");
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    let landed = key("landed");
+    store.fail_next_commit();
+    match store.claim(&claim(&landed, new_owner(), LONG)).await {
+        Err(StoreError::Disk(failure)) => assert!(failure.may_have_written, "{failure}"),
+        other => panic!("the planted failure was not reported: {other:?}"),
+    }
+    let again = store.claim(&claim(&landed, new_owner(), LONG)).await;
+    assert!(
+        matches!(again, Err(StoreError::Disk(_))),
+        "a claim after a commit that may have landed: {again:?}"
+    );
+    assert!(store.ping().await.is_err(), "ready after a commit that may have landed");
+    drop(store);
+
+    let store = sqlite_store(&path, StoreLimits::unbounded(100));
+    if let Err(difference) = store.check_keys() {
+        panic!("after the restart: {difference}");
+    }
+    let found = store.claim(&claim(&landed, new_owner(), LONG)).await.expect("claim");
+    assert!(
+        matches!(found, ClaimOutcome::Existing(_)),
+        "the claim that landed is found after the restart: {found:?}"
+    );
+}

@@ -673,6 +673,15 @@ impl SqliteStore {
         self.shared.writer.fsyncs.clone().write_owned().await
     }
 
+    /// Reports the next commit that lands as an I/O error that may have landed.
+    #[cfg(feature = "test-util")]
+    pub fn fail_next_commit(&self) {
+        self.shared
+            .writer
+            .failing
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
     /// The number of records the file holds, expired or not.
     #[cfg(feature = "test-util")]
     pub fn len(&self) -> usize {

@@ -105,6 +105,8 @@ pub(super) struct Tx<'a> {
     /// Set once a commit failed where it may have landed (or an fsync failed): no
     /// write is taken again until a restart.
     broken: &'a AtomicBool,
+    #[cfg(feature = "test-util")]
+    failing: &'a AtomicBool,
 }
 
 impl Tx<'_> {
@@ -251,6 +253,10 @@ pub(super) struct Writer {
     /// Held, the syncer fsyncs nothing (`test-util`: `SqliteStore::hold_fsyncs`).
     #[cfg(feature = "test-util")]
     pub(super) fsyncs: Arc<tokio::sync::RwLock<()>>,
+    /// Set, the next commit that lands is reported as an I/O error that may have
+    /// landed (`test-util`: `SqliteStore::fail_next_commit`).
+    #[cfg(feature = "test-util")]
+    pub(super) failing: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -281,6 +287,10 @@ impl Writer {
             .spawn(move || checkpoint_on(&checkpoints, &poked))?;
         #[cfg(feature = "test-util")]
         let fsyncs = Arc::new(tokio::sync::RwLock::new(()));
+        #[cfg(feature = "test-util")]
+        let failing = Arc::new(AtomicBool::new(false));
+        #[cfg(feature = "test-util")]
+        let planted = failing.clone();
         let syncer = Syncer {
             log,
             stats: stats.clone(),
@@ -294,7 +304,13 @@ impl Writer {
         let thread = std::thread::Builder::new()
             .name("idemproxy-sqlite-writer".into())
             .spawn(move || {
-                let writes = Writes { pokes, synced, broken };
+                let writes = Writes {
+                    pokes,
+                    synced,
+                    broken,
+                    #[cfg(feature = "test-util")]
+                    failing: planted,
+                };
                 let conn = run(conn, &keys, &queue, &writes, &clock, &stats);
                 // The syncer answers what is left once the writer is gone, and the
                 // checkpointer stops once the pokes are gone; the writer's connection,
@@ -309,6 +325,8 @@ impl Writer {
             thread: Some(thread),
             #[cfg(feature = "test-util")]
             fsyncs,
+            #[cfg(feature = "test-util")]
+            failing,
         })
     }
 
@@ -355,8 +373,11 @@ impl Drop for Writer {
 struct Writes {
     pokes: SyncSender<()>,
     synced: mpsc::Sender<Written>,
-    /// Set by the syncer once an fsync failed: no write is taken again.
+    /// Set by the syncer once an fsync failed, or by the writer once a commit failed
+    /// where it may have landed: no write is taken again.
     broken: Arc<AtomicBool>,
+    #[cfg(feature = "test-util")]
+    failing: Arc<AtomicBool>,
 }
 
 /// A commit written to the log, with the callers that wait for it to be on disk.
@@ -382,6 +403,8 @@ fn run(
         keys,
         staged: &staged,
         broken: &writes.broken,
+        #[cfg(feature = "test-util")]
+        failing: &writes.failing,
     };
     let mut next_sweep = Instant::now() + SWEEP_EVERY;
     loop {
@@ -640,6 +663,15 @@ fn finish(tx: &Tx<'_>) -> Result<(), DiskError> {
     let committed = match tx.shares.borrow_mut().write_back(tx) {
         Ok(()) => tx.execute_batch("COMMIT").map_err(|error| disk_error(&error, true)),
         Err(error) => Err(disk_error(&error, false)),
+    };
+    // A commit that landed and was reported failed, as an I/O error after the write can.
+    #[cfg(feature = "test-util")]
+    let committed = match committed {
+        Ok(()) if tx.failing.swap(false, Ordering::AcqRel) => Err(DiskError {
+            message: "disk I/O error (planted by the test)".into(),
+            may_have_written: true,
+        }),
+        other => other,
     };
     match &committed {
         Ok(()) => tx.staged.borrow_mut().publish(tx.keys),
