@@ -241,7 +241,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.cache_bytes",
         default: DefaultValue::Toml("\"32MiB\""),
-        meaning: "at least 1 MiB: the store's memory: SQLite's page caches (half for the writer's connection, a quarter across the read connections) and the recorded responses read lately, kept for their next replays (a quarter); the process's memory does not grow with the file",
+        meaning: "at least 1 MiB: the store's memory: SQLite's page caches (half for the writer's connection, a quarter across the read connections) and the recorded responses read lately, kept for their next replays (a quarter); besides it, the process keeps where each record's row is (20-40 bytes a record, read from the file at start)",
         backends: Backends::Only {
             backends: &["sqlite"],
             instead: "",
