@@ -6,10 +6,12 @@
 //! transaction (see `writer`); reads (a retry finding its record, an operator's view)
 //! take a connection of their own and see the last commit, never waiting for the
 //! writer. Times are on the wall clock, so that retention, leases and probe
-//! schedules count across a restart.
+//! schedules count across a restart. The file has no index of the keys: where each
+//! key's row is, is kept in memory (`keys`), read from the file when it opens.
 //!
 //! Bounded as the memory store is: `max_records`, the per-scope and per-client shares
-//! (counted by triggers in the file itself, so they hold across restarts), and
+//! (counted in the file itself, written back with each commit: `shares`, so they hold
+//! across restarts), and
 //! `max_bytes`, which here bounds the file: SQLite refuses to grow it past that
 //! (`max_page_count`), and new claims stop at seven eighths of it, so that the
 //! responses of requests already forwarded still fit. Expired records are deleted in
@@ -694,9 +696,9 @@ impl SqliteStore {
         self.len() == 0
     }
 
-    /// Whether the index of keys in memory holds every row of the file, and nothing
-    /// else, and no key has two rows: `Err` names the first difference (the tests of every path that inserts or
-    /// deletes a row).
+    /// Whether the index of keys in memory holds every row of the file and nothing else,
+    /// and no key has two rows: `Err` names the first difference (for the tests of every
+    /// path that inserts or deletes a row).
     #[cfg(feature = "test-util")]
     pub fn check_keys(&self) -> Result<(), String> {
         let keys = self.shared.keys.clone();

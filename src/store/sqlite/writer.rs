@@ -17,9 +17,8 @@
 //! it covers hears that its write may have landed, and the store takes no write
 //! again until it is restarted and SQLite recovers the log; so does a commit that
 //! failed where it may have landed (the index of keys in memory would not know its
-//! rows: keys.rs). The log is copied into
-//! the database file (checkpointed) by a third thread with a connection of its own,
-//! so that no commit waits for it.
+//! rows: keys.rs). The log is copied into the database file (checkpointed) by a
+//! third thread with a connection of its own, so that no commit waits for it.
 
 use std::fs::File;
 use std::path::PathBuf;
