@@ -2813,6 +2813,25 @@ async fn a_scope_past_its_share_of_the_postgres_store_is_refused_until_its_recor
     store.claim(&scoped("s1-e", 1)).await.expect("after the sweep");
 }
 
+/// A claim of `name` whose record expires a second after it is made.
+fn expiring_in_a_second(name: &str, lease: Duration) -> ClaimRequest {
+    ClaimRequest {
+        retention: Duration::from_secs(1),
+        remember: Duration::from_secs(1),
+        ..claim(&key(name), new_owner(), lease)
+    }
+}
+
+/// Waits (10 s at most) until the SQLite sweeper has deleted a record. It runs within
+/// a second when idle.
+async fn until_swept(store: &SqliteStore) {
+    let started = tokio::time::Instant::now();
+    while store.commit_figures().swept.get() < 1 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the sweeper never ran");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Issue 49 (the Postgres sweep plant, on the other store that sweeps): a claim whose
 /// lease lapsed (its proxy died) but whose retention runs on survives the sweeper,
 /// which deletes only what has expired, and reads as a lapsed lease: never free.
@@ -2825,20 +2844,11 @@ async fn the_sqlite_sweeper_leaves_a_claim_whose_lease_lapsed() {
         .claim(&claim(&lapsed, new_owner(), Duration::from_millis(300)))
         .await
         .expect("claim");
-    let expiring = ClaimRequest {
-        retention: Duration::from_secs(1),
-        remember: Duration::from_secs(1),
-        ..claim(&key("sweep-expiring"), new_owner(), Duration::from_millis(300))
-    };
+    let expiring = expiring_in_a_second("sweep-expiring", Duration::from_millis(300));
     store.claim(&expiring).await.expect("claim");
     store.advance_clock(Duration::from_secs(5));
-    // The sweeper runs within a second when idle: once it has deleted the expired
-    // record, it has looked at the lapsed one too.
-    let started = tokio::time::Instant::now();
-    while store.commit_figures().swept.get() < 1 {
-        assert!(started.elapsed() < Duration::from_secs(10), "the sweeper never ran");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    // Once the sweeper has deleted the expired record, it has looked at the lapsed one too.
+    until_swept(&store).await;
     assert_eq!(store.len(), 1, "only the expired record is gone");
     assert_eq!(state_of(&store, &lapsed).await, RecordState::LeaseExpired);
     drop(store);
@@ -3114,29 +3124,17 @@ async fn the_sqlite_stores_index_of_keys_follows_every_insert_and_delete() {
         checked(&store, "a claim and its end");
     }
     // An expired record is replaced by the next claim of its key.
-    let expiring = ClaimRequest {
-        retention: Duration::from_secs(1),
-        remember: Duration::from_secs(1),
-        ..claim(&key("expiring"), new_owner(), Duration::from_millis(500))
-    };
+    let expiring = expiring_in_a_second("expiring", Duration::from_millis(500));
     store.claim(&expiring).await.expect("claim");
     store.advance_clock(Duration::from_secs(2));
     let again = claim(&key("expiring"), new_owner(), LONG);
     assert_eq!(store.claim(&again).await.expect("claim"), ClaimOutcome::Acquired(()));
     checked(&store, "an expired record replaced");
     // One the sweeper deletes leaves the index with it.
-    let swept = ClaimRequest {
-        retention: Duration::from_secs(1),
-        remember: Duration::from_secs(1),
-        ..claim(&key("swept"), new_owner(), Duration::from_millis(500))
-    };
+    let swept = expiring_in_a_second("swept", Duration::from_millis(500));
     store.claim(&swept).await.expect("claim");
     store.advance_clock(Duration::from_secs(2));
-    let started = tokio::time::Instant::now();
-    while store.commit_figures().swept.get() < 1 {
-        assert!(started.elapsed() < Duration::from_secs(10), "the sweeper never ran");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_swept(&store).await;
     checked(&store, "a sweep");
     // A key claimed twice in one commit: the second claim reads the first's row.
     let twice = key("twice");
