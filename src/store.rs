@@ -249,13 +249,14 @@ pub(crate) mod identity {
 }
 
 /// The name of one record in the store. Only `idempotency::store_key` makes these,
-/// so writer and reader always agree on it.
+/// so writer and reader always agree on it. Shared, not copied: a request's claim, the
+/// memory store's map and its queues of expiries each hold the one string.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct StoreKey(String);
+pub struct StoreKey(Arc<str>);
 
 impl StoreKey {
     pub(crate) fn from_derived(key: String) -> StoreKey {
-        StoreKey(key)
+        StoreKey(Arc::from(key))
     }
 
     pub fn as_str(&self) -> &str {
