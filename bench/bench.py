@@ -1168,7 +1168,8 @@ def print_table(results, connection_counts, args, cases):
                       f"{statements:.2f} | {cpu:.1f} |")
     idemproxy_cases = [case for case, _, target, _, _ in cases if target == "idemproxy"]
     print()
-    for connections in connection_counts:
+    # Only where a case ran on the Redis idemproxy (`--cases` may leave it out).
+    for connections in connection_counts if idemproxy_cases else []:
         per_round = [max(results[(case, connections)][r]["rss_mib"] for case in idemproxy_cases)
                      for r in range(args.rounds)]
         print(f"idemproxy peak RSS per round at c={connections}: "

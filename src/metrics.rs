@@ -146,6 +146,11 @@ struct BackendLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabels {
+    worker: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
 }
@@ -163,6 +168,7 @@ pub(crate) struct Metrics {
     /// every backend; a series appears with its first failure.
     store_errors: Family<StoreErrorLabels, Counter>,
     pending_releases: Gauge,
+    worker_connections: Family<WorkerLabels, Gauge>,
     replica_acks_missed: Counter,
     tls_handshakes_failed: Counter,
     /// What the embedded store holds and its bounds, set at each scrape. Labelled by
@@ -375,6 +381,12 @@ impl Metrics {
                 "pending_releases",
                 "Claims waiting for the store to come back so they can be released",
                 Gauge::default(),
+            ),
+            worker_connections: register(
+                r,
+                "worker_connections",
+                "Client connections each worker serves now (a new one goes to the worker serving fewest)",
+                Family::default(),
             ),
             replica_acks_missed: register(
                 r,
@@ -622,6 +634,15 @@ impl Metrics {
 
     pub(crate) fn pending_releases(&self) -> &Gauge {
         &self.pending_releases
+    }
+
+    /// The gauge of the connections worker `index` serves.
+    pub(crate) fn worker_connections(&self, index: usize) -> Gauge {
+        self.worker_connections
+            .get_or_create(&WorkerLabels {
+                worker: index.to_string(),
+            })
+            .clone()
     }
 
     /// Registers what the SQLite store's commits cost: its own counters, counted by its

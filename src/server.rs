@@ -73,7 +73,7 @@ use crate::store::notify::Watcher;
 use crate::store::{self, StoreFactory};
 use crate::store::{AnyStore, RecordStore};
 
-use self::listen::{ADMIN_CONNECTIONS, Limits, Listening, bind, bind_workers, serve};
+use self::listen::{ADMIN_CONNECTIONS, Limits, Listening, Seat, Spread, bind, bind_workers, serve};
 use self::reload::WorkerReload;
 pub use self::reload::{ReloadError, Reloaded, Reloader};
 
@@ -244,7 +244,8 @@ async fn launch(config: Config, opened: store::Opened) -> Result<Running, StartE
     let config = Arc::new(config);
     let live = Arc::new(ArcSwap::new(config.clone()));
     process.metrics.config_loaded(&config.sha256, &config.sha256);
-    let started = start_workers(&process, &config, &opened.factory, listeners).await;
+    let seats = Spread::seats(listeners.len(), &process.metrics);
+    let started = start_workers(&process, &config, &opened.factory, listeners.into_iter().zip(seats)).await;
     let (mut stopped, reloads) = started.inspect_err(|_| process.shutdown.cancel())?;
     let admin_addr = match &config.admin {
         None => None,
@@ -301,11 +302,11 @@ async fn start_workers(
     process: &Process,
     config: &Arc<Config>,
     factory: &StoreFactory,
-    listeners: Vec<std::net::TcpListener>,
+    listeners: impl ExactSizeIterator<Item = (std::net::TcpListener, Seat)>,
 ) -> Result<(Vec<oneshot::Receiver<()>>, Vec<mpsc::UnboundedSender<WorkerReload>>), StartError> {
     let mut stopped = Vec::with_capacity(listeners.len() + 1);
     let mut reloads = Vec::with_capacity(listeners.len());
-    for (index, listener) in listeners.into_iter().enumerate() {
+    for (index, (listener, seat)) in listeners.enumerate() {
         let (reload, reloaded) = mpsc::unbounded_channel();
         reloads.push(reload);
         let worker = Worker {
@@ -314,7 +315,7 @@ async fn start_workers(
             process: process.clone(),
             reloads: reloaded,
         };
-        stopped.push(worker.start(index, listener).await?);
+        stopped.push(worker.start(index, listener, seat).await?);
     }
     Ok((stopped, reloads))
 }
@@ -339,7 +340,7 @@ async fn start_admin(
     };
     let shutdown = process.shutdown.clone();
     tokio::spawn(async move {
-        serve(listener, listening, shutdown, service).await;
+        serve(listener, listening, shutdown, service, None).await;
         let _ = finished.send(());
     });
     Ok((bound, done))
@@ -357,13 +358,18 @@ struct Worker {
 impl Worker {
     /// Starts the worker's thread and waits until it serves, so that its start-up
     /// errors surface here; the receiver answers when the thread has stopped.
-    async fn start(self, index: usize, listener: std::net::TcpListener) -> Result<oneshot::Receiver<()>, StartError> {
+    async fn start(
+        self,
+        index: usize,
+        listener: std::net::TcpListener,
+        seat: Seat,
+    ) -> Result<oneshot::Receiver<()>, StartError> {
         let (started, ready) = oneshot::channel();
         let (finished, done) = oneshot::channel();
         std::thread::Builder::new()
             .name(format!("idemproxy-worker-{index}"))
             .spawn(move || {
-                self.run(listener, started, index == 0);
+                self.run(listener, seat, started, index == 0);
                 let _ = finished.send(());
             })
             .map_err(StartError::Spawn)?;
@@ -377,7 +383,13 @@ impl Worker {
     /// Runs on the worker's own thread: sets up, says whether that worked, serves
     /// until shutdown, then drains. The `first` worker also schedules the probes the last run left (see
     /// `Proxy::resume_unsettled`).
-    fn run(self, listener: std::net::TcpListener, started: oneshot::Sender<Result<(), StartError>>, first: bool) {
+    fn run(
+        self,
+        listener: std::net::TcpListener,
+        seat: Seat,
+        started: oneshot::Sender<Result<(), StartError>>,
+        first: bool,
+    ) {
         let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(runtime) => runtime,
             Err(source) => {
@@ -410,6 +422,7 @@ impl Worker {
                 self.process.listening(),
                 self.process.shutdown.clone(),
                 service,
+                Some(seat),
             )
             .await;
             // Connections are drained; let exchanges and background store writes finish.

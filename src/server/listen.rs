@@ -16,8 +16,9 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::either::Either;
@@ -84,6 +85,135 @@ pub(super) fn bind_workers(
     Ok((bound, listeners))
 }
 
+/// How the workers share the client connections (docs/design.md §7): each connection a worker accepts
+/// is served by the worker serving fewest at that moment (the one that accepted it on
+/// a tie), handed over to it when that is another. Without it, whichever worker the
+/// kernel woke first took every connection a burst of clients opened (the workers of
+/// an embedded store share one socket, and `SO_REUSEPORT` spreads by a hash of the
+/// client's address, not by load): a benchmark's 32 connections all went to one
+/// worker, and the process ran on one core of two. The counts are the
+/// `idemproxy_worker_connections` gauges.
+pub(super) struct Spread {
+    open: Box<[Gauge]>,
+    inboxes: Box<[mpsc::UnboundedSender<Handed>]>,
+}
+
+/// One worker's place in the spread: its index, and the connections handed to it.
+pub(super) struct Seat {
+    index: usize,
+    spread: Arc<Spread>,
+    inbox: mpsc::UnboundedReceiver<Handed>,
+}
+
+/// A connection accepted by one worker for another to serve, with its permit and its
+/// count in the serving worker's gauge.
+pub(super) struct Handed {
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+    open: Open,
+}
+
+/// A connection counted in its worker's gauge until it is dropped.
+struct Open(Gauge);
+
+impl Open {
+    fn new(gauge: &Gauge) -> Open {
+        gauge.inc();
+        Open(gauge.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+impl Spread {
+    /// The spread over `workers` workers, and each worker's seat in it.
+    pub(super) fn seats(workers: usize, metrics: &Metrics) -> Vec<Seat> {
+        let (inboxes, receivers): (Vec<_>, Vec<_>) = (0..workers).map(|_| mpsc::unbounded_channel()).unzip();
+        let spread = Arc::new(Spread {
+            open: (0..workers).map(|index| metrics.worker_connections(index)).collect(),
+            inboxes: inboxes.into_boxed_slice(),
+        });
+        receivers
+            .into_iter()
+            .enumerate()
+            .map(|(index, inbox)| Seat {
+                index,
+                spread: spread.clone(),
+                inbox,
+            })
+            .collect()
+    }
+}
+
+impl Seat {
+    /// The worker to serve a new connection: the one serving fewest, this one on a tie.
+    fn choose(&self) -> usize {
+        let open = &self.spread.open;
+        let here = open[self.index].get();
+        open.iter()
+            .enumerate()
+            .min_by_key(|(_, gauge)| gauge.get())
+            .filter(|(_, gauge)| gauge.get() < here)
+            .map_or(self.index, |(index, _)| index)
+    }
+
+    /// Counts `stream` to the worker that is to serve it; hands it over when that is
+    /// another, else gives it back to be served here. A connection that cannot be
+    /// handed over (the other worker has stopped, at shutdown) is served here.
+    fn place(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<(TcpStream, OwnedSemaphorePermit, Open)> {
+        let target = self.choose();
+        if target != self.index {
+            match stream.into_std() {
+                Ok(stream) => {
+                    let handed = Handed {
+                        stream,
+                        peer,
+                        permit,
+                        open: Open::new(&self.spread.open[target]),
+                    };
+                    match self.spread.inboxes[target].send(handed) {
+                        Ok(()) => return None,
+                        Err(mpsc::error::SendError(back)) => {
+                            let Handed { stream, permit, .. } = back;
+                            return TcpStream::from_std(stream)
+                                .inspect_err(|error| tracing::debug!(%peer, %error, "cannot serve a connection"))
+                                .ok()
+                                .map(|stream| (stream, permit, Open::new(&self.spread.open[self.index])));
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(%peer, %error, "cannot hand a connection to another worker");
+                    return None;
+                }
+            }
+        }
+        Some((stream, permit, Open::new(&self.spread.open[self.index])))
+    }
+}
+
+/// The next connection handed to `seat`'s worker; never, without a seat.
+async fn handed(seat: &mut Option<Seat>) -> Handed {
+    match seat {
+        Some(seat) => match seat.inbox.recv().await {
+            Some(handed) => handed,
+            // Every seat holds the spread, and so a sender of its own inbox.
+            None => std::future::pending().await,
+        },
+        None => std::future::pending().await,
+    }
+}
+
 /// What a listener serves with: its limits, the connection permits it draws from, TLS
 /// if it terminates TLS, and the metrics its handshakes are counted in.
 #[derive(Clone)]
@@ -136,13 +266,20 @@ fn http_builder(limits: Limits) -> auto::Builder<TokioExecutor> {
 }
 
 /// Accepts connections until `shutdown`, then drains them for up to `limits.grace`.
+/// With a `seat` (a worker's), each connection is served by the worker serving fewest,
+/// and the connections other workers hand to this one are served too.
 /// A connection is served with one of `connections`' permits, shared by every worker,
 /// and taken only once it is accepted: an idle worker holds none, so while fewer than
 /// the limit are open no connection waits, whichever worker's socket it came to. At
 /// the limit, the worker holds the connection it accepted until a permit frees, and new
 /// clients wait in the kernel's backlog, neither served nor refused.
-pub(super) async fn serve<S, F>(listener: TcpListener, listening: Listening, shutdown: CancellationToken, service: S)
-where
+pub(super) async fn serve<S, F>(
+    listener: TcpListener,
+    listening: Listening,
+    shutdown: CancellationToken,
+    service: S,
+    mut seat: Option<Seat>,
+) where
     S: Fn(Request<Incoming>, ClientInfo) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Result<Response<ProxyBody>, Infallible>> + Send + 'static,
 {
@@ -151,20 +288,12 @@ where
     let open = TaskTracker::new();
     let mut backoff = Backoff::new();
     loop {
-        let (stream, peer) = tokio::select! {
-            () = shutdown.cancelled() => break,
-            accepted = limits::accept_with_backoff(&mut backoff, || listener.accept()) => accepted,
-        };
-        let permit = match listening.connections.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => tokio::select! {
-                () = shutdown.cancelled() => break,
-                permit = listening.connections.clone().acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => break,
-                },
-            },
-        };
+        let (stream, peer, permit, counted) =
+            match next(&listener, &listening, &shutdown, &mut backoff, &mut seat).await {
+                Next::Serve(stream, peer, permit, counted) => (stream, peer, permit, counted),
+                Next::Elsewhere => continue,
+                Next::Stop => break,
+            };
         let connection = serve_connection(
             builder.clone(),
             stream,
@@ -175,7 +304,7 @@ where
         );
         open.spawn(async move {
             connection.await;
-            drop(permit);
+            drop((permit, counted));
         });
     }
     drop(listener);
@@ -185,6 +314,57 @@ where
             left = open.len(),
             "shutdown grace over; closing the remaining connections"
         );
+    }
+}
+
+/// What the accept loop does next.
+enum Next {
+    /// Serve this connection here, with its permit (and its count, with a seat).
+    Serve(TcpStream, SocketAddr, OwnedSemaphorePermit, Option<Open>),
+    /// The connection was handed to another worker, or could not be served.
+    Elsewhere,
+    /// Shutdown.
+    Stop,
+}
+
+/// The next connection to serve here: one accepted (once a permit is free) that this
+/// worker is to serve, or one another worker handed over.
+async fn next(
+    listener: &TcpListener,
+    listening: &Listening,
+    shutdown: &CancellationToken,
+    backoff: &mut Backoff,
+    seat: &mut Option<Seat>,
+) -> Next {
+    tokio::select! {
+        () = shutdown.cancelled() => Next::Stop,
+        accepted = limits::accept_with_backoff(backoff, || listener.accept()) => {
+            let (stream, peer) = accepted;
+            let permit = match listening.connections.clone().try_acquire_owned() {
+                Ok(permit) => permit,
+                Err(_) => tokio::select! {
+                    () = shutdown.cancelled() => return Next::Stop,
+                    permit = listening.connections.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        Err(_) => return Next::Stop,
+                    },
+                },
+            };
+            match seat {
+                None => Next::Serve(stream, peer, permit, None),
+                Some(seat) => match seat.place(stream, peer, permit) {
+                    Some((stream, permit, counted)) => Next::Serve(stream, peer, permit, Some(counted)),
+                    None => Next::Elsewhere,
+                },
+            }
+        }
+        handed = handed(seat) => match TcpStream::from_std(handed.stream) {
+            Ok(stream) => Next::Serve(stream, handed.peer, handed.permit, Some(handed.open)),
+            Err(error) => {
+                tracing::debug!(peer = %handed.peer, %error, "cannot serve a connection handed over");
+                Next::Elsewhere
+            }
+        },
     }
 }
 
