@@ -422,15 +422,12 @@ fn share(conn: &Connection, share: Share) -> Result<(i64, i64), StoreError> {
     shares::read(conn, shares::row(share)).map_err(|error| disk(&error, false))
 }
 
-/// The file's pages in use: its pages less the free ones (each pragma a cached
-/// statement: on the writer, every claim asks).
+/// The file's pages in use: its pages less the free ones, in one cached statement (on
+/// the writer, every claim asks; two pragma statements were about 7% of its time).
 fn used_pages(conn: &Connection) -> Result<i64, StoreError> {
-    let pragma = |sql: &str| -> rusqlite::Result<i64> {
-        conn.prepare_cached(sql)
-            .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
-    };
-    let read = || Ok(pragma("PRAGMA page_count")? - pragma("PRAGMA freelist_count")?);
-    read().map_err(|error: rusqlite::Error| disk(&error, false))
+    conn.prepare_cached("SELECT page_count - freelist_count FROM pragma_page_count(), pragma_freelist_count()")
+        .and_then(|mut statement| statement.query_row([], |row| row.get(0)))
+        .map_err(|error| disk(&error, false))
 }
 
 fn execute(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<usize, StoreError> {
