@@ -255,9 +255,18 @@ impl StoredResponse {
     /// `encode_headers` and a valid status would have written.
     pub fn decode(status: &[u8], headers: &[u8], body: Bytes) -> Option<StoredResponse> {
         let status = std::str::from_utf8(status).ok()?.parse::<u16>().ok()?;
+        StoredResponse::from_fields(StatusCode::from_u16(status).ok()?, decode_headers(headers)?, body)
+    }
+
+    /// A record of `status`, the fields `encode_headers` wrote (the execution's trace
+    /// and the end of its replays among them) and `body`.
+    fn from_fields(
+        status: StatusCode,
+        mut headers: Vec<(HeaderName, HeaderValue)>,
+        body: Bytes,
+    ) -> Option<StoredResponse> {
         debug_assert_eq!(EXECUTION_TRACE.as_str(), "idemproxy-execution-trace");
         debug_assert_eq!(REPLAY_UNTIL.as_str(), "idemproxy-replay-until");
-        let mut headers = decode_headers(headers)?;
         let replay_until = match headers.pop_if(|(name, _)| *name == REPLAY_UNTIL) {
             Some((_, value)) => Some(from_epoch_millis(
                 std::str::from_utf8(value.as_bytes()).ok()?.parse().ok()?,
@@ -269,12 +278,51 @@ impl StoredResponse {
             None => None,
         };
         Some(StoredResponse {
-            status: StatusCode::from_u16(status).ok()?,
+            status,
             headers,
             body,
             trace,
             replay_until,
         })
+    }
+}
+
+/// A recorded response packed into one allocation, as the memory store keeps it: its
+/// fields in the store's encoding, then its body. Kept as a `StoredResponse`, a record
+/// held a vector of fields, an allocation per value and its body's slice of the
+/// upstream connection's read buffer (which kept the rest of that buffer alive): about
+/// 550 bytes for a 70-byte answer with three fields, against 180 packed. Each replay
+/// unpacks it, its values slices of the one buffer.
+#[derive(Debug, Clone)]
+pub(crate) struct PackedResponse {
+    status: StatusCode,
+    /// The fields' encoded length: the body follows them.
+    fields: usize,
+    bytes: Bytes,
+}
+
+impl PackedResponse {
+    pub(crate) fn pack(response: &StoredResponse) -> PackedResponse {
+        let mut bytes = response.encode_headers();
+        let fields = bytes.len();
+        bytes.reserve_exact(response.body.len());
+        bytes.extend_from_slice(&response.body);
+        PackedResponse {
+            status: response.status,
+            fields,
+            bytes: Bytes::from(bytes),
+        }
+    }
+
+    /// The response as it was packed; `None` only if the packing was not `pack`'s.
+    pub(crate) fn unpack(&self) -> Option<StoredResponse> {
+        let fields = decode_shared_headers(self.bytes.slice(..self.fields))?;
+        StoredResponse::from_fields(self.status, fields, self.bytes.slice(self.fields..))
+    }
+
+    /// The bytes it holds: its fields' encoding and its body.
+    pub(crate) fn size(&self) -> usize {
+        self.bytes.len()
     }
 }
 
@@ -326,6 +374,23 @@ pub fn decode_headers(mut input: &[u8]) -> Option<Vec<(HeaderName, HeaderValue)>
     Some(headers)
 }
 
+/// `decode_headers` over a shared buffer: each value is a slice of `input`, not a copy.
+fn decode_shared_headers(mut input: Bytes) -> Option<Vec<(HeaderName, HeaderValue)>> {
+    use bytes::Buf;
+    fn take(input: &mut Bytes) -> Option<Bytes> {
+        let len = usize::try_from(u32::from_be_bytes(input.get(..4)?.try_into().ok()?)).ok()?;
+        input.advance(4);
+        (len <= input.len()).then(|| input.split_to(len))
+    }
+    let mut headers = Vec::new();
+    while !input.is_empty() {
+        let name = HeaderName::from_bytes(&take(&mut input)?).ok()?;
+        let value = HeaderValue::from_maybe_shared(take(&mut input)?).ok()?;
+        headers.push((name, value));
+    }
+    Some(headers)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,6 +415,48 @@ mod tests {
         let expected: usize = headers().iter().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum();
         assert_eq!(encoded.len(), expected);
         assert_eq!(encoded.capacity(), encoded.len(), "no growth, no spare capacity");
+    }
+
+    /// A packed response unpacks to what was packed, its trace and the end of its
+    /// replays included, in one allocation at its exact size; the body no longer shares
+    /// the buffer it came in.
+    #[test]
+    fn a_packed_response_unpacks_to_what_was_packed() {
+        let read_buffer = Bytes::from(vec![b'x'; 8192]);
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: headers(),
+            body: read_buffer.slice(100..170),
+            trace: Some(ExecutionTrace {
+                trace_id: [7; 16],
+                span_id: [9; 8],
+            }),
+            replay_until: from_epoch_millis(1_796_554_220_000),
+        };
+        let packed = PackedResponse::pack(&response);
+        assert_eq!(packed.unpack(), Some(response.clone()));
+        assert_eq!(packed.size(), response.encode_headers().len() + 70);
+        assert_eq!(packed.bytes.len(), packed.size());
+        let plain = StoredResponse {
+            headers: Vec::new(),
+            body: Bytes::new(),
+            trace: None,
+            replay_until: None,
+            ..response
+        };
+        assert_eq!(PackedResponse::pack(&plain).unpack(), Some(plain));
+    }
+
+    #[test]
+    fn truncated_shared_headers_are_rejected() {
+        let encoded = Bytes::from(encode_headers(&[(
+            HeaderName::from_static("a"),
+            HeaderValue::from_static("bc"),
+        )]));
+        for cut in 1..encoded.len() {
+            assert_eq!(decode_shared_headers(encoded.slice(..cut)), None, "cut at {cut}");
+        }
+        assert_eq!(decode_shared_headers(encoded).map(|fields| fields.len()), Some(1));
     }
 
     #[test]

@@ -1334,7 +1334,11 @@ async fn a_memory_store_at_its_byte_bound_refuses_new_claims_until_records_expir
         );
         let StoreUsage { records, bytes, .. } = store.usage();
         assert_eq!(records, usize::from(seed) + 1);
-        assert_eq!(bytes - claimed, response.size(), "completing adds exactly the response");
+        assert_eq!(
+            bytes - claimed,
+            response.encode_headers().len() + response.body.len(),
+            "completing adds exactly the response as packed: its fields' encoding and its body"
+        );
         assert_eq!(response.size(), BODY + "x-seed".len() + seed.to_string().len());
         held = bytes;
     }

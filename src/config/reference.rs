@@ -469,7 +469,7 @@ pub const SETTINGS: &[Setting] = &[
     Setting {
         key: "store.max_bytes",
         default: DefaultValue::Text("`\"256MiB\"` (memory), `\"1GiB\"` (sqlite)"),
-        meaning: "at least 1 MiB. Memory: once live records hold this many bytes (bodies, header names and values, keys, and 160 bytes of bookkeeping each), new claims get 503 `store-full`. SQLite: the most the file may hold; new claims get 503 `store-full` once seven eighths of it is in use, or once what is in use and what the claims in flight may still write (each its route's `max_response_body_bytes`, in all at most `server.max_buffered_bytes`) would not fit, so that every response forwarded is recorded (so it must be at least 8 times every route's `max_response_body_bytes`); expired records are deleted and their space reused",
+        meaning: "at least 1 MiB. Memory: once live records hold this many bytes (bodies, header names and values, keys, and 416 bytes of bookkeeping each: about what the process holds for a record besides its key and response), new claims get 503 `store-full`. SQLite: the most the file may hold; new claims get 503 `store-full` once seven eighths of it is in use, or once what is in use and what the claims in flight may still write (each its route's `max_response_body_bytes`, in all at most `server.max_buffered_bytes`) would not fit, so that every response forwarded is recorded (so it must be at least 8 times every route's `max_response_body_bytes`); expired records are deleted and their space reused",
         backends: Backends::Only {
             backends: &["memory", "sqlite"],
             instead: "bound Redis with maxmemory; Postgres is bounded by its disk, and per tenant by max_records_per_scope",
