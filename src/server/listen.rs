@@ -171,34 +171,28 @@ impl Seat {
         peer: SocketAddr,
         permit: OwnedSemaphorePermit,
     ) -> Option<(TcpStream, OwnedSemaphorePermit, Open)> {
-        let target = self.choose();
-        if target != self.index {
-            match stream.into_std() {
-                Ok(stream) => {
-                    let handed = Handed {
-                        stream,
-                        peer,
-                        permit,
-                        open: Open::new(&self.spread.open[target]),
-                    };
-                    match self.spread.inboxes[target].send(handed) {
-                        Ok(()) => return None,
-                        Err(mpsc::error::SendError(back)) => {
-                            let Handed { stream, permit, .. } = back;
-                            return TcpStream::from_std(stream)
-                                .inspect_err(|error| tracing::debug!(%peer, %error, "cannot serve a connection"))
-                                .ok()
-                                .map(|stream| (stream, permit, Open::new(&self.spread.open[self.index])));
-                        }
-                    }
-                }
-                Err(error) => {
-                    tracing::debug!(%peer, %error, "cannot hand a connection to another worker");
-                    return None;
-                }
-            }
+        let (target, here) = (self.choose(), &self.spread.open[self.index]);
+        if target == self.index {
+            return Some((stream, permit, Open::new(here)));
         }
-        Some((stream, permit, Open::new(&self.spread.open[self.index])))
+        let stream = stream
+            .into_std()
+            .inspect_err(|error| tracing::debug!(%peer, %error, "cannot hand a connection to another worker"))
+            .ok()?;
+        let handed = Handed {
+            stream,
+            peer,
+            permit,
+            open: Open::new(&self.spread.open[target]),
+        };
+        let Err(mpsc::error::SendError(back)) = self.spread.inboxes[target].send(handed) else {
+            return None;
+        };
+        // The other worker has stopped: its count is given back as `back.open` drops.
+        let stream = TcpStream::from_std(back.stream)
+            .inspect_err(|error| tracing::debug!(%peer, %error, "cannot serve a connection"))
+            .ok()?;
+        Some((stream, back.permit, Open::new(here)))
     }
 }
 
