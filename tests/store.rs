@@ -1772,7 +1772,7 @@ async fn a_postgres_claim_racing_another_claim_of_its_key_finds_that_record() {
         let (store, raced) = (store.clone(), raced.clone());
         tokio::spawn(async move { store.claim(&claim(&raced, new_owner(), Duration::from_secs(30))).await })
     };
-    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%taken AS%'";
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%take_claim(%'";
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while server.psql(waiting) != "1" {
         assert!(
@@ -1801,6 +1801,67 @@ async fn a_postgres_claim_racing_another_claim_of_its_key_finds_that_record() {
     }
     let _ = other.kill();
     let _ = other.wait();
+}
+
+/// A replay's claim statement on Postgres reads and inserts nothing: the plain claim
+/// calls `take_claim` (the insert) only where the key holds no live record. Checked by
+/// a trap: `take_claim` replaced by one that raises. Replays of a recorded key, an
+/// in-flight key and its owner's own claim still answer; a fresh key meets the trap.
+#[tokio::test]
+async fn a_postgres_replay_never_calls_the_claims_insert() {
+    let server = PostgresServer::start();
+    let store = postgres_store(&server).await;
+    let (recorded, held, owner) = (key("recorded"), key("held"), new_owner());
+    for record in [&recorded, &held] {
+        let outcome = store
+            .claim(&claim(record, owner, Duration::from_secs(30)))
+            .await
+            .expect("claim");
+        assert!(matches!(outcome, ClaimOutcome::Acquired(())), "{outcome:?}");
+    }
+    let written = store
+        .complete(&recorded, owner, &response("{}"))
+        .await
+        .expect("complete");
+    assert_eq!(written, Write::Applied);
+    server.psql(
+        "CREATE OR REPLACE FUNCTION idemproxy.take_claim(p_key text, p_owner bytea, p_fingerprint bytea, \
+         p_retention_ms bigint, p_remember_ms bigint, p_lease_ms bigint) RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'take_claim was called'; END $$",
+    );
+    for _ in 0..20 {
+        match store
+            .claim(&claim(&recorded, new_owner(), Duration::from_secs(30)))
+            .await
+        {
+            Ok(ClaimOutcome::Existing(existing)) => {
+                assert!(
+                    matches!(existing.state, RecordState::Completed(_)),
+                    "{:?}",
+                    existing.state
+                );
+            }
+            other => panic!("a replay's claim called the insert, or failed: {other:?}"),
+        }
+        match store.claim(&claim(&held, new_owner(), Duration::from_secs(30))).await {
+            Ok(ClaimOutcome::Existing(existing)) => {
+                assert!(
+                    matches!(existing.state, RecordState::InFlight { .. }),
+                    "{:?}",
+                    existing.state
+                );
+            }
+            other => panic!("a claim of an in-flight key called the insert, or failed: {other:?}"),
+        }
+        let own = store.claim(&claim(&held, owner, Duration::from_secs(30))).await;
+        assert!(matches!(own, Ok(ClaimOutcome::Acquired(()))), "{own:?}");
+    }
+    let fresh = store
+        .claim(&claim(&key("fresh"), new_owner(), Duration::from_secs(30)))
+        .await;
+    assert!(
+        fresh.is_err(),
+        "a fresh key's claim did not reach the trapped insert: {fresh:?}"
+    );
 }
 
 /// The same two planted bugs in the Postgres store's `begin_probe` function, applied to

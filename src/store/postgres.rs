@@ -64,8 +64,9 @@ impl std::fmt::Debug for PostgresStore {
 
 /// The statements of each lifecycle step, in the store's schema: the schema's functions,
 /// and for the two steps of every fresh request (a claim without a scope or standbys to
-/// wait for, and the completion) plain SQL that does what those functions do in one
-/// statement, without PL/pgSQL (docs/performance.md, "The Postgres store").
+/// wait for, and the completion) one statement each that does what those functions do,
+/// the claim's insert alone in a function of its own (docs/performance.md, "The
+/// Postgres store").
 struct Calls {
     claim: String,
     /// `claim` for a claim with no scope, where no standby is waited for.
@@ -110,37 +111,24 @@ impl Calls {
 }
 
 /// The schema's `claim` for an unscoped claim with no standby to wait for, as one
-/// statement: the live record (`found`) is read, and only where there is none is the
-/// claimant's inserted (`taken`), over an expired one. Times are the statement's
-/// start on the server's clock, as the function's `now_` is. The same columns as
-/// `claim` returns, its codes and one more: `RACED`, when another claim of the key
-/// committed between this statement's snapshot and its insert (the insert finds the
-/// row and leaves it): the statement is run again, and its new snapshot reads that
-/// record, as the function's second `SELECT` does.
+/// statement: the live record is read (`r`), and only where there is none does the
+/// statement call `take_claim`, which inserts the claimant's (over an expired one). A
+/// `CASE` evaluates only the branch it takes, so a replay's statement is a plain read:
+/// no insert is planned or started for it, and it commits nothing. Times are the
+/// statement's start on the server's clock, as the function's `now_` is. The same
+/// columns as `claim` returns, its codes and one more: `RACED`, when another claim of
+/// the key committed between this statement's snapshot and the insert (the insert
+/// finds the row and leaves it): the statement is run again, and its new snapshot
+/// reads that record, as the function's second `SELECT` does.
 fn claim_plain(schema: &str) -> String {
     format!(
-        "WITH found AS (\
-             SELECT * FROM {schema}.records WHERE key = $1::text AND expires_at > statement_timestamp()), \
-         taken AS (\
-             INSERT INTO {schema}.records AS x (key, fingerprint, state, owner, expires_at, lease_until, \
-                                                response_until) \
-             SELECT $1::text, $3::bytea, 'in_flight', $2::bytea, \
-                    statement_timestamp() + greatest($5::bigint, $4::bigint) * interval '1 ms', \
-                    statement_timestamp() + $6::bigint * interval '1 ms', \
-                    CASE WHEN $5::bigint > $4::bigint THEN statement_timestamp() + $4::bigint * interval '1 ms' END \
-             WHERE NOT EXISTS (SELECT FROM found) \
-             ON CONFLICT (key) DO UPDATE SET \
-                 fingerprint = excluded.fingerprint, state = 'in_flight', owner = excluded.owner, \
-                 expires_at = excluded.expires_at, lease_until = excluded.lease_until, status = NULL, \
-                 headers = NULL, body = NULL, reason = NULL, probe_due = NULL, probe_give_up = NULL, \
-                 scope = NULL, waited = false, response_until = excluded.response_until, completed_at = NULL \
-             WHERE x.expires_at <= statement_timestamp() \
-             RETURNING 1) \
-         SELECT CASE WHEN EXISTS (SELECT FROM taken) THEN {acquired} \
-                     WHEN r.key IS NULL THEN {raced} \
-                     WHEN r.state = 'in_flight' AND r.owner = $2::bytea AND r.lease_until > statement_timestamp() \
+        "SELECT CASE WHEN r.key IS NOT NULL THEN \
+                         CASE WHEN r.state = 'in_flight' AND r.owner = $2::bytea \
+                                   AND r.lease_until > statement_timestamp() THEN {acquired} \
+                              ELSE {existing} END \
+                     WHEN {schema}.take_claim($1::text, $2::bytea, $3::bytea, $4::bigint, $5::bigint, $6::bigint) \
                          THEN {acquired} \
-                     ELSE {existing} END AS code, \
+                     ELSE {raced} END AS code, \
                 r.fingerprint, r.state, r.owner, {schema}.ms(r.lease_until, statement_timestamp()) AS lease_ms, \
                 r.status, r.reason, \
                 r.state = 'completed' AND r.response_until <= statement_timestamp() AS spent, \
@@ -151,7 +139,8 @@ fn claim_plain(schema: &str) -> String {
                 floor(extract(epoch FROM r.completed_at) * 1000)::bigint AS completed_ms, \
                 {schema}.ms(r.probe_due, statement_timestamp()) AS due_ms, \
                 {schema}.ms(r.probe_give_up, statement_timestamp()) AS give_up_ms \
-         FROM (SELECT) AS one LEFT JOIN found AS r ON true",
+         FROM (SELECT) AS one \
+         LEFT JOIN {schema}.records AS r ON r.key = $1::text AND r.expires_at > statement_timestamp()",
         acquired = codes::claim::ACQUIRED,
         raced = codes::claim::RACED,
         existing = codes::claim::EXISTING,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::error::StoreError;
 
 /// The schema version this build creates and reads.
-pub const VERSION: i32 = 3;
+pub const VERSION: i32 = 4;
 
 /// Any 64-bit number the proxies on one database agree on, for the advisory lock that
 /// makes instances starting at once migrate one after another.

@@ -1,4 +1,4 @@
--- The idemproxy record store's schema, version 3 (docs/design.md §22), in the schema
+-- The idemproxy record store's schema, version 4 (docs/design.md §22), in the schema
 -- named by store.schema. `idemproxy store schema --config F` prints this with the
 -- names filled in; with store.migrate = true (the default) each proxy applies it at
 -- start, in one transaction under an advisory lock, so that instances starting at
@@ -214,6 +214,34 @@ BEGIN
     reason := r.reason;
     due_ms := {schema}.ms(r.probe_due, now_);
     give_up_ms := {schema}.ms(r.probe_give_up, now_);
+END $$;
+
+-- Version 4. take_claim: the insert of an unscoped claim, over an expired record,
+-- where no standby is waited for. The plain claim statement (claim_plain in
+-- src/store/postgres.rs) reads the live record and calls this only where there is
+-- none, so that a replay's statement is a read with no insert in its plan (one with a
+-- data-modifying CTE cost a replay half of Postgres's rate on this machine,
+-- docs/performance.md). True when the claimant's record was written; false when
+-- another claim of the key committed first (its record is live: the statement runs
+-- again to read it). Times are the client statement's start, as the statement's are.
+CREATE OR REPLACE FUNCTION {schema}.take_claim(p_key text, p_owner bytea, p_fingerprint bytea,
+                                               p_retention_ms bigint, p_remember_ms bigint,
+                                               p_lease_ms bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO {schema}.records AS x (key, fingerprint, state, owner, expires_at, lease_until, response_until)
+    VALUES (p_key, p_fingerprint, 'in_flight', p_owner,
+            statement_timestamp() + greatest(p_remember_ms, p_retention_ms) * interval '1 ms',
+            statement_timestamp() + p_lease_ms * interval '1 ms',
+            CASE WHEN p_remember_ms > p_retention_ms
+                 THEN statement_timestamp() + p_retention_ms * interval '1 ms' END)
+    ON CONFLICT (key) DO UPDATE SET
+        fingerprint = excluded.fingerprint, state = 'in_flight', owner = excluded.owner,
+        expires_at = excluded.expires_at, lease_until = excluded.lease_until, status = NULL,
+        headers = NULL, body = NULL, reason = NULL, probe_due = NULL, probe_give_up = NULL,
+        scope = NULL, waited = false, response_until = excluded.response_until, completed_at = NULL
+    WHERE x.expires_at <= statement_timestamp();
+    RETURN FOUND;
 END $$;
 
 -- complete: records the response on the claimant's in-flight record while its lease
