@@ -15,8 +15,12 @@ Cases: GET pass-through (idemproxy and nginx), POST with a fresh key every reque
 POST replaying one recorded key. Redis is a redis-server of its own.
 
     bench/instructions.py [--requests 4000] [--connections 16] [--top 0] [--keep]
+                          [--store redis|memory] [--binary PATH]
 
-It builds `cargo build --profile profiling` itself. Needs valgrind, nginx and
+--store memory runs the guarded cases on the memory store instead of Redis. --binary
+measures another build of idemproxy (a copy of an earlier `target/profiling/idemproxy`,
+say), to compare two builds by their counts. It builds `cargo build --profile
+profiling` itself, unless given --binary. Needs valgrind, nginx and
 redis-server (bench/run.sh installs the last two).
 """
 
@@ -159,12 +163,18 @@ def main():
     parser.add_argument("--sealed", action="store_true",
                         help="also POST with 1 KiB and 64 KiB response bodies, on idemproxy in clear and with "
                              "[store.encryption]")
+    parser.add_argument("--store", choices=("redis", "memory"), default="redis",
+                        help="the store of the guarded cases (default redis)")
+    parser.add_argument("--binary", help="an idemproxy build to measure instead of building the profiling one")
     args = parser.parse_args()
     for tool in ("valgrind", "callgrind_control", "redis-server"):
         if not shutil.which(tool):
             sys.exit(f"instructions: {tool} is missing")
-    subprocess.run(["cargo", "build", "--profile", "profiling", "--locked", "--bin", "idemproxy"],
-                   cwd=ROOT, check=True)
+    binary = args.binary or PROFILING
+    if not args.binary:
+        subprocess.run(["cargo", "build", "--profile", "profiling", "--locked", "--bin", "idemproxy"],
+                       cwd=ROOT, check=True)
+    store = 'backend = "memory"' if args.store == "memory" else 'backend = "redis"\nurl = "redis://127.0.0.1:{}/0"'
 
     workdir = tempfile.mkdtemp(prefix="idemproxy-instructions-")
     os.chmod(workdir, 0o755)
@@ -209,8 +219,7 @@ def main():
                 [admin]
                 listen = "127.0.0.1:{ports["admin"]}"
                 [store]
-                backend = "redis"
-                url = "redis://127.0.0.1:{ports["redis"]}/0"
+                {store.format(ports["redis"]).replace(chr(10), chr(10) + " " * 16)}
                 timeout = "30s"
                 [[route]]
                 name = "payments"
@@ -225,7 +234,7 @@ def main():
         bodies += [(f"POST, replay, {size}", "POST", f"/v1/payments/{size.replace(' KiB', 'k')}",
                     f"instructions-replay-{size.replace(' KiB', 'k')}") for size in ("1 KiB", "64 KiB")]
         idemproxy = measure(
-            [PROFILING, "serve", "--config", idemproxy_config("idemproxy")], ports["idemproxy"],
+            [binary, "serve", "--config", idemproxy_config("idemproxy")], ports["idemproxy"],
             [("GET pass-through", "GET", "/v1/payments", None),
              ("POST, fresh key", "POST", "/v1/payments", "fresh"),
              ("POST, replay", "POST", "/v1/payments", "instructions-replay")]
@@ -237,7 +246,7 @@ def main():
             config = idemproxy_config("sealed", 'key_prefix = "sealed"\n')
             with open(config, "a") as f:
                 f.write('\n[store.encryption]\nkey_env = "INSTRUCTIONS_RECORD_KEY"\n')
-            sealed = measure([PROFILING, "serve", "--config", config], ports["idemproxy"], bodies, args, workdir,
+            sealed = measure([binary, "serve", "--config", config], ports["idemproxy"], bodies, args, workdir,
                              "sealed")
     finally:
         for child in reversed(children):

@@ -748,6 +748,21 @@ macro_rules! delegate {
         }
     };
 }
+/// `delegate!` for the two calls of every guarded request, awaited: each engine's own
+/// future is boxed but the memory store's, so that the store's future is the size of
+/// the memory store's (a few hundred bytes), not of the largest engine's (2.7 KB),
+/// where it is moved and boxed on every request.
+macro_rules! delegate_boxed {
+    ($self:ident, $store:ident => $call:expr) => {
+        match &$self.engine {
+            Engine::Memory($store) => $call.await,
+            Engine::Sqlite($store) => Box::pin($call).await,
+            Engine::Redis($store) => Box::pin($call).await,
+            Engine::Postgres($store) => Box::pin($call).await,
+        }
+    };
+}
+
 /// Why a memory store has no records to move.
 const NOT_MOVED: &str = "a memory store lives in its process: it has no records to copy to or from";
 
@@ -923,13 +938,10 @@ impl AnyStore {
 impl RecordStore for AnyStore {
     async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         let (outcome, sent) = match self.sealer() {
-            None => (delegate!(self, store => store.claim(claim).await)?, claim.fingerprint),
+            None => (delegate_boxed!(self, store => store.claim(claim))?, claim.fingerprint),
             Some(sealer) => {
                 let sealed = sealed::sealed_claim(sealer, claim)?;
-                (
-                    delegate!(self, store => store.claim(&sealed).await)?,
-                    sealed.fingerprint,
-                )
+                (delegate_boxed!(self, store => store.claim(&sealed))?, sealed.fingerprint)
             }
         };
         Ok(sealed::opened(
@@ -948,8 +960,8 @@ impl RecordStore for AnyStore {
         response: &StoredResponse,
     ) -> Result<Write, StoreError> {
         match self.seal(key, response)? {
-            None => delegate!(self, store => store.complete(key, owner, response).await),
-            Some(sealed) => delegate!(self, store => store.complete(key, owner, &sealed).await),
+            None => delegate_boxed!(self, store => store.complete(key, owner, response)),
+            Some(sealed) => delegate_boxed!(self, store => store.complete(key, owner, &sealed)),
         }
     }
 
@@ -1066,6 +1078,40 @@ mod tests {
     fn owner_tokens_differ() {
         assert_ne!(OwnerToken::generate(), OwnerToken::generate());
         assert!(OwnerToken::generate().is_ok());
+    }
+
+    /// A guarded request's claim and completion futures are moved and boxed on every
+    /// request: each engine's own future is boxed where it is large (Redis, Postgres,
+    /// SQLite), so that the store's future is the size of the memory store's, not of
+    /// the largest engine's (2.7 KB each, a tenth of the memory store's fresh key in
+    /// perf as moves; docs/performance.md).
+    #[tokio::test]
+    async fn the_stores_claim_and_complete_futures_are_small() {
+        let store = AnyStore::from(MemoryStore::new(16, 1 << 20));
+        let claim = ClaimRequest {
+            key: StoreKey::from_derived("idemproxy:r:{00}".into()),
+            scope: None,
+            client: None,
+            owner: OwnerToken::generate().expect("owner"),
+            fingerprint: Fingerprint([0; 32]),
+            retention: Duration::from_secs(1),
+            remember: Duration::from_secs(1),
+            lease: Duration::from_secs(1),
+            response_limit: 0,
+            probe_key: None,
+        };
+        let response = StoredResponse {
+            status: http::StatusCode::OK,
+            headers: Vec::new(),
+            body: bytes::Bytes::new(),
+            trace: None,
+            replay_until: None,
+        };
+        let sizes = [
+            std::mem::size_of_val(&store.claim(&claim)),
+            std::mem::size_of_val(&store.complete(&claim.key, claim.owner, &response)),
+        ];
+        assert!(sizes.iter().all(|&size| size <= 512), "claim and complete futures of {sizes:?} bytes");
     }
 
     #[test]

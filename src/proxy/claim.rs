@@ -180,9 +180,8 @@ impl Ledger {
             span: span.clone(),
             stage: Stage::Claimed,
         };
-        // Boxed: the stores' claims are kilobytes of state (the largest backend's),
-        // which every guarded request's future would otherwise carry and move.
-        match self.timed(StoreOp::Claim, Box::pin(self.store.claim(request))).await {
+        // Not boxed: the store boxes the large backends' claims itself (`AnyStore`).
+        match self.timed(StoreOp::Claim, self.store.claim(request)).await {
             Ok(ClaimOutcome::Acquired(())) => Ok(ClaimOutcome::Acquired(claim)),
             Ok(ClaimOutcome::Existing(existing)) => {
                 claim.disown();
@@ -321,8 +320,8 @@ impl OwnedClaim {
     /// in the background until the lease ends (after which complete is refused).
     pub(super) async fn complete(mut self, response: StoredResponse) {
         self.stage = Stage::Resolved;
-        // Boxed, as a claim is: the stores' completions are kilobytes of state.
-        let write = Box::pin(self.ledger.store.complete(&self.record, self.owner, &response));
+        // Not boxed, as a claim is not: the store boxes the large backends' own.
+        let write = self.ledger.store.complete(&self.record, self.owner, &response);
         match self.ledger.write(StoreOp::Complete, write).await {
             Ok(Write::Applied) => {}
             Ok(Write::Fenced) => tracing::warn!(
