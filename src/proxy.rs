@@ -327,6 +327,13 @@ impl Proxy {
         self.pass_prepared(route, request).await
     }
 
+    /// `pass`, boxed: for a guarded route's request that goes through unguarded (no key
+    /// on a route that does not require one, a call the route does not guard), so that
+    /// the guarded path's future does not carry the pass-through's state.
+    async fn pass_boxed(&self, route: &RouteState, request: Request<ProxyBody>, client: &ClientInfo) -> Handled {
+        Box::pin(self.pass(route, request, client)).await
+    }
+
     /// `pass` for a request already rewritten for the upstream.
     async fn pass_prepared(&self, route: &RouteState, request: Request<ProxyBody>) -> Handled {
         let (sent, clock, elapsed) = send(route, request, self.shared.spans).await;
@@ -391,7 +398,7 @@ impl Proxy {
                     .read_first(route, request, &client)
                     .await
                     .map_err(|rejection| Err(rejection.into())),
-                Mode::Shadow => self.shadow_read_first(route, request, &client).await,
+                Mode::Shadow => Box::pin(self.shadow_read_first(route, request, &client)).await,
             };
             let read = match read {
                 Ok(read) => read,
@@ -401,11 +408,8 @@ impl Proxy {
                 None => {}
                 Some(Ok(Call::Guarded { id })) => call = id,
                 Some(Ok(Call::Passed)) => {
-                    return (
-                        self.pass(route, Arrival::Read(read).into_request(), &client).await,
-                        None,
-                        None,
-                    );
+                    let request = Arrival::Read(read).into_request();
+                    return (self.pass_boxed(route, request, &client).await, None, None);
                 }
                 Some(Err(error)) => return (Err(Rejection::from(error).into()), None, None),
             }
@@ -421,7 +425,10 @@ impl Proxy {
                 named.call.clone_from(&call);
                 Ok(named)
             }
-            Ok(None) => return (self.pass(route, arrival.into_request(), &client).await, None, call),
+            Ok(None) => {
+                let request = arrival.into_request();
+                return (self.pass_boxed(route, request, &client).await, None, call);
+            }
             Err(rejection) => Err(rejection),
         };
         let record = named.as_ref().ok().map(|named| named.record.short_hash().to_string());

@@ -941,7 +941,10 @@ impl RecordStore for AnyStore {
             None => (delegate_boxed!(self, store => store.claim(claim))?, claim.fingerprint),
             Some(sealer) => {
                 let sealed = sealed::sealed_claim(sealer, claim)?;
-                (delegate_boxed!(self, store => store.claim(&sealed))?, sealed.fingerprint)
+                (
+                    delegate_boxed!(self, store => store.claim(&sealed))?,
+                    sealed.fingerprint,
+                )
             }
         };
         Ok(sealed::opened(
@@ -972,19 +975,19 @@ impl RecordStore for AnyStore {
         reason: UnknownReason,
         schedule: Option<ProbeSchedule>,
     ) -> Result<Write, StoreError> {
-        delegate!(self, store => store.mark_unknown(key, owner, reason, schedule).await)
+        delegate_boxed!(self, store => store.mark_unknown(key, owner, reason, schedule))
     }
 
     async fn release(&self, key: &StoreKey, owner: OwnerToken) -> Result<Write, StoreError> {
-        delegate!(self, store => store.release(key, owner).await)
+        delegate_boxed!(self, store => store.release(key, owner))
     }
 
     async fn purge(&self, key: &StoreKey) -> Result<bool, StoreError> {
-        delegate!(self, store => store.purge(key).await)
+        delegate_boxed!(self, store => store.purge(key))
     }
 
     async fn inspect(&self, key: &StoreKey) -> Result<Option<RecordSummary>, StoreError> {
-        delegate!(self, store => store.inspect(key).await)
+        delegate_boxed!(self, store => store.inspect(key))
     }
 
     async fn response(&self, key: &StoreKey) -> Result<Option<StoredResponse>, StoreError> {
@@ -1002,10 +1005,10 @@ impl RecordStore for AnyStore {
         resolution: &Resolution,
     ) -> Result<Resolved, StoreError> {
         match self.sealer() {
-            None => delegate!(self, store => store.resolve(key, owner, resolution).await),
+            None => delegate_boxed!(self, store => store.resolve(key, owner, resolution)),
             Some(sealer) => {
                 let sealed = sealed::sealed_resolution(sealer, key, resolution)?;
-                delegate!(self, store => store.resolve(key, owner, &sealed).await)
+                delegate_boxed!(self, store => store.resolve(key, owner, &sealed))
             }
         }
     }
@@ -1016,19 +1019,19 @@ impl RecordStore for AnyStore {
         schedule: ProbeSchedule,
         lease: Duration,
     ) -> Result<ProbeStart, StoreError> {
-        delegate!(self, store => store.begin_probe(key, schedule, lease).await)
+        delegate_boxed!(self, store => store.begin_probe(key, schedule, lease))
     }
 
     async fn defer_probe(&self, key: &StoreKey, owner: OwnerToken, every: Duration) -> Result<Deferred, StoreError> {
-        delegate!(self, store => store.defer_probe(key, owner, every).await)
+        delegate_boxed!(self, store => store.defer_probe(key, owner, every))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        delegate!(self, store => store.ping().await)
+        delegate_boxed!(self, store => store.ping())
     }
 
     async fn warm_up(&self) {
-        delegate!(self, store => store.warm_up().await);
+        delegate_boxed!(self, store => store.warm_up());
     }
 
     fn shared_by_instances(&self) -> bool {
@@ -1111,7 +1114,10 @@ mod tests {
             std::mem::size_of_val(&store.claim(&claim)),
             std::mem::size_of_val(&store.complete(&claim.key, claim.owner, &response)),
         ];
-        assert!(sizes.iter().all(|&size| size <= 512), "claim and complete futures of {sizes:?} bytes");
+        assert!(
+            sizes.iter().all(|&size| size <= 512),
+            "claim and complete futures of {sizes:?} bytes"
+        );
     }
 
     #[test]

@@ -79,9 +79,9 @@ impl Proxy {
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
         if streams(guarded.policy.stream, &parts.headers, &body) {
-            return self
-                .stream(guarded, claim, (parts, body), &clock, elapsed, answer)
-                .await;
+            // Boxed: a streamed response's state is kilobytes that every exchange
+            // would otherwise carry and move.
+            return Box::pin(self.stream(guarded, claim, (parts, body), &clock, elapsed, answer)).await;
         }
         let limit = guarded.policy.max_response_body_bytes;
         let share = &mut guarded.share;

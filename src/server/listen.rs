@@ -30,6 +30,28 @@ use super::limits::{self, Activity, Backoff};
 use crate::body::{ClientInfo, ProxyBody};
 use crate::metrics::Metrics;
 
+pin_project_lite::pin_project! {
+    /// A request's response future, counted as in flight until it is ready. Not an
+    /// async block around it: a block holds the future twice (as it was given, and as
+    /// awaited), and hyper moves it whole into each connection's slot.
+    struct Counted<F, G> {
+        #[pin]
+        response: F,
+        in_flight: Option<G>,
+    }
+}
+
+impl<F: Future, G> Future for Counted<F, G> {
+    type Output = F::Output;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
+        let this = self.project();
+        let ready = std::task::ready!(this.response.poll(cx));
+        this.in_flight.take();
+        std::task::Poll::Ready(ready)
+    }
+}
+
 /// How long an idle connection asked to close may take to do so before it is dropped.
 const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// The connections the admin listener holds at once.
@@ -416,11 +438,9 @@ async fn serve_connection<S, F>(
     let watched = activity.clone();
     let service = service_fn(move |request| {
         let in_flight = watched.request();
-        let response = service(request, client.clone());
-        async move {
-            let response = response.await;
-            drop(in_flight);
-            response
+        Counted {
+            response: service(request, client.clone()),
+            in_flight: Some(in_flight),
         }
     });
     let connection = builder.serve_connection(TokioIo::new(stream), service);
