@@ -748,10 +748,10 @@ macro_rules! delegate {
         }
     };
 }
-/// `delegate!` for the two calls of every guarded request, awaited: each engine's own
-/// future is boxed but the memory store's, so that the store's future is the size of
-/// the memory store's (a few hundred bytes), not of the largest engine's (2.7 KB),
-/// where it is moved and boxed on every request.
+/// `delegate!` for the store's calls, awaited: each engine's own future is boxed but
+/// the memory store's, so that the store's future is the size of the memory store's (a
+/// few hundred bytes), not of the largest engine's (2.7 KB), which every future that
+/// awaits a store call would otherwise carry and move.
 macro_rules! delegate_boxed {
     ($self:ident, $store:ident => $call:expr) => {
         match &$self.engine {
@@ -1083,11 +1083,11 @@ mod tests {
         assert!(OwnerToken::generate().is_ok());
     }
 
-    /// A guarded request's claim and completion futures are moved and boxed on every
-    /// request: each engine's own future is boxed where it is large (Redis, Postgres,
-    /// SQLite), so that the store's future is the size of the memory store's, not of
-    /// the largest engine's (2.7 KB each, a tenth of the memory store's fresh key in
-    /// perf as moves; docs/performance.md).
+    /// A guarded request's claim and completion futures are carried and moved by
+    /// every guarded request's future: each engine's own future is boxed where it is
+    /// large (Redis, Postgres, SQLite), so that the store's future is the size of the
+    /// memory store's, not of the largest engine's (2.6 and 2.7 KB before;
+    /// docs/performance.md, "Futures moved per request").
     #[tokio::test]
     async fn the_stores_claim_and_complete_futures_are_small() {
         let store = AnyStore::from(MemoryStore::new(16, 1 << 20));

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use futures_util::FutureExt as _;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -30,26 +31,16 @@ use super::limits::{self, Activity, Backoff};
 use crate::body::{ClientInfo, ProxyBody};
 use crate::metrics::Metrics;
 
-pin_project_lite::pin_project! {
-    /// A request's response future, counted as in flight until it is ready. Not an
-    /// async block around it: a block holds the future twice (as it was given, and as
-    /// awaited), and hyper moves it whole into each connection's slot.
-    struct Counted<F, G> {
-        #[pin]
-        response: F,
-        in_flight: Option<G>,
-    }
-}
-
-impl<F: Future, G> Future for Counted<F, G> {
-    type Output = F::Output;
-
-    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
-        let this = self.project();
-        let ready = std::task::ready!(this.response.poll(cx));
-        this.in_flight.take();
-        std::task::Poll::Ready(ready)
-    }
+/// `response`, with `in_flight` held until it is ready. `map`, not an async block: a
+/// block holds the future twice (as it was given, and as awaited), and hyper moves it
+/// whole into each connection's slot (10,800 bytes against 5,632). In a generic function
+/// because a closure over the concrete response type does not compile (its boxed
+/// error's lifetime is not general enough).
+fn counted<F: Future, G>(response: F, in_flight: G) -> impl Future<Output = F::Output> {
+    response.map(move |ready| {
+        drop(in_flight);
+        ready
+    })
 }
 
 /// How long an idle connection asked to close may take to do so before it is dropped.
@@ -438,10 +429,7 @@ async fn serve_connection<S, F>(
     let watched = activity.clone();
     let service = service_fn(move |request| {
         let in_flight = watched.request();
-        Counted {
-            response: service(request, client.clone()),
-            in_flight: Some(in_flight),
-        }
+        counted(service(request, client.clone()), in_flight)
     });
     let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
