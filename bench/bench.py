@@ -46,12 +46,19 @@ its record as it is beside a `jsonrpc_methods` route replaying it with a new `id
 request, issue 55's held to 0.9x),
 --cases LIST (only these cases, e.g.
 b,c,d,q,r,s,t).
+
+Every run also prints where each case's CPU goes per request (the proxy, the upstream,
+wrk, Redis) and the cores kept busy: on two shared cores a case's rate is about the
+busy cores over that total, so the table says which process holds a case back. Case
+(bf) is nginx proxying the same keyed POSTs as (d) and (u), made by the same wrk
+script; with it among the cases, the keyed POSTs are also compared with it.
 """
 
 import argparse
 import base64
 import math
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -70,6 +77,7 @@ BODY = '{"id":"pay_123","status":"succeeded","amount":1000,"currency":"eur"}'
 CASES = [
     ("a", "upstream directly", "upstream", "get.lua", "/v1/payments"),
     ("b", "nginx proxy", "nginx", "get.lua", "/v1/payments"),
+    ("bf", "nginx proxy, POST with a fresh key", "nginx", "fresh.lua", "/v1/payments"),
     ("c", "idemproxy GET pass-through", "idemproxy", "get.lua", "/v1/payments"),
     ("d", "idemproxy POST, fresh key", "idemproxy", "fresh.lua", "/v1/payments"),
     ("e", "idemproxy POST, replay", "idemproxy", "replay.lua", "/v1/payments"),
@@ -86,6 +94,11 @@ CASES = [
 
 # The baseline each case is compared with: nginx with the same body, or over HTTP/2.
 BASELINE = {"i": "i", "j": "i", "k": "i", "l": "l", "o": "l", "p": "l", "m": "m", "n": "m"}
+
+# With (bf) among the cases: the keyed POSTs beside nginx proxying the same requests,
+# made by the same wrk script (its Lua and the POST's body cost wrk and the upstream
+# more than (b)'s GETs do).
+SAME_POSTS = {"f": "bf", "d": "bf", "u": "bf", "w": "bf", "af": "bf", "pf": "bf"}
 
 # With --cluster: the same guarded cases on an idemproxy whose store is a Redis Cluster.
 CLUSTER_CASES = [
@@ -480,7 +493,24 @@ class RssSampler:
         return self.peak
 
 
+def tree_cpu_seconds(pid):
+    """CPU time of process `pid` and of its children (nginx's master and workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(kid) for kid in f.read().split()]
+    except OSError:
+        kids = []
+    return cpu_seconds(pid) + sum(tree_cpu_seconds(kid) for kid in kids)
+
+
+def children_cpu_seconds():
+    """CPU time of the children this program has waited for (wrk's, around its run)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_wrk(port, script, path, connections, duration):
+    wrk_before = children_cpu_seconds()
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", script,
          f"http://127.0.0.1:{port}{path}", "--", os.urandom(8).hex()],
@@ -496,6 +526,7 @@ def run_wrk(port, script, path, connections, duration):
                 "p99_ms": p99 / 1000,
                 "non2xx": status,
                 "socket_errors": connect + rw + timeout,
+                "client_cpu": children_cpu_seconds() - wrk_before,
             }
     sys.exit(f"bench: wrk printed no result:\n{out.stdout}\n{out.stderr}")
 
@@ -637,6 +668,7 @@ def main():
                 return 200;
               }}
             }}"""), workers=1))
+        nginx_pids = {"upstream": children[-1].pid}
         children.append(start_nginx(workdir, "proxy", textwrap.dedent(f"""
             upstream backend {{
               server 127.0.0.1:{ports["upstream"]};
@@ -658,6 +690,7 @@ def main():
                 proxy_set_header Connection "";
               }}
             }}"""), workers=2))
+        nginx_pids["nginx"] = nginx_pids["nginx-h2"] = children[-1].pid
         for name in ("redis", "upstream", "nginx", "nginx-h2"):
             wait_port(ports[name], what=name)
 
@@ -820,7 +853,9 @@ def main():
                     commits_before = commits(ports, target)
                     fsyncs = FsyncCounter(proxies["sqlite"].pid) if target == "sqlite" and args.stores else None
                     pg_before = postgres.counters() if target in ("postgres", "pgbench") else None
-                    proxy_cpu_before = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid)
+                    proxy_pid = nginx_pids.get(target) or proxies.get(target, proxies["idemproxy"]).pid
+                    proxy_cpu_before = tree_cpu_seconds(proxy_pid)
+                    upstream_cpu_before = tree_cpu_seconds(nginx_pids["upstream"])
                     writer_before = thread_cpu_seconds(proxies[target].pid, WRITER) if target == "sqlite" else 0
                     syncer_before = thread_cpu_seconds(proxies[target].pid, SYNCER) if target == "sqlite" else 0
                     dropped_before = dropped(ports, target)
@@ -840,7 +875,8 @@ def main():
                     run["rss_mib"] = sampler.stop() / 1024
                     run["commits"] = [after - first for after, first in zip(commits(ports, target), commits_before)]
                     run["fsyncs"] = fsyncs.stop() if fsyncs else 0
-                    run["proxy_cpu"] = cpu_seconds(proxies.get(target, proxies["idemproxy"]).pid) - proxy_cpu_before
+                    run["proxy_cpu"] = tree_cpu_seconds(proxy_pid) - proxy_cpu_before
+                    run["upstream_cpu"] = tree_cpu_seconds(nginx_pids["upstream"]) - upstream_cpu_before
                     run["dropped"] = dropped(ports, target) - dropped_before
                     run["disk_bytes"] = written_bytes(writers_to_disk.get(target)) - disk_before
                     run["writer_cpu"] = (thread_cpu_seconds(proxies[target].pid, WRITER) - writer_before
@@ -1067,6 +1103,35 @@ def ratio_table(results, connection_counts, cases, against, kind, plain_name):
                   f"{median(runs, 'p99_ms') / median(plain, 'p99_ms'):.2f}x |")
 
 
+def cpu_table(results, connection_counts, cases):
+    """Where each case's CPU goes, per request: the proxy (idemproxy, or nginx's master
+    and workers), the upstream nginx, wrk and Redis. On two cores that every process
+    shares, a case's rate is about the cores kept busy over the total; so the total
+    beside nginx's says how far a case can get from nginx's rate, and which process
+    holds it back."""
+    print()
+    print("| case | conns | proxy CPU µs/req | upstream µs/req | wrk µs/req | Redis µs/req | "
+          "total µs/req | total vs nginx | cores busy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for connections in connection_counts:
+        totals = {}
+        for case, label, target, script, _ in cases:
+            runs = results[(case, connections)]
+            if script == "h2" or target == "pgbench":
+                continue
+            requests = sum(run["requests"] for run in runs)
+            per = {name: sum(run.get(name, 0) for run in runs) / requests * 1e6
+                   for name in ("proxy_cpu", "upstream_cpu", "client_cpu", "redis_cpu")}
+            total = sum(per.values())
+            totals[case] = total
+            baseline = totals.get(BASELINE.get(case, "b"))
+            seconds = sum(run["seconds"] for run in runs)
+            print(f"| ({case}) {label} | {connections} | {per['proxy_cpu']:.1f} | {per['upstream_cpu']:.1f} | "
+                  f"{per['client_cpu']:.1f} | {per['redis_cpu']:.1f} | {total:.1f} | "
+                  f"{number(total / baseline if baseline else math.nan, '.2f', 'x')} | "
+                  f"{total * requests / seconds / 1e6:.2f} |")
+
+
 def print_table(results, connection_counts, args, cases):
     print()
     print(f"idemproxy vs nginx on loopback: {os.cpu_count()} cores, wrk -t1, {args.duration}s per case, "
@@ -1098,6 +1163,9 @@ def print_table(results, connection_counts, args, cases):
             print(f"| ({case}) {label} | {connections} | {rps:,.0f} | {number(p50, '.2f')} | "
                   f"{number(p99, '.2f')} | {rps / base_rps:.2f}x | {number(p99_ratio, '.2f', 'x')} | {non2xx} | "
                   f"{trips} | {commands} | {cpu} | {rss} |")
+    cpu_table(results, connection_counts, cases)
+    if any(case[0] == "bf" for case in cases):
+        ratio_table(results, connection_counts, cases, SAME_POSTS, "keyed POST", "nginx, same POSTs")
     ratio_table(results, connection_counts, cases, UNTRACED, "traced", "untraced")
     ratio_table(results, connection_counts, cases, UNSEALED, "sealed", "in clear")
     ratio_table(results, connection_counts, cases, IN_HEADER, "key in the body", "key in the header")
