@@ -80,6 +80,18 @@ fn response(body: &'static str) -> StoredResponse {
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// Claims `key` with a new owner and completes it with `body`: a completed record.
+/// Returns the owner.
+async fn completed<S: RecordStore>(store: &S, key: &StoreKey, body: &'static str) -> OwnerToken {
+    let owner = new_owner();
+    store.claim(&claim(key, owner, LONG)).await.expect("claim");
+    assert_eq!(
+        store.complete(key, owner, &response(body)).await.expect("complete"),
+        Write::Applied
+    );
+    owner
+}
+
 async fn state_of<S: RecordStore>(store: &S, key: &StoreKey) -> RecordState {
     match store.claim(&claim(key, new_owner(), LONG)).await.expect("claim") {
         ClaimOutcome::Existing(existing) => existing.state,
@@ -483,9 +495,7 @@ async fn an_operator_frees_only_an_unknown_record_and_purges_any<S: RecordStore>
     assert!(matches!(state_of(store, &live).await, RecordState::InFlight { .. }));
 
     let done = key("op-done");
-    let owner = new_owner();
-    store.claim(&claim(&done, owner, LONG)).await.expect("claim");
-    store.complete(&done, owner, &response("x")).await.expect("complete");
+    let owner = completed(store, &done, "x").await;
     assert_eq!(
         store
             .resolve(&done, Some(owner), &Resolution::NotApplied)
@@ -2167,14 +2177,8 @@ async fn a_sqlite_files_state_check_still_holds_every_other_connection() {
     let path = dir.path().join("records.db");
     let store = sqlite_store(&path, StoreLimits::unbounded(100));
     let (done, held) = (key("checked-done"), key("checked-held"));
-    let owner = new_owner();
-    store.claim(&claim(&done, owner, LONG)).await.expect("claim");
-    assert_eq!(
-        store.complete(&done, owner, &response("kept")).await.expect("complete"),
-        Write::Applied
-    );
-    let held_owner = new_owner();
-    store.claim(&claim(&held, held_owner, LONG)).await.expect("claim");
+    completed(&store, &done, "kept").await;
+    store.claim(&claim(&held, new_owner(), LONG)).await.expect("claim");
 
     let other = rusqlite::Connection::open(&path).expect("open the file beside the store");
     other.busy_timeout(Duration::from_secs(5)).expect("busy timeout");
@@ -2198,12 +2202,7 @@ async fn a_sqlite_store_keeps_its_records_when_it_is_reopened() {
     let path = dir.path().join("records.db");
     let store = sqlite_store(&path, StoreLimits::unbounded(100));
     let (done, held, unknown) = (key("reopen-done"), key("reopen-held"), key("reopen-unknown"));
-    let owner = new_owner();
-    store.claim(&claim(&done, owner, LONG)).await.expect("claim");
-    assert_eq!(
-        store.complete(&done, owner, &response("kept")).await.expect("complete"),
-        Write::Applied
-    );
+    completed(&store, &done, "kept").await;
     let held_owner = new_owner();
     store
         .claim(&claim(&held, held_owner, Duration::from_millis(400)))
@@ -2823,9 +2822,7 @@ async fn a_full_disk_refuses_claims_keeps_replays_and_recovers_by_itself() {
     let disk = support::disk::SmallDisk::mount(8 << 20);
     let store = sqlite_store(&disk.path().join("records.db"), StoreLimits::unbounded(100_000));
     let kept = key("disk-kept");
-    let owner = new_owner();
-    store.claim(&claim(&kept, owner, LONG)).await.expect("claim");
-    store.complete(&kept, owner, &response("kept")).await.expect("complete");
+    completed(&store, &kept, "kept").await;
     disk.fill();
     let mut refused = None;
     for n in 0..10_000 {
