@@ -3,6 +3,7 @@
 //! read as far as it may be recorded, and one streamed on with a deadline. Nothing here
 //! decides what to record or where to send.
 
+use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -156,7 +157,7 @@ pub(crate) async fn read_request_body(
 /// the rest still to stream (shadow mode forwards it; enforce mode refuses it).
 pub(crate) enum Peeked {
     Whole(Bytes),
-    Partial { head: Bytes, rest: Incoming, cut: Cut },
+    Partial { head: Vec<Bytes>, rest: Incoming, cut: Cut },
 }
 
 /// Why a body was not read whole.
@@ -204,17 +205,14 @@ pub(crate) async fn peek_request_body(
     };
     if let Some(cut) = refused {
         return Ok(Peeked::Partial {
-            head: Bytes::new(),
+            head: Vec::new(),
             rest: body,
             cut,
         });
     }
-    // A body that comes in one frame (the common case) is kept as it came, uncopied;
-    // one in several is joined into one allocation of its declared length.
-    let mut first: Option<Bytes> = None;
-    let mut joined = BytesMut::new();
+    // A body that comes in one frame (the common case) is kept as it came, uncopied.
+    let mut gathered = Gathered::new(declared);
     let mut read: u64 = 0;
-    let head = |first: Option<Bytes>, joined: BytesMut| first.unwrap_or_else(|| joined.freeze());
     let deadline = tokio::time::sleep(limits.timeout);
     tokio::pin!(deadline);
     loop {
@@ -222,14 +220,14 @@ pub(crate) async fn peek_request_body(
         let frame = tokio::select! {
             frame = body.frame() => frame,
             () = &mut deadline => {
-                return Ok(Peeked::Partial { head: head(first, joined), rest: body, cut: Cut::TooSlow });
+                return Ok(Peeked::Partial { head: gathered.into_frames(), rest: body, cut: Cut::TooSlow });
             }
             () = tokio::time::sleep(limits.idle) => {
-                return Ok(Peeked::Partial { head: head(first, joined), rest: body, cut: Cut::Idle });
+                return Ok(Peeked::Partial { head: gathered.into_frames(), rest: body, cut: Cut::Idle });
             }
         };
         let Some(frame) = frame else {
-            return Ok(Peeked::Whole(head(first, joined)));
+            return Ok(Peeked::Whole(gathered.into_bytes()));
         };
         let frame = frame.map_err(|error| Rejection::BodyIncomplete(error.into()))?;
         let Ok(data) = frame.into_data() else {
@@ -240,25 +238,119 @@ pub(crate) async fn peek_request_body(
         let past = (read + length).saturating_sub(up_front.max(read));
         read += length;
         let over_budget = read <= max && past > 0 && !reserve(past);
-        match first.take() {
-            None if joined.is_empty() => first = Some(data),
-            earlier => {
-                if let Some(earlier) = earlier {
-                    let length = declared.and_then(|length| usize::try_from(length).ok());
-                    joined.reserve(length.unwrap_or(earlier.len() + data.len()));
-                    joined.extend_from_slice(&earlier);
-                }
-                joined.extend_from_slice(&data);
-            }
-        }
+        gathered.push(data);
         if read > max || over_budget {
             let cut = if read > max { Cut::TooLarge } else { Cut::OverBudget };
             return Ok(Peeked::Partial {
-                head: head(first, joined),
+                head: gathered.into_frames(),
                 rest: body,
                 cut,
             });
         }
+    }
+}
+
+/// A body's frames gathered so that what a buffered body holds in memory is about the
+/// length the byte budget took for it. A body of one frame is kept as it came. From the
+/// second frame on, the frames are copied: a body of a declared length into one
+/// allocation of that length, one without into segments that grow with the body to at
+/// most `SEGMENT` bytes each, joined into one allocation of exactly its length when asked
+/// for. Never into a buffer grown by doubling, which holds up to twice the length and
+/// frees the smaller buffers it outgrew on the way; and never by keeping every frame,
+/// which a client sending one-byte chunks would make cost many times their bytes.
+struct Gathered {
+    declared: Option<usize>,
+    first: Option<Bytes>,
+    segments: Vec<BytesMut>,
+    /// The bytes in `segments`.
+    copied: usize,
+}
+
+/// The largest segment a body without a declared length is copied into.
+const SEGMENT: usize = 64 * 1024;
+
+impl Gathered {
+    fn new(declared: Option<u64>) -> Gathered {
+        Gathered {
+            declared: declared.and_then(|length| usize::try_from(length).ok()),
+            first: None,
+            segments: Vec::new(),
+            copied: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(self.copied, Bytes::len)
+    }
+
+    fn push(&mut self, data: Bytes) {
+        if self.first.is_none() && self.segments.is_empty() {
+            self.first = Some(data);
+            return;
+        }
+        if let Some(first) = self.first.take() {
+            self.copy_in(&first);
+        }
+        self.copy_in(&data);
+    }
+
+    fn copy_in(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let room = self
+                .segments
+                .last()
+                .map_or(0, |segment| segment.capacity() - segment.len());
+            if room == 0 {
+                let size = match self.declared {
+                    Some(declared) if declared > self.copied => declared - self.copied,
+                    _ => (self.copied + data.len()).clamp(4096, SEGMENT),
+                };
+                self.segments.push(BytesMut::with_capacity(size));
+                continue;
+            }
+            let (now, later) = data.split_at(room.min(data.len()));
+            if let Some(segment) = self.segments.last_mut() {
+                segment.extend_from_slice(now);
+            }
+            self.copied += now.len();
+            data = later;
+        }
+    }
+
+    /// What was read, uncopied, for a body cut off and streamed on (or dropped).
+    fn into_frames(mut self) -> Vec<Bytes> {
+        match self.first.take() {
+            Some(first) => vec![first],
+            None => self.segments.into_iter().map(BytesMut::freeze).collect(),
+        }
+    }
+
+    /// The body, a single frame as it came: it may hold the rest of the buffer it was
+    /// read into, so this is for a body held only while its request is served.
+    fn into_bytes(mut self) -> Bytes {
+        match (self.first.take(), self.segments.len()) {
+            (Some(first), _) => first,
+            (None, 1) => self.segments.pop().unwrap_or_default().freeze(),
+            (None, _) => self.into_owned(),
+        }
+    }
+
+    /// The body in an allocation of exactly its length and of its own, for a record,
+    /// which keeps it for the whole retention.
+    fn into_owned(mut self) -> Bytes {
+        if let Some(first) = self.first.take() {
+            return Bytes::copy_from_slice(&first);
+        }
+        if let [segment] = self.segments.as_slice()
+            && segment.capacity() == segment.len()
+        {
+            return self.segments.pop().unwrap_or_default().freeze();
+        }
+        let mut owned = BytesMut::with_capacity(self.copied);
+        for segment in &self.segments {
+            owned.extend_from_slice(segment);
+        }
+        owned.freeze()
     }
 }
 
@@ -269,7 +361,7 @@ pub(crate) enum Buffered {
     /// The limit was passed, or the byte budget could not hold more: what was read so
     /// far, and the rest, still to stream.
     Cut {
-        head: Bytes,
+        head: Vec<Bytes>,
         rest: Incoming,
         over_budget: bool,
     },
@@ -290,35 +382,32 @@ pub(crate) async fn buffer_response(
         && !reserve(length)
     {
         return Ok(Buffered::Cut {
-            head: Bytes::new(),
+            head: Vec::new(),
             rest: body,
             over_budget: true,
         });
     }
     let read = async {
-        // Sized from Content-Length when the upstream sent one, so a body is read into
-        // one allocation of its own size.
-        let expected = body.size_hint().exact().unwrap_or(0).min(limit.saturating_add(1));
-        let mut collected = BytesMut::with_capacity(usize::try_from(expected).unwrap_or(0));
+        let mut gathered = Gathered::new(declared);
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|error| UpstreamError::Failed(error.into()))?;
             if let Ok(data) = frame.into_data() {
                 let over_budget = declared.is_none() && !reserve(data.len() as u64);
-                collected.extend_from_slice(&data);
-                if collected.len() as u64 > limit || over_budget {
-                    return Ok((collected.freeze(), Some(over_budget)));
+                gathered.push(data);
+                if gathered.len() as u64 > limit || over_budget {
+                    return Ok(Err((gathered.into_frames(), over_budget)));
                 }
             }
         }
-        Ok::<_, UpstreamError>((exact(collected), None))
+        Ok::<_, UpstreamError>(Ok(gathered.into_owned()))
     };
     // `read` borrows `body`; the borrow ends with this statement.
     let outcome = tokio::time::timeout_at(deadline, read).await;
     match outcome {
         Err(_) => Err(UpstreamError::Timeout(timeout)),
         Ok(Err(error)) => Err(error),
-        Ok(Ok((whole, None))) => Ok(Buffered::Whole(whole)),
-        Ok(Ok((head, Some(over_budget)))) => Ok(Buffered::Cut {
+        Ok(Ok(Ok(whole))) => Ok(Buffered::Whole(whole)),
+        Ok(Ok(Err((head, over_budget)))) => Ok(Buffered::Cut {
             head,
             rest: body,
             over_budget,
@@ -326,29 +415,19 @@ pub(crate) async fn buffer_response(
     }
 }
 
-/// `bytes` in an allocation of exactly its length: a record keeps its body for the whole
-/// retention, and a buffer that grew by doubling would keep up to twice its size.
-fn exact(bytes: BytesMut) -> Bytes {
-    if bytes.capacity() == bytes.len() {
-        bytes.freeze()
-    } else {
-        Bytes::copy_from_slice(&bytes)
-    }
-}
-
-/// A streamed response body: an optional head already read, then the rest, cut off
-/// with an error if `deadline` passes first.
+/// A streamed body: what was already read of it (its head, in the frames it was read
+/// in), then the rest, cut off with an error if `deadline` passes first.
 pub(crate) struct StreamedBody {
-    head: Option<Bytes>,
+    head: VecDeque<Bytes>,
     rest: Incoming,
     deadline: Pin<Box<Sleep>>,
     timeout: Duration,
 }
 
 impl StreamedBody {
-    pub(crate) fn new(head: Option<Bytes>, rest: Incoming, deadline: Instant, timeout: Duration) -> StreamedBody {
+    pub(crate) fn new(head: Vec<Bytes>, rest: Incoming, deadline: Instant, timeout: Duration) -> StreamedBody {
         StreamedBody {
-            head,
+            head: head.into(),
             rest,
             deadline: Box::pin(tokio::time::sleep_until(deadline)),
             timeout,
@@ -361,7 +440,7 @@ impl Body for StreamedBody {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(head) = self.head.take() {
+        if let Some(head) = self.head.pop_front() {
             return Poll::Ready(Some(Ok(Frame::data(head))));
         }
         if let Poll::Ready(frame) = Pin::new(&mut self.rest).poll_frame(cx) {
@@ -374,17 +453,96 @@ impl Body for StreamedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.head.is_none() && self.rest.is_end_stream()
+        self.head.is_empty() && self.rest.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
         let rest = self.rest.size_hint();
-        let head = self.head.as_ref().map_or(0, |head| head.len() as u64);
+        let head = self.head.iter().map(|frame| frame.len() as u64).sum::<u64>();
         let mut hint = SizeHint::new();
         if let Some(upper) = rest.upper() {
             hint.set_upper(upper + head);
         }
         hint.set_lower(rest.lower() + head);
         hint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(sizes: &[usize]) -> Vec<Bytes> {
+        let mut next = 0u8;
+        sizes
+            .iter()
+            .map(|size| {
+                let frame: Vec<u8> = (0..*size)
+                    .map(|_| {
+                        next = next.wrapping_add(7);
+                        next
+                    })
+                    .collect();
+                Bytes::from(frame)
+            })
+            .collect()
+    }
+
+    fn gather(declared: Option<u64>, frames: &[Bytes]) -> Gathered {
+        let mut gathered = Gathered::new(declared);
+        for frame in frames {
+            gathered.push(frame.clone());
+        }
+        gathered
+    }
+
+    fn allocated(gathered: &Gathered) -> usize {
+        gathered.segments.iter().map(BytesMut::capacity).sum()
+    }
+
+    #[test]
+    fn a_body_without_a_declared_length_holds_about_its_length_however_it_is_framed() {
+        for sizes in [vec![65_536; 16], vec![1; 100_000], vec![3, 70_000, 1, 200_000, 5, 17]] {
+            let frames = frames(&sizes);
+            let whole: Vec<u8> = frames.iter().flat_map(|frame| frame.iter().copied()).collect();
+            let gathered = gather(None, &frames);
+            assert_eq!(gathered.len(), whole.len());
+            // A buffer grown by doubling would hold up to twice the length.
+            assert!(
+                allocated(&gathered) <= whole.len() + SEGMENT,
+                "{} bytes allocated for {}",
+                allocated(&gathered),
+                whole.len()
+            );
+            let head: Vec<u8> = gather(None, &frames).into_frames().concat();
+            assert_eq!(head, whole);
+            assert_eq!(gathered.into_owned(), whole);
+        }
+    }
+
+    #[test]
+    fn a_body_of_a_declared_length_is_copied_once_into_one_allocation_of_it() {
+        let frames = frames(&[10, 5_000, 100_000, 1]);
+        let length: usize = frames.iter().map(Bytes::len).sum();
+        let gathered = gather(Some(length as u64), &frames);
+        assert_eq!((gathered.segments.len(), allocated(&gathered)), (1, length));
+        let at = gathered.segments[0].as_ptr();
+        let owned = gathered.into_owned();
+        assert_eq!(owned.as_ptr(), at, "copied again");
+        assert_eq!(owned, frames.concat());
+    }
+
+    #[test]
+    fn a_body_of_one_frame_is_kept_as_it_came_and_a_record_gets_its_own_copy() {
+        for declared in [None, Some(4_096)] {
+            let frame = frames(&[4_096]).remove(0);
+            assert_eq!(
+                gather(declared, std::slice::from_ref(&frame)).into_bytes().as_ptr(),
+                frame.as_ptr()
+            );
+            let owned = gather(declared, std::slice::from_ref(&frame)).into_owned();
+            assert_ne!(owned.as_ptr(), frame.as_ptr());
+            assert_eq!(owned, frame);
+        }
     }
 }

@@ -349,7 +349,7 @@ impl Proxy {
         })?;
         let (mut parts, body) = response.into_parts();
         upstream::strip_hop_by_hop(&mut parts.headers);
-        let body = StreamedBody::new(None, body, clock.deadline, clock.timeout).boxed_unsync();
+        let body = StreamedBody::new(Vec::new(), body, clock.deadline, clock.timeout).boxed_unsync();
         Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed))
     }
 

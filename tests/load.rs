@@ -157,10 +157,13 @@ async fn past_the_byte_budget_large_bodies_get_503_and_small_requests_still_pass
         "rss: {before} KiB before, {held_rss} KiB with 12 MB of bodies held, peak {peak} KiB (budget {} KiB)",
         16 * 1024
     );
-    // The budget plus what 40 connections and their requests cost besides their bodies.
+    // The budget plus what 40 connections and their requests cost besides their bodies:
+    // 64 KiB of read buffer each, the copy a chunked body is joined into, the allocator's
+    // free pages. Measured 18-26 MiB over `before` (docs/performance.md, "A buffered
+    // body's memory"); 32-41 MiB while a chunked body grew by doubling.
     assert!(
-        peak < before + 16 * 1024 + 24 * 1024,
-        "peak RSS {peak} KiB passed {before} KiB + the 16 MiB budget + 24 MiB"
+        peak < before + 16 * 1024 + 20 * 1024,
+        "peak RSS {peak} KiB passed {before} KiB + the 16 MiB budget + 20 MiB"
     );
     until_metric(proxy.admin, "idemproxy_buffered_bytes", 0.0).await;
 }

@@ -106,7 +106,7 @@ impl Proxy {
                 over_budget,
             }) => {
                 self.unrecordable(guarded, claim, parts.status, over_budget).await;
-                StreamedBody::new(Some(head), rest, clock.deadline, clock.timeout).boxed_unsync()
+                StreamedBody::new(head, rest, clock.deadline, clock.timeout).boxed_unsync()
             }
         };
         let _ = answer.send(Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed)));
@@ -133,7 +133,7 @@ impl Proxy {
         let passed = |parts, body| Ok(Answer::forwarded(Response::from_parts(parts, body), elapsed));
         if idempotency::recording_for(status, policy.on_server_error, policy.on_unauthorized) == Recording::Release {
             claim.release().await;
-            let body = StreamedBody::new(None, body, clock.deadline, clock.timeout).boxed_unsync();
+            let body = StreamedBody::new(Vec::new(), body, clock.deadline, clock.timeout).boxed_unsync();
             let _ = answer.send(passed(parts, body));
             return;
         }
@@ -170,7 +170,7 @@ impl Proxy {
                     stream::Refused::TooLarge(chunk) => (chunk, false),
                     stream::Refused::OverBudget(chunk) => (chunk, true),
                 };
-                recording.hand_on(StreamedBody::new(Some(chunk), body, clock.deadline, clock.timeout));
+                recording.hand_on(StreamedBody::new(vec![chunk], body, clock.deadline, clock.timeout));
                 self.unrecordable(guarded, claim, status, over_budget).await;
             }
             Err(broken) => {

@@ -71,7 +71,7 @@ impl Proxy {
         parts
             .headers
             .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-        let body = StreamedBody::new(None, body, clock.deadline, clock.timeout).boxed_unsync();
+        let body = StreamedBody::new(Vec::new(), body, clock.deadline, clock.timeout).boxed_unsync();
         Ok(Answer {
             response: Response::from_parts(parts, body),
             outcome: Outcome::Replayed,

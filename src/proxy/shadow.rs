@@ -113,12 +113,12 @@ impl Proxy {
         &self,
         route: &RouteState,
         parts: http::request::Parts,
-        head: bytes::Bytes,
+        head: Vec<bytes::Bytes>,
         rest: Incoming,
         client: &ClientInfo,
     ) -> Handled {
         let timeout = route.config.upstream_timeout;
-        let body = StreamedBody::new(Some(head), rest, Instant::now() + timeout, timeout);
+        let body = StreamedBody::new(head, rest, Instant::now() + timeout, timeout);
         let request = Request::from_parts(parts, body.boxed_unsync());
         self.unguarded(route, Would::Rejected, request, client).await
     }
