@@ -48,9 +48,9 @@ request, issue 55's held to 0.9x),
 b,c,d,q,r,s,t).
 
 Every run also prints where each case's CPU goes per request (the proxy, the upstream,
-wrk, Redis) and the cores kept busy: on two shared cores a case's rate is about the
-busy cores over that total, so the table says which process holds a case back. Case
-(bf) is nginx proxying the same keyed POSTs as (d) and (u), made by the same wrk
+wrk, Redis or Postgres) and the cores kept busy: on two shared cores a case's rate is
+about the busy cores over that total, so the table says which process holds a case back.
+Case (bf) is nginx proxying the same keyed POSTs as (d) and (u), made by the same wrk
 script; with it among the cases, the keyed POSTs are also compared with it.
 """
 
@@ -1105,12 +1105,13 @@ def ratio_table(results, connection_counts, cases, against, kind, plain_name):
 
 def cpu_table(results, connection_counts, cases):
     """Where each case's CPU goes, per request: the proxy (idemproxy, or nginx's master
-    and workers), the upstream nginx, wrk and Redis. On two cores that every process
+    and workers), the upstream nginx, wrk and the store's server (Redis, or Postgres:
+    every server process). On two cores that every process
     shares, a case's rate is about the cores kept busy over the total; so the total
     beside nginx's says how far a case can get from nginx's rate, and which process
     holds it back."""
     print()
-    print("| case | conns | proxy CPU µs/req | upstream µs/req | wrk µs/req | Redis µs/req | "
+    print("| case | conns | proxy CPU µs/req | upstream µs/req | wrk µs/req | Redis or Postgres µs/req | "
           "total µs/req | total vs nginx | cores busy |")
     print("|---|---|---|---|---|---|---|---|---|")
     for connections in connection_counts:
@@ -1121,13 +1122,13 @@ def cpu_table(results, connection_counts, cases):
                 continue
             requests = sum(run["requests"] for run in runs)
             per = {name: sum(run.get(name, 0) for run in runs) / requests * 1e6
-                   for name in ("proxy_cpu", "upstream_cpu", "client_cpu", "redis_cpu")}
+                   for name in ("proxy_cpu", "upstream_cpu", "client_cpu", "redis_cpu", "pg_cpu")}
             total = sum(per.values())
             totals[case] = total
             baseline = totals.get(BASELINE.get(case, "b"))
             seconds = sum(run["seconds"] for run in runs)
             print(f"| ({case}) {label} | {connections} | {per['proxy_cpu']:.1f} | {per['upstream_cpu']:.1f} | "
-                  f"{per['client_cpu']:.1f} | {per['redis_cpu']:.1f} | {total:.1f} | "
+                  f"{per['client_cpu']:.1f} | {per['redis_cpu'] + per['pg_cpu']:.1f} | {total:.1f} | "
                   f"{number(total / baseline if baseline else math.nan, '.2f', 'x')} | "
                   f"{total * requests / seconds / 1e6:.2f} |")
 
